@@ -1,0 +1,255 @@
+"""Run configuration: typed dataclasses, filled from defaults, then a TOML file, then command-line flags.
+
+A TOML file has one table per section::
+
+    [model]
+    n_layer = 4
+    d_model = 128
+
+    [train]
+    steps = 50
+    batch_size = 16
+
+    [launch]
+    nproc = 2
+
+Every field is also a flag spelled with dashes (``--n-layer``, ``--batch-size``, ``--nproc``); the same name
+is used in the file, the flag, the docs and ``metrics.jsonl``. An unknown key or flag is refused with the
+nearest valid name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fourfold.launch import DEFAULT_TIMEOUT_S
+from fourfold.models.gpt import GPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Config", "LaunchConfig", "TrainConfig", "add_flags", "load", "parse_args", "without_section_flags"]
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: steps, global batch, optimiser, layout, outputs."""
+
+    steps: int = field(default=20, metadata=_help("optimiser steps to run"))
+    batch_size: int = field(default=16, metadata=_help(
+        "global batch: sequences per optimiser step, summed over data-parallel ranks"))
+    seed: int = field(default=0, metadata=_help("seed for the initial weights and the batch order"))
+    dtype: Literal["float32", "float64"] = field(default="float32", metadata=_help(
+        "parameter and activation dtype (float64 for exact comparisons)"))
+    lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    dp: int | None = field(default=None, metadata=_help(
+        "data-parallel size (default: the world size divided by tp*pp)"))
+    tp: int = field(default=1, metadata=_help("tensor-parallel size"))
+    pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
+        "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
+    timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
+        "seconds any collective or send/recv may wait before the run fails with a named error"))
+    data: str | None = field(default=None, metadata=_help(
+        "a text file to train on (default: the built-in corpus, the Python standard library's source)"))
+    out: str = field(default="runs/train", metadata=_help(
+        "output directory: metrics.jsonl, trace.json, trace-rank*.jsonl, model.pt"))
+    overwrite: bool = field(default=False, metadata=_help(
+        "replace the outputs of an earlier run in OUT (refused otherwise, so no run is lost)"))
+    trace: bool = field(default=True, metadata=_help("record per-rank spans and write trace.json"))
+    save: bool = field(default=True, metadata=_help("save the final weights to OUT/model.pt"))
+    progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+        if self.dp is not None and self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got lr={self.lr}.")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got timeout={self.timeout}.")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How many processes, on how many machines (passed to torchrun's launcher)."""
+
+    nproc: int = field(default=1, metadata=_help("processes to start on this machine (through torchrun)"))
+    nnodes: int = field(default=1, metadata=_help("machines taking part"))
+    node_rank: int = field(default=0, metadata=_help("this machine's index, 0..nnodes-1"))
+    rdzv_endpoint: str | None = field(default=None, metadata=_help(
+        "host:port of the rendezvous, required when nnodes > 1"))
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1:
+            raise ValueError(f"nproc and nnodes must be >= 1, got nproc={self.nproc}, nnodes={self.nnodes}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, "
+                             f"nnodes={self.nnodes}.")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"rdzv_endpoint must be given when nnodes > 1, got nnodes={self.nnodes} and no "
+                             "endpoint. Pass --rdzv-endpoint HOST:PORT (the same on every machine).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+_MODEL_HELP = {
+    "vocab_size": "vocabulary size (256 for the byte-level tokenizer)",
+    "seq_len": "tokens per sequence (the model's context length)",
+    "n_layer": "transformer blocks",
+    "n_head": "attention heads per block",
+    "d_model": "width of the residual stream",
+    "dropout": "dropout probability (0 keeps runs exactly reproducible)",
+    "tie_weights": "share the token embedding with the output head",
+    "bias": "use biases in linear layers and layer norms",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs; sections match the TOML tables."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _nearest(name: str, valid: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else f" Valid: {', '.join(sorted(valid))}."
+
+
+def load(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a TOML file into ``{section: {key: value}}``, refusing unknown sections and keys."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown section [{section}] in {path}.{_nearest(section, SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"[{section}] in {path} must be a table, got {values!r}.")
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key in values:
+            if key not in known:
+                raise ValueError(f"unknown key {key!r} in [{section}] of {path}.{_nearest(key, known)}")
+    return data
+
+
+def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:
+    """(converter, choices) for a field type: int, float, str, bool, Literal[...], X | None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)][0]
+        conv, choices = _flag_type(inner)
+        return (lambda s: None if s.lower() == "none" else conv(s)), choices
+    if typing.get_origin(tp) is Literal:
+        return str, [str(a) for a in args]
+    return tp, None
+
+
+def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = SECTIONS) -> None:
+    """Add one flag per config field; a flag left out keeps the file's (or default) value."""
+    for section in sections:
+        cls = SECTIONS[section]
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group(f"{section} ([{section}] in --config)")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            text = f.metadata.get("help") or _MODEL_HELP.get(f.name, "")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            text = f"{text} (default: {default})"
+            dest = f"{section}.{f.name}"
+            if hints[f.name] is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=text)
+                continue
+            conv, choices = _flag_type(hints[f.name])
+            group.add_argument(flag, dest=dest, type=conv, choices=choices, default=argparse.SUPPRESS,
+                               metavar=None if choices else f.name.upper(), help=text)
+
+
+def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Config:
+    """Defaults, then ``file``'s values, then the flags present in ``ns``."""
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    if file is not None:
+        for section, table in load(file).items():
+            values[section].update(table)
+    for dest, value in vars(ns).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            values[section][key] = value
+    try:
+        parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
+    except TypeError as e:  # a wrongly typed value in the file
+        raise ValueError(f"bad value in {file or 'flags'}: {e}") from None
+    return Config(**parts)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that refuses unknown flags with the nearest valid one (and takes no abbreviations)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = unknown[0].split("=", 1)[0]
+            valid = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            hint = _nearest(flag, valid) if flag.startswith("-") else ""
+            self.error(f"unknown flag {flag!r}.{hint}")
+        return ns
+
+
+def make_parser(prog: str, description: str, **kwargs: Any) -> argparse.ArgumentParser:
+    return _Parser(prog=prog, description=description, allow_abbrev=False,
+                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def without_section_flags(argv: list[str], section: str) -> list[str]:
+    """``argv`` minus the flags of one section (``--nproc 2`` and ``--nproc=2`` forms)."""
+    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SECTIONS[section])}
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True  # every launch flag takes a value
+        elif arg.split("=", 1)[0] not in flags:
+            kept.append(arg)
+    return kept
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> Config:
+    """Parse ``fourfold train``'s flags (``--config FILE`` first, then every field) into a :class:`Config`."""
+    parser = make_parser(prog, "Train TinyGPT on the built-in corpus.")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [launch] tables")
+    add_flags(parser)
+    ns = parser.parse_args(argv)
+    try:
+        return from_namespace(ns, ns.config)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+        raise  # unreachable: error() exits

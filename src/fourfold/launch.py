@@ -1,0 +1,197 @@
+"""Join the process group: the one place in fourfold that calls ``dist.init_process_group``.
+
+Works the same under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``
+in the environment) and as a plain single process (world size 1, nothing in the environment)::
+
+    from fourfold import launch
+
+    with launch.init() as ctx:             # gloo on CPU, NCCL when the device is CUDA
+        print(ctx.rank, ctx.world_size, ctx.device)
+
+Promises:
+
+* every collective is bounded by one timeout (``timeout_s``, default :data:`DEFAULT_TIMEOUT_S`), never
+  gloo's 30-minute default;
+* a run on one machine listens on loopback only: gloo's and NCCL's sockets are pinned to the loopback
+  interface, and a TCPStore this module creates is handed a socket already bound to 127.0.0.1 (left to
+  itself, PyTorch's TCPStore binds every interface);
+* ``OMP_NUM_THREADS=1`` per rank when several ranks share a machine, unless the user set it;
+* the process group is destroyed on exit (context manager, or at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistContext",
+    "init",
+    "loopback_store",
+    "resolve_device",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Seconds any collective or send/recv may wait before it fails (fourfold's default, gloo's is 30 min)."""
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the run, returned by :func:`init`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    _owns_group: bool = field(default=True, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that prints and writes the shared outputs."""
+        return self.rank == 0
+
+    @property
+    def single_machine(self) -> bool:
+        return self.local_world_size == self.world_size
+
+    def close(self) -> None:
+        """Destroy the process group (idempotent)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> DistContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """``"auto"`` is ``cuda:<local_rank>`` when CUDA is available, else CPU; ``"cuda"`` gains the index."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device must be available, got 'cuda' on a machine without CUDA. "
+                             "Pass --device cpu (or auto).")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be one of auto, cpu, cuda, got {device!r}.")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str:
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def loopback_store(port: int = 0, *, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server that listens on 127.0.0.1 only.
+
+    TCPStore binds every interface when it opens its own socket; handing it a socket already bound to the
+    loopback address (``master_listen_fd``) keeps a single-machine run off the network.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # detach(): the store owns the descriptor from now on; the Python object must not close it when collected.
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(), wait_for_workers=False,
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init(
+    device: str = "auto",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    store: dist.Store | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    backend: str | None = None,
+) -> DistContext:
+    """Join (or create) the default process group and return this rank's :class:`DistContext`.
+
+    ``rank``/``world_size``/``store`` are for harnesses that start ranks themselves (the test harness uses a
+    FileStore); otherwise they come from torchrun's environment, or default to a single process.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
+    user_set_threads = "OMP_NUM_THREADS" in os.environ
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}.")
+
+    dev = resolve_device(device, local_rank)
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    if world_size > 1 and local_world_size > 1 and not user_set_threads:
+        torch.set_num_threads(1)  # N ranks on one machine: don't let each spawn one thread per core
+    if local_world_size == world_size:
+        # One machine: keep the transport's sockets on loopback (they bind a routable interface otherwise).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+    if dist.is_initialized():
+        raise RuntimeError("fourfold.launch.init() was called twice in one process: the default process group "
+                           "already exists. Reuse the DistContext from the first call, or close() it first.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = _default_store(rank, world_size, timeout_s)
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s)
+    atexit.register(ctx.close)
+    return ctx
+
+
+def _default_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return dist.HashStore()  # a lone process needs no socket at all
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise RuntimeError(
+            f"rank {rank} of {world_size} needs MASTER_ADDR and MASTER_PORT to find its peers, got "
+            f"MASTER_ADDR={addr!r} MASTER_PORT={port!r}. Launch with `fourfold train --nproc N` or torchrun.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if rank == 0 and not agent_store and _is_loopback(addr):
+        return loopback_store(int(port), world_size=world_size, timeout_s=timeout_s)
+    # A client of the torchrun agent's store, or of rank 0's on another machine.
+    return dist.TCPStore(addr, int(port), world_size, rank == 0 and not agent_store, timeout=timeout)

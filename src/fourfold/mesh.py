@@ -1,0 +1,154 @@
+"""The rank grid: a world of ``dp * tp * pp`` ranks, and the process groups along each axis.
+
+Ranks are laid out with tp innermost, then dp, then pp::
+
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+
+so the ranks of one tensor-parallel group are consecutive (on one machine, where its per-layer all-reduces
+are cheapest), data-parallel peers are ``tp`` apart, and pipeline stages are ``dp * tp`` apart. With
+dp=2, tp=2, pp=2 on 8 ranks::
+
+    pp stage 0:  dp 0 -> ranks [0, 1]   dp 1 -> ranks [2, 3]     (each pair is one tp group)
+    pp stage 1:  dp 0 -> ranks [4, 5]   dp 1 -> ranks [6, 7]
+
+:class:`Mesh` is pure arithmetic (testable with no processes); :meth:`Mesh.build` creates the process groups
+once the default group exists and returns this rank's :class:`RankMesh`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch.distributed as dist
+
+__all__ = ["AXES", "Axis", "Coord", "Mesh", "RankMesh"]
+
+Axis = Literal["pp", "dp", "tp"]
+AXES: tuple[Axis, ...] = ("pp", "dp", "tp")  # outermost to innermost
+
+
+class Coord(NamedTuple):
+    """A rank's position on the grid."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A validated factorisation of the world: ``dp * tp * pp`` ranks."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{axis} must be a positive integer, got {axis}={size!r}. "
+                                 f"Pass --{axis} 1 or more.")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, dp: int | None = None, tp: int = 1, pp: int = 1) -> Mesh:
+        """The mesh for ``world_size`` ranks; ``dp=None`` takes whatever tp and pp leave."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        if dp is None:
+            if tp < 1 or pp < 1 or world_size % (tp * pp):
+                raise ValueError(
+                    f"world size must be divisible by tp*pp, got world_size={world_size}, tp*pp={tp}*{pp}"
+                    f"={tp * pp}. Launch a multiple of {tp * pp} processes or change --tp/--pp.")
+            dp = world_size // (tp * pp)
+        mesh = cls(dp=dp, tp=tp, pp=pp)
+        mesh.check_world(world_size)
+        return mesh
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a mesh whose product is not the number of ranks launched."""
+        if self.world_size != world_size:
+            fixes = []
+            rest = world_size // (self.tp * self.pp) if world_size % (self.tp * self.pp) == 0 else None
+            if rest:
+                fixes.append(f"pass --dp {rest}")
+            fixes.append(f"launch {self.world_size} processes (--nproc {self.world_size})")
+            raise ValueError(
+                f"dp*tp*pp must equal the world size, got {self.dp}*{self.tp}*{self.pp}={self.world_size} "
+                f"vs world size {world_size}. {' or '.join(fixes).capitalize()}.")
+
+    def coord(self, rank: int) -> Coord:
+        """``rank`` -> (pp, dp, tp) coordinates."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return Coord(pp, dp, tp)
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """(pp, dp, tp) coordinates -> rank."""
+        for axis, index in zip(AXES, (pp, dp, tp), strict=True):
+            if not 0 <= index < getattr(self, axis):
+                raise ValueError(f"{axis} index must be in [0, {getattr(self, axis)}), got {index}.")
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def groups(self, axis: Axis) -> list[list[int]]:
+        """Every group along ``axis``: the ranks that differ only in that coordinate, in coordinate order."""
+        if axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES}, got {axis!r}.")
+        others = [a for a in AXES if a != axis]
+        result = []
+        for i in range(getattr(self, others[0])):
+            for j in range(getattr(self, others[1])):
+                fixed = {others[0]: i, others[1]: j}
+                result.append([self.rank(**fixed, **{axis: k}) for k in range(getattr(self, axis))])
+        return sorted(result)
+
+    def peers(self, rank: int, axis: Axis) -> list[int]:
+        """The ranks of ``rank``'s group along ``axis`` (``rank`` included)."""
+        return next(g for g in self.groups(axis) if rank in g)
+
+    def build(self, timeout_s: float | None = None) -> RankMesh:
+        """Create the dp, tp and pp process groups (collective: every rank must call it, in the same order).
+
+        A group of size 1 is a real group too, so code calls collectives on it uniformly (fourfold's own
+        collectives return at once on a group of one).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.build() needs the default process group: call fourfold.launch.init() first.")
+        world = dist.get_world_size()
+        self.check_world(world)
+        rank = dist.get_rank()
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        mine: dict[str, dist.ProcessGroup] = {}
+        for axis in AXES:
+            for ranks in self.groups(axis):
+                # new_group is collective over the whole world, so every rank creates every group.
+                group = dist.new_group(ranks, **kwargs) if len(ranks) < world else dist.group.WORLD
+                if rank in ranks:
+                    mine[axis] = group
+        return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"])
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """One rank's view of the mesh: its coordinates and the process groups it belongs to."""
+
+    mesh: Mesh
+    rank: int
+    coord: Coord
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+
+    def group(self, axis: Axis) -> dist.ProcessGroup:
+        return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[axis]
+
+    def peers(self, axis: Axis) -> list[int]:
+        return self.mesh.peers(self.rank, axis)

@@ -1,0 +1,74 @@
+"""Configuration: defaults < TOML file < flags; unknown keys and flags refused with the nearest valid name."""
+
+from __future__ import annotations
+
+import pytest
+
+from fourfold.config import Config, load, parse_args
+
+
+def test_defaults():
+    cfg = parse_args([])
+    assert cfg == Config()
+    assert cfg.train.steps >= 1 and cfg.model.seq_len >= 1
+
+
+def test_file_then_flags_override(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[model]\nn_layer = 2\nd_model = 64\n[train]\nsteps = 7\nlr = 0.01\ndtype = "float64"\n'
+                 "[launch]\nnproc = 2\n")
+    cfg = parse_args(["--config", str(f), "--steps", "3", "--no-trace"])
+    assert cfg.model.n_layer == 2 and cfg.model.d_model == 64
+    assert cfg.train.steps == 3  # flag beats file
+    assert cfg.train.lr == 0.01 and cfg.train.dtype == "float64"
+    assert cfg.launch.nproc == 2
+    assert cfg.train.trace is False
+
+
+def test_unknown_key_in_file_names_the_nearest(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nstpes = 3\n")
+    with pytest.raises(ValueError, match=r"unknown key 'stpes' in \[train\].*Did you mean 'steps'"):
+        load(f)
+    f.write_text("[trian]\nsteps = 3\n")
+    with pytest.raises(ValueError, match=r"unknown section \[trian\].*Did you mean 'train'"):
+        load(f)
+
+
+def test_unknown_flag_names_the_nearest(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--stpes", "3"])
+    assert e.value.code == 2
+    assert "unknown flag '--stpes'. Did you mean '--steps'?" in capsys.readouterr().err
+
+
+def test_abbreviated_flags_are_not_guessed(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--ste", "3"])
+    assert "unknown flag '--ste'" in capsys.readouterr().err
+
+
+def test_bad_values_refused_with_names(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"])
+    assert "steps must be >= 1, got steps=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float16"])
+    assert "invalid choice" in capsys.readouterr().err
+    f = tmp_path / "run.toml"
+    f.write_text("[model]\nd_model = 130\nn_head = 4\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f)])
+    assert "130" in capsys.readouterr().err
+
+
+def test_multi_node_needs_an_endpoint(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--nnodes", "2"])
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_every_section_round_trips_through_a_dict():
+    d = Config().to_dict()
+    assert set(d) == {"model", "train", "launch"}
+    assert d["train"]["steps"] == Config().train.steps
