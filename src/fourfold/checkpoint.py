@@ -6,32 +6,14 @@ leaves the previous checkpoint intact. Loads use ``weights_only=True``: a checkp
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
-__all__ = ["atomic_write", "load_checkpoint", "save_checkpoint"]
+from fourfold.files import atomic_path
 
-
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
-    """Call ``write(file)`` on a temporary file beside ``path``, then move it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, config: dict[str, Any],
@@ -39,7 +21,9 @@ def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, c
     """Save ``{"model", "config", "step"}`` atomically; tensors are moved to CPU first."""
     state = {k: v.detach().cpu() for k, v in model_state.items()}
     payload = {"model": state, "config": config, "step": step}
-    return atomic_write(path, lambda f: torch.save(payload, f))
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    return Path(path)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

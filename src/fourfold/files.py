@@ -1,0 +1,36 @@
+"""Writing files so that nothing is ever half-written or lost.
+
+Every output (checkpoints, traces, metrics pictures) is written to a temporary file beside its target and then
+moved into place with ``os.replace``, which is atomic on POSIX: a reader, or a crash mid-write, sees the old
+file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["atomic_path", "write_text_atomic"]
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp: its 0600 mode would stick to the final file; a plain name gets the usual umask.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

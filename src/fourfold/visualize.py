@@ -1,0 +1,131 @@
+"""Pictures of traced runs: one row per rank, time running right, a box per span, idle as white space.
+
+::
+
+    from fourfold.trace import load_jsonl
+    from fourfold.visualize import timeline
+
+    spans = {r: load_jsonl(f"out/trace-rank{r}.jsonl") for r in range(4)}
+    timeline(spans, "timeline.png", color_by="microbatch")
+
+Needs matplotlib (``pip install 'fourfold[viz]'``). Drawing goes through matplotlib's Agg canvas directly,
+never pyplot, so it neither switches the caller's backend nor keeps figures alive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from fourfold.files import atomic_path
+from fourfold.trace import KINDS, Span
+
+__all__ = ["KIND_COLORS", "timeline"]
+
+KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
+# Micro-batch colours: tab10 without its orange and red (comm and wait here) and its grey (no micro-batch).
+_MICROBATCH_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#5254a3")
+_NO_MICROBATCH = "#B0B0B0"
+# Within a rank's row: compute fills the band; comm and wait sit in its lower part, drawn over compute, so
+# communication that overlaps computation shows as a strip across the compute box.
+_BAND = 0.8
+_STRIP = 0.38
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("fourfold.visualize needs matplotlib, got none installed. "
+                          "Install the extra: pip install 'fourfold[viz]'.") from e
+    return Figure, FigureCanvasAgg
+
+
+def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLike[str], title: str | None = None,
+             color_by: Literal["kind", "microbatch"] = "kind") -> None:
+    """Draw every rank's spans as boxes on a shared time axis (ms since ``Tracer.start``) and write a PNG.
+
+    Rank 0 is the top row. ``color_by="kind"`` colours compute / comm / wait; ``"microbatch"`` colours compute
+    by micro-batch (labelled inside boxes wide enough: ``F3`` for a span named ``F`` on micro-batch 3, else ``3``)
+    and keeps comm and wait in their kind colours.
+    """
+    if color_by not in ("kind", "microbatch"):
+        raise ValueError(f"color_by must be 'kind' or 'microbatch', got {color_by!r}.")
+    if not spans_by_rank:
+        raise ValueError("spans_by_rank must hold at least one rank, got an empty mapping. "
+                         "Trace with an enabled Tracer and pass gather_spans(tracer).")
+    Figure, FigureCanvasAgg = _matplotlib()
+    ranks = sorted(spans_by_rank)
+    every = [s for r in ranks for s in spans_by_rank[r]]
+    t0 = min(0.0, min((s.start_ns for s in every), default=0) / 1e6)
+    t1 = max((s.end_ns / 1e6 for s in every), default=1.0)
+    span_ms = max(t1 - t0, 1e-6)
+
+    fig = Figure(figsize=(11, 1.4 + 0.55 * len(ranks)), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    legend: dict[str, list[str]] = {}  # colour -> labels sharing it
+    for row, rank in enumerate(ranks):
+        boxes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # one broken_barh call per colour
+        for s in spans_by_rank[rank]:
+            x, w = s.start_ns / 1e6, (s.end_ns - s.start_ns) / 1e6
+            color, label = (_compute_color(s, color_by) if s.kind == "compute"
+                            else (KIND_COLORS[s.kind], s.kind))
+            boxes.setdefault((s.kind, color), []).append((x, w))
+            if label not in legend.setdefault(color, []):
+                legend[color].append(label)
+            if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None:
+                # schedule actions are named F / B / W: "F3" reads like the schedule printouts
+                text = f"{s.name}{s.microbatch}" if len(s.name) <= 2 else str(s.microbatch)
+                if w > 0.012 * span_ms * len(text):
+                    ax.text(x + w / 2, row, text, ha="center", va="center", fontsize=7, color="white", zorder=4)
+        for (kind, color), xw in boxes.items():
+            y, h = (row - _BAND / 2, _BAND) if kind == "compute" else (row + _BAND / 2 - _STRIP, _STRIP)
+            ax.broken_barh(xw, (y, h), facecolors=color, edgecolors="white", linewidth=0.4,
+                           zorder=2 if kind == "compute" else 3)
+
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlim(t0, t0 + span_ms * 1.01)
+    ax.set_xlabel("time since tracer start (ms)")
+    ax.grid(axis="x", color="#DDDDDD", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or f"timeline: {len(ranks)} rank{'s' * (len(ranks) != 1)}, {t1 - t0:.1f} ms "
+                 "(white = idle)", fontsize=10)
+    if legend:
+        from matplotlib.patches import Patch
+
+        order = sorted(legend.items(), key=lambda item: _legend_rank(item[1][0]))
+        handles = [Patch(facecolor=color) for color, _ in order]
+        labels = [_join(labels) for _, labels in order]
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(handles), 6), frameon=False,
+                   fontsize=8)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+
+
+def _compute_color(s: Span, color_by: str) -> tuple[str, str]:
+    if color_by == "kind":
+        return KIND_COLORS["compute"], "compute"
+    if s.microbatch is None:
+        return _NO_MICROBATCH, "compute (no micro-batch)"
+    return _MICROBATCH_COLORS[s.microbatch % len(_MICROBATCH_COLORS)], f"micro-batch {s.microbatch}"
+
+
+def _legend_rank(label: str) -> tuple[int, int]:
+    """Legend order: micro-batches by number, then plain compute, comm, wait."""
+    if label.startswith("micro-batch "):
+        return (0, int(label.split()[1]))
+    return (1, ["compute", "compute (no micro-batch)", *KINDS[1:]].index(label))
+
+
+def _join(labels: list[str]) -> str:
+    # colours repeat every len(_MICROBATCH_COLORS) micro-batches: name them all on one entry
+    if len(labels) > 1 and all(x.startswith("micro-batch ") for x in labels):
+        numbers = sorted(int(x.split()[1]) for x in labels)
+        return "micro-batch " + ", ".join(map(str, numbers))
+    return " / ".join(labels)
