@@ -1,0 +1,58 @@
+"""The ``fourfold`` command: one entry point, one sub-command per job.
+
+    fourfold train --steps 50 --nproc 2     train TinyGPT (data parallel over 2 ranks)
+    fourfold demo                           a short guided run that prints what it did
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fourfold import __version__
+
+__all__ = ["main"]
+
+COMMANDS = {
+    "train": ("fourfold.train", "train TinyGPT on the built-in corpus, on one process or --nproc N"),
+    "demo": ("fourfold.demo", "a short run that trains, then prints and draws what happened"),
+}
+
+USAGE = f"""usage: fourfold [-h] [--version] COMMAND [ARGS]
+
+fourfold {__version__}: train PyTorch models on many devices with model, tensor, data and pipeline
+parallelism, and see what each one costs.
+
+commands:
+{chr(10).join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())}
+
+Run `fourfold COMMAND --help` for a command's flags. Examples:
+  fourfold train --steps 20 --dtype float64 --out runs/first
+  fourfold train --nproc 2 --steps 20 --out runs/dp2     # 2 data-parallel ranks through torchrun
+  fourfold demo
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    if argv[0] == "--version":
+        print(f"fourfold {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        print(f"fourfold: unknown command {name!r}.{hint} Commands: {', '.join(COMMANDS)}.", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

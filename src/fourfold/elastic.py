@@ -1,0 +1,115 @@
+"""Start the ranks of a run through torchrun's own launcher (``torch.distributed.run``).
+
+``fourfold train --nproc N`` calls :func:`launch_workers`, which hands torchrun the same argument list it
+would get from the command line (``--nproc-per-node N ... --module fourfold.train FLAGS``). torchrun's agent
+(this process) starts the workers, watches them, and reports the first failure.
+
+On one machine the rendezvous is :class:`LoopbackRendezvous`: its TCPStore listens on 127.0.0.1 only (torchrun's
+own ``--standalone`` store binds every interface). With ``--nnodes > 1`` the rendezvous is torchrun's static
+TCP one at ``--rdzv-endpoint``, which must be reachable from the other machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+
+from fourfold.config import LaunchConfig
+from fourfold.launch import loopback_store
+
+__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "launch_workers", "torchrun_args"]
+
+LOOPBACK_BACKEND = "fourfold-loopback"
+
+
+class LoopbackRendezvous(RendezvousHandler):
+    """The rendezvous of a one-machine run: a store on 127.0.0.1 that the workers join as clients."""
+
+    def __init__(self, run_id: str, timeout_s: float) -> None:
+        self._run_id = run_id
+        self._timeout_s = timeout_s
+        self._store: Store | None = None
+        self._port = 0
+
+    def get_backend(self) -> str:
+        return LOOPBACK_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # workers connect to this store instead of starting one of their own
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            store = loopback_store(0, world_size=1, timeout_s=self._timeout_s)
+            self._store, self._port = store, store.port
+        return RendezvousInfo(PrefixStore(self._run_id, self._store), 0, 1,
+                              RendezvousStoreInfo("127.0.0.1", self._port))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # one machine: nobody else ever joins
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _create_loopback(params: RendezvousParameters) -> RendezvousHandler:
+    return LoopbackRendezvous(params.run_id, float(params.config.get("timeout", 600)))
+
+
+def _register() -> None:
+    try:
+        rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback)
+    except ValueError:
+        pass  # registered already (a second launch in this process)
+
+
+def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[str]:
+    """The torchrun command line for ``launch`` running ``python -m module argv``."""
+    args = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes), "--max-restarts", "0",
+            "--rdzv-id", f"fourfold-{uuid.uuid4().hex[:8]}"]
+    if launch.nnodes == 1:
+        args += ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
+    else:
+        assert launch.rdzv_endpoint  # LaunchConfig refuses nnodes > 1 without one
+        args += ["--rdzv-backend", "static", "--rdzv-endpoint", launch.rdzv_endpoint,
+                 "--node-rank", str(launch.node_rank)]
+    return [*args, "--module", module, *argv]
+
+
+def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
+    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1."""
+    from torch.distributed import run as torchrun
+
+    _register()
+    if launch.nproc > 1:
+        # torchrun would set this too, with a warning; one thread per rank avoids oversubscribing the cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(f"fourfold: rank {rank} failed (exit code {failure.exitcode}); its error is printed above.",
+              flush=True)
+        return 1
+    return 0

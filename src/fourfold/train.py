@@ -1,0 +1,218 @@
+"""Train TinyGPT on the built-in corpus, on one process or many.
+
+    fourfold train --steps 50                            # one process
+    fourfold train --nproc 2 --steps 50                  # two data-parallel ranks, started through torchrun
+    torchrun --nproc-per-node 2 -m fourfold.train ...    # the same, launched by hand
+    fourfold train --config run.toml --lr 1e-3           # defaults < file < flags
+
+Outputs in ``--out``:
+
+* ``metrics.jsonl``: one JSON object per step: ``step``, ``loss`` (always the mean over the *global* batch,
+  whatever the layout, so runs compare line by line), ``tokens_per_s``, ``step_time_s``, and where the time and
+  bytes went (``compute_s``, ``comm_s``, ``wait_s``, ``comm_bytes`` sent by rank 0, ``comm_messages``);
+* ``trace-rank<r>.jsonl`` per rank and ``trace.json``, the merged timeline (open it in ui.perfetto.dev);
+* ``model.pt``: the final weights and the config, loadable with ``fourfold.checkpoint.load_checkpoint``.
+
+The same ``--seed`` and ``--batch-size`` give the same initial weights and the same global batches under every
+layout; that is what makes "the same numbers as one process" testable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from fourfold import launch
+from fourfold.checkpoint import save_checkpoint
+from fourfold.chrome_trace import write_chrome_trace
+from fourfold.config import Config, parse_args, without_section_flags
+from fourfold.data import BatchLoader, load_corpus
+from fourfold.mesh import Mesh
+from fourfold.models.gpt import TinyGPT, lm_loss
+from fourfold.parallel.data import sync_gradients
+from fourfold.trace import Tracer, gather_spans
+
+__all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
+
+OUTPUTS = ("metrics.jsonl", "trace.json", "model.pt")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class TrainResult:
+    """What a run produced, as seen by this rank."""
+
+    rank: int
+    mesh: Mesh
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    num_parameters: int = 0
+    out: Path | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def summary(self) -> str:
+        m = self.mesh
+        tps = statistics.median(r["tokens_per_s"] for r in self.metrics)
+        ms = 1e3 * statistics.median(r["step_time_s"] for r in self.metrics)
+        return (f"trained TinyGPT ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
+                f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
+                f"{self.losses[-1]:.4f}, median {tps:,.0f} tokens/s, {ms:.1f} ms/step\n"
+                f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev), model.pt")
+
+
+def preflight(cfg: Config, world_size: int) -> Mesh:
+    """Every check that needs no process group, so bad input fails before any process starts."""
+    t = cfg.train
+    mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
+    if mesh.tp > 1 or mesh.pp > 1:
+        raise ValueError(f"tensor and pipeline parallelism are not available in this version yet, got tp={mesh.tp}"
+                         f" pp={mesh.pp}. Pass --tp 1 --pp 1 (data parallelism uses every rank).")
+    if t.batch_size % mesh.dp:
+        raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
+                         f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
+    if t.data is not None and not Path(t.data).is_file():
+        raise ValueError(f"data must be a readable text file, got {t.data!r}. Leave --data out to use the "
+                         "built-in corpus.")
+    out = Path(t.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
+    existing = sorted(p.name for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank"))
+    if existing and not t.overwrite:
+        raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
+                         "replace them, or another --out.")
+    return mesh
+
+
+def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
+    """Train with ``cfg`` on the current process group (created from the environment if ``ctx`` is None)."""
+    own = ctx is None
+    ctx = ctx or launch.init(cfg.train.device, timeout_s=cfg.train.timeout)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        if own:
+            ctx.close()
+
+
+def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
+    t = cfg.train
+    mesh = preflight(cfg, ctx.world_size)  # on every rank, so bad input fails everywhere, not as a hang
+    dist.barrier()  # nobody writes to OUT before every rank has checked it
+    ranks = mesh.build(t.timeout)
+    out = Path(t.out)
+    model = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
+    loader = BatchLoader(load_corpus(t.data), t.batch_size, cfg.model.seq_len, t.seed,
+                         dp_rank=ranks.coord.dp, dp_size=mesh.dp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    tracer = Tracer(ctx.rank, enabled=t.trace)
+    result = TrainResult(ctx.rank, mesh, num_parameters=model.num_parameters(), out=out)
+    tokens_per_step = t.batch_size * cfg.model.seq_len
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
+    bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
+    dist.barrier()
+    tracer.start()  # after the barrier, so every rank's t=0 is (nearly) the same instant
+    try:
+        for step in range(1, t.steps + 1):
+            tracer.set_step(step)
+            first_span = len(tracer.spans)
+            start = time.perf_counter()
+            x, y = loader.shard(step - 1)
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            with tracer.span("compute", "forward"):
+                loss = lm_loss(model(x), y)
+            with tracer.span("compute", "backward"):
+                loss.backward()
+            sync_gradients(model.parameters(), ranks.dp_group, tracer)
+            with tracer.span("compute", "optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            global_loss = _global_mean(loss.detach(), ranks.dp_group, tracer)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)  # time the step, not the launch of its kernels
+            elapsed = time.perf_counter() - start
+            row = _metrics_row(step, global_loss, elapsed, tokens_per_step, tracer.totals(first_span), t.lr)
+            result.losses.append(global_loss)
+            result.metrics.append(row)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{global_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    _write_outputs(cfg, ctx, model, tracer, out, result)
+    return result
+
+
+def _global_mean(loss: torch.Tensor, group: dist.ProcessGroup, tracer: Tracer) -> float:
+    """The mean loss over the global batch: every dp rank holds the mean over an equal share of it."""
+    value = loss.to(torch.float64).reshape(1)
+    size = dist.get_world_size(group)
+    if size > 1:
+        with tracer.span("comm", "loss_all_reduce", tensor_bytes=8):
+            dist.all_reduce(value, group=group)
+    return value.item() / size
+
+
+def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: dict[str, Any],
+                 lr: float) -> dict[str, Any]:
+    return {"step": step, "loss": loss, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "lr": lr,
+            "compute_s": totals.get("compute_s", 0.0), "comm_s": totals.get("comm_s", 0.0),
+            "wait_s": totals.get("wait_s", 0.0), "comm_bytes": totals.get("bytes", 0),
+            "comm_messages": totals.get("messages", 0)}
+
+
+def _write_outputs(cfg: Config, ctx: launch.DistContext, model: torch.nn.Module, tracer: Tracer, out: Path,
+                   result: TrainResult) -> None:
+    if cfg.train.trace:
+        if out.is_dir():  # on several machines OUT may exist only on rank 0's
+            tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
+        spans = gather_spans(tracer)
+        if spans is not None:
+            write_chrome_trace(out / "trace.json", spans)
+    result.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if ctx.is_main and cfg.train.save:
+        save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse_args(argv)
+    worker = "RANK" in os.environ  # started by torchrun (ours or the user's)
+    try:
+        if not worker and cfg.launch.world_size > 1:
+            preflight(cfg, cfg.launch.world_size)
+            from fourfold.elastic import launch_workers
+
+            # Workers need no launch flags (and torchrun's parser would trip over --nproc).
+            return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
+        if not worker:
+            preflight(cfg, 1)
+        result = train(cfg)
+    except ValueError as e:
+        print(f"fourfold train: error: {e}", file=sys.stderr)
+        return 2
+    if result.rank == 0:
+        print(result.summary(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""End to end: ``fourfold train`` on one process and on two ranks through torchrun.
+
+Reading a failure: a loss mismatch between layouts means data sharding or gradient averaging is wrong; a
+non-loopback socket means a single-machine run was reachable from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold import train as train_mod
+from fourfold.checkpoint import load_checkpoint
+
+SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--no-progress"]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_chrome_trace(path: Path, ranks: int) -> None:
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r}" for r in range(ranks)}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert {"forward", "backward", "optimizer"} <= {e["name"] for e in spans}
+
+
+def test_three_float64_steps_are_finite_traced_saved_and_repeatable(tmp_path, capsys):
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert train_mod.main(["--steps", "3", "--dtype", "float64", "--out", str(out), *SMALL]) == 0
+        losses = _losses(out)
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in rows)
+        _check_chrome_trace(out / "trace.json", ranks=1)
+        ckpt = load_checkpoint(out / "model.pt")
+        assert ckpt["step"] == 3 and ckpt["config"]["train"]["dtype"] == "float64"
+        assert all(v.dtype == torch.float64 for v in ckpt["model"].values())
+        runs.append(losses)
+    assert runs[0] == runs[1]  # bitwise: same seed, same batches, same weights
+    assert "trained TinyGPT" in capsys.readouterr().out
+
+
+def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--steps", "1", "--out", str(out), "--no-trace", *SMALL]
+    assert train_mod.main(args) == 0
+    before = (out / "model.pt").read_bytes()
+    assert train_mod.main(args) == 2
+    assert "already holds an earlier run's metrics.jsonl, model.pt" in capsys.readouterr().err
+    assert (out / "model.pt").read_bytes() == before
+    assert train_mod.main([*args, "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "3"], "batch_size must be divisible by dp, got batch_size=8, dp=3. Pass --batch-size 9"),
+    (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),
+    (["--data", "/nonexistent/file.txt"], "data must be a readable text file"),
+])
+def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
+    start = time.perf_counter()
+    assert train_mod.main(["--out", str(tmp_path), *SMALL, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # no process was spawned
+
+
+def _tree(pid: int) -> set[int]:
+    """pid and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _listening_addresses(pids: set[int]) -> set[str]:
+    """Local addresses of the TCP sockets in LISTEN state owned by ``pids``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                found.add(cols[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F",                                     # 127.0.0.1
+            "00000000000000000000000001000000",             # ::1
+            "0000000000000000FFFF00000100007F"}             # ::ffff:127.0.0.1
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc to list sockets")
+@pytest.mark.timeout(180)
+def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_only(tmp_path):
+    common = ["--steps", "3", "--dtype", "float64", *SMALL]
+    one = tmp_path / "one"
+    assert train_mod.main([*common, "--out", str(one)]) == 0
+
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", *common, "--out", str(two)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[str] = set()
+    try:
+        while proc.poll() is None:
+            seen |= _listening_addresses(_tree(proc.pid))
+            time.sleep(0.05)
+        output = proc.stdout.read()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    assert seen, "no listening socket was observed during the run"
+    assert seen <= LOOPBACK, f"a single-machine run listened beyond loopback: {seen - LOOPBACK}"
+    assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in output
+    a, b = _losses(one), _losses(two)
+    assert len(b) == 3
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-10, (a, b)
+    _check_chrome_trace(two / "trace.json", ranks=2)
+    w1, w2 = load_checkpoint(one / "model.pt")["model"], load_checkpoint(two / "model.pt")["model"]
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-10
+
+
+def test_cli_help_reads_well():
+    out = subprocess.run([sys.executable, "-m", "fourfold", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "train" in out.stdout and "demo" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fourfold", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--steps", "--batch-size", "--seq-len", "--seed", "--dtype", "--lr", "--out", "--config",
+                 "--nproc"):
+        assert flag in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fourfold", "trian"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Did you mean 'train'" in out.stderr
