@@ -211,7 +211,8 @@ class Tracer:
     def totals(self, since: int = 0) -> dict[str, Any]:
         """Sums over ``spans[since:]``: seconds per kind, and bytes / recv_bytes / messages of comm spans.
 
-        ``messages`` counts comm spans (one per send, recv or collective call). Nested spans of one kind
+        ``messages`` counts comm spans (one per send, recv or collective call), or a span's ``messages`` arg
+        where it carries one (an all-reduce made of several sends). Nested spans of one kind
         count twice: keep bytes on the innermost comm span.
         """
         if since < 0:
@@ -224,7 +225,7 @@ class Tracer:
             if s.kind == "comm":
                 sent += s.bytes
                 received += s.recv_bytes
-                messages += 1
+                messages += s.args.get("messages", 1)
         out: dict[str, Any] = {f"{k}_s": ns / 1e9 for k, ns in seconds.items()}
         out.update(bytes=sent, recv_bytes=received, messages=messages)
         return out

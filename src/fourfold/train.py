@@ -7,6 +7,7 @@
 
 Outputs in ``--out``:
 
+* ``run.json``: the full config, the layout, and the corpus's name and sha256 (which text was trained on);
 * ``metrics.jsonl``: one JSON object per step: ``step``, ``loss`` (always the mean over the *global* batch,
   whatever the layout, so runs compare line by line), ``tokens_per_s``, ``step_time_s``, and where the time and
   bytes went (``compute_s``, ``comm_s``, ``wait_s``, ``comm_bytes`` sent by rank 0, ``comm_messages``);
@@ -37,6 +38,7 @@ from fourfold.checkpoint import save_checkpoint
 from fourfold.chrome_trace import write_chrome_trace
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
+from fourfold.files import write_text_atomic
 from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT, lm_loss
 from fourfold.parallel.data import sync_gradients
@@ -44,7 +46,7 @@ from fourfold.trace import Tracer, gather_spans
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
-OUTPUTS = ("metrics.jsonl", "trace.json", "model.pt")
+OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -111,14 +113,18 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     ranks = mesh.build(t.timeout)
     out = Path(t.out)
     model = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
-    loader = BatchLoader(load_corpus(t.data), t.batch_size, cfg.model.seq_len, t.seed,
-                         dp_rank=ranks.coord.dp, dp_size=mesh.dp)
+    corpus = load_corpus(t.data)
+    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     result = TrainResult(ctx.rank, mesh, num_parameters=model.num_parameters(), out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
+               "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
+               "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend}
+        write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
     metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
     bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
                file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
