@@ -2,7 +2,7 @@
 
 Starting processes is the expensive part, so each test starts one group of ranks and checks everything it can
 about that run. Every rank function is at module level: ranks unpickle it by name. If a test here fails, the
-harness itself is broken, so read the assertion first and the rank output (printed to stderr) second.
+harness itself is broken: read the assertion first, then the ranks' output (lines starting ``[rank r]``).
 """
 
 from __future__ import annotations
@@ -60,16 +60,22 @@ def _rank1_dies(ctx, how):
 
 
 @pytest.fixture
-def private_tmp(tmp_path, monkeypatch):
-    """The harness's temp dirs go here, so a test can check they are cleaned up."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+def private_tmp(monkeypatch):
+    """Records the temp dirs the harness makes, so a test can check they are removed."""
+    made, mkdtemp = [], tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
+    return made
 
 
 def _assert_no_rank_left(private_tmp):
     assert mp.active_children() == []  # every rank process was reaped
-    # and its FileStore and stack files removed (pymp-* is multiprocessing's own, made once per process)
-    assert [p.name for p in private_tmp.iterdir() if not p.name.startswith("pymp-")] == []
+    ours = [path for path in private_tmp if os.path.basename(path).startswith("fourfold-ranks-")]
+    assert ours and not any(os.path.exists(path) for path in ours)  # FileStore, output and stack files gone
 
 
 @pytest.mark.timeout(120)

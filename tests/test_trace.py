@@ -254,7 +254,7 @@ def test_timeline_refuses_bad_input(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from fourfold.visualize import timeline
 
-    with pytest.raises(ValueError, match="color_by must be 'kind' or 'microbatch', got 'rank'"):
+    with pytest.raises(ValueError, match="color_by must be 'kind', 'microbatch' or 'name', got 'rank'"):
         timeline(_two_ranks(), tmp_path / "t.png", color_by="rank")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one rank"):
         timeline({}, tmp_path / "t.png")

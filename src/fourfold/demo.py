@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fourfold demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--out", default="runs/demo", help="where to write the outputs (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=150, help="optimiser steps (default: 150)")
+    parser.add_argument("--steps", type=int, default=500, help="optimiser steps (default: 500)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     cfg = Config(train=replace(TrainConfig(), steps=args.steps, out=str(out), overwrite=True, device="cpu"))
@@ -87,7 +87,7 @@ def _draw(spans: list, out: Path) -> None:
     last = [s for s in spans if s.step is not None and s.step > max(s.step or 0 for s in spans) - 3]
     path = out / "timeline.png"
     try:
-        timeline({0: last}, path, title="the last 3 steps of rank 0")
+        timeline({0: last}, path, title="the last 3 steps of rank 0", color_by="name")
     except ImportError as e:  # matplotlib missing: the picture is optional
         print(f"(no timeline picture: {e})")
         return

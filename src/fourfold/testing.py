@@ -116,8 +116,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(world_size)}
             rank_args = (rank, world_size, payload, rank_env, tmp, backend, dist_timeout_s, send, alive_r)
-            procs.append(ctx.Process(target=_rank_main, args=rank_args, name=f"fourfold-rank-{rank}"))
-            procs[-1].start()
+            proc = ctx.Process(target=_rank_main, args=rank_args, name=f"fourfold-rank-{rank}")
+            proc.start()
+            procs.append(proc)  # started ones only: _stop joins them
             send.close()  # the rank holds the only write end now: EOF means it is gone
         results = _collect(procs, conns, tmp, offsets, deadline, timeout_s)
         exit_grace_s = _EXIT_GRACE_S

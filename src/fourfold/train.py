@@ -156,7 +156,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{global_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            bar.set_postfix(loss=f"{global_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
     finally:
         bar.close()
         if metrics_file is not None:

@@ -44,22 +44,23 @@ def _matplotlib() -> tuple[Any, Any]:
 
 
 def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLike[str], title: str | None = None,
-             color_by: Literal["kind", "microbatch"] = "kind") -> None:
+             color_by: Literal["kind", "microbatch", "name"] = "kind") -> None:
     """Draw every rank's spans as boxes on a shared time axis (ms since ``Tracer.start``) and write a PNG.
 
     Rank 0 is the top row. ``color_by="kind"`` colours compute / comm / wait; ``"microbatch"`` colours compute
     by micro-batch (labelled inside boxes wide enough: ``F3`` for a span named ``F`` on micro-batch 3, else ``3``)
-    and keeps comm and wait in their kind colours.
+    and keeps comm and wait in their kind colours; ``"name"`` colours compute by span name (forward, backward,
+    optimizer, ...).
     """
-    if color_by not in ("kind", "microbatch"):
-        raise ValueError(f"color_by must be 'kind' or 'microbatch', got {color_by!r}.")
+    if color_by not in ("kind", "microbatch", "name"):
+        raise ValueError(f"color_by must be 'kind', 'microbatch' or 'name', got {color_by!r}.")
     if not spans_by_rank:
         raise ValueError("spans_by_rank must hold at least one rank, got an empty mapping. "
                          "Trace with an enabled Tracer and pass gather_spans(tracer).")
     Figure, FigureCanvasAgg = _matplotlib()
     ranks = sorted(spans_by_rank)
     every = [s for r in ranks for s in spans_by_rank[r]]
-    t0 = min(0.0, min((s.start_ns for s in every), default=0) / 1e6)
+    t0 = min((s.start_ns for s in every), default=0) / 1e6  # the window the spans shown cover
     t1 = max((s.end_ns / 1e6 for s in every), default=1.0)
     span_ms = max(t1 - t0, 1e-6)
 
@@ -70,7 +71,7 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
     for row, rank in enumerate(ranks):
         boxes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # one broken_barh call per colour
         for s in spans_by_rank[rank]:
-            x, w = s.start_ns / 1e6, (s.end_ns - s.start_ns) / 1e6
+            x, w = s.start_ns / 1e6 - t0, (s.end_ns - s.start_ns) / 1e6
             color, label = (_compute_color(s, color_by) if s.kind == "compute"
                             else (KIND_COLORS[s.kind], s.kind))
             boxes.setdefault((s.kind, color), []).append((x, w))
@@ -88,8 +89,8 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
 
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
-    ax.set_xlim(t0, t0 + span_ms * 1.01)
-    ax.set_xlabel("time since tracer start (ms)")
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("time (ms)" if t0 == 0 else f"time (ms) from {t0:,.1f} ms after the tracer started")
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.6)
     ax.set_axisbelow(True)
     for side in ("top", "right"):
@@ -111,6 +112,8 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
 def _compute_color(s: Span, color_by: str) -> tuple[str, str]:
     if color_by == "kind":
         return KIND_COLORS["compute"], "compute"
+    if color_by == "name":
+        return _MICROBATCH_COLORS[sum(map(ord, s.name)) % len(_MICROBATCH_COLORS)], s.name
     if s.microbatch is None:
         return _NO_MICROBATCH, "compute (no micro-batch)"
     return _MICROBATCH_COLORS[s.microbatch % len(_MICROBATCH_COLORS)], f"micro-batch {s.microbatch}"
@@ -120,6 +123,8 @@ def _legend_rank(label: str) -> tuple[int, int]:
     """Legend order: micro-batches by number, then plain compute, comm, wait."""
     if label.startswith("micro-batch "):
         return (0, int(label.split()[1]))
+    if label not in ("compute", "compute (no micro-batch)", *KINDS[1:]):
+        return (0, 0)  # a span name (color_by="name")
     return (1, ["compute", "compute (no micro-batch)", *KINDS[1:]].index(label))
 
 
