@@ -147,18 +147,21 @@ def init(
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
-    user_set_threads = "OMP_NUM_THREADS" in os.environ
+    user_threads = os.environ.get("OMP_NUM_THREADS", "")
+    explicit = rank is not None or world_size is not None  # a harness placed us; ignore stray torchrun vars
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    local_rank = _env_int("LOCAL_RANK", rank)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = rank if explicit else _env_int("LOCAL_RANK", rank)
+    local_world_size = world_size if explicit else _env_int("LOCAL_WORLD_SIZE", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}.")
 
     dev = resolve_device(device, local_rank)
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
-    if world_size > 1 and local_world_size > 1 and not user_set_threads:
+    if user_threads.isdigit() and int(user_threads) > 0:
+        torch.set_num_threads(int(user_threads))  # the variable alone is too late if torch was imported first
+    elif local_world_size > 1:
         torch.set_num_threads(1)  # N ranks on one machine: don't let each spawn one thread per core
     if local_world_size == world_size:
         # One machine: keep the transport's sockets on loopback (they bind a routable interface otherwise).
