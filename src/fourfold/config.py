@@ -172,6 +172,13 @@ def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:
     return tp, None
 
 
+def _metavar(name: str, tp: Any) -> str:
+    if name in ("out", "data", "config"):
+        return "PATH"
+    text = str(tp)
+    return "N" if "int" in text else "X" if "float" in text else "TEXT"
+
+
 def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = SECTIONS) -> None:
     """Add one flag per config field; a flag left out keeps the file's (or default) value."""
     for section in sections:
@@ -182,7 +189,8 @@ def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = 
             flag = "--" + f.name.replace("_", "-")
             text = f.metadata.get("help") or _MODEL_HELP.get(f.name, "")
             default = f.default if f.default is not dataclasses.MISSING else None
-            text = f"{text} (default: {default})"
+            if "default" not in text:
+                text = f"{text} (default: {default})"
             dest = f"{section}.{f.name}"
             if hints[f.name] is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
@@ -190,7 +198,7 @@ def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = 
                 continue
             conv, choices = _flag_type(hints[f.name])
             group.add_argument(flag, dest=dest, type=conv, choices=choices, default=argparse.SUPPRESS,
-                               metavar=None if choices else f.name.upper(), help=text)
+                               metavar=None if choices else _metavar(f.name, hints[f.name]), help=text)
 
 
 def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Config:
@@ -242,9 +250,21 @@ def without_section_flags(argv: list[str], section: str) -> list[str]:
     return kept
 
 
+TRAIN_EXAMPLES = """examples:
+  fourfold train --steps 3 --dtype float64 --out runs/first      one process, exact arithmetic
+  fourfold train --nproc 2 --steps 50 --out runs/dp2             2 data-parallel ranks (torchrun)
+  fourfold train --config run.toml --lr 1e-3                     defaults < file < flags
+  torchrun --nproc-per-node 2 -m fourfold.train --steps 50       launched by hand
+
+outputs in --out: run.json, metrics.jsonl (one line per step), trace.json (open in
+https://ui.perfetto.dev), trace-rank<r>.jsonl, model.pt. An earlier run there is kept unless --overwrite.
+"""
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> Config:
     """Parse ``fourfold train``'s flags (``--config FILE`` first, then every field) into a :class:`Config`."""
-    parser = make_parser(prog, "Train TinyGPT on the built-in corpus.")
+    parser = make_parser(prog, "Train TinyGPT on the built-in corpus, on one process or --nproc N ranks.",
+                         usage=f"{prog} [--config FILE] [--FLAG VALUE ...]", epilog=TRAIN_EXAMPLES)
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [launch] tables")
     add_flags(parser)
     ns = parser.parse_args(argv)
