@@ -1,0 +1,211 @@
+"""``fourfold explain ALGORITHM --world G``: draw an all-reduce step by step, from a real run of it.
+
+    fourfold explain ring --world 4          # the ring's share-reduce and share-only steps
+    fourfold explain tree --world 5          # recursive doubling, with the fold for a non-power of two
+    fourfold explain naive --world 3
+
+G ranks are started through torchrun's launcher and run the algorithm for real on a tiny integer tensor in
+which rank r holds the value 2**r everywhere. Since every contribution is a distinct bit, any element's value
+says exactly which ranks' data it sums: 0b0101 is "a+c". Every message is recorded as it is sent (source,
+destination, which segment, what it held), and every rank's tensor after every step, so the picture is the
+algorithm's own behaviour, not a drawing of the theory. Ranks are lettered a, b, c, ... and segments numbered
+0..G-1, so ``a2+b2`` is the sum of ranks 0 and 1's segment 2, as in the diagrams that teach the ring.
+
+Prints the steps as text and writes a PNG (``--out``, default ``runs/explain-ALGORITHM-G.png``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Sent", "main", "masks_label"]
+
+LETTERS = "abcdefghijklmnop"
+
+
+class Sent(NamedTuple):
+    """One recorded message: at exchange ``index`` (this rank's count), ``src`` sent ``dst`` a range."""
+
+    index: int
+    phase: str
+    step: int
+    src: int
+    dst: int
+    segments: tuple[int, ...]   # which of the G segments the range covers
+    mask: int                   # the contributions it carried (bit r = rank r)
+
+
+def masks_label(mask: int, segment: int | None = None) -> str:
+    """``0b101, 2`` -> ``"a2+c2"``; without a segment, ``"a+c"``."""
+    sub = "" if segment is None else str(segment)
+    return "+".join(f"{LETTERS[r]}{sub}" for r in range(mask.bit_length()) if mask >> r & 1) or "0"
+
+
+def _segment_of(offset: int, numel: int, bounds: list[tuple[int, int]]) -> tuple[int, ...]:
+    return tuple(j for j, (o, n) in enumerate(bounds) if n and o < offset + max(numel, 1) and offset < o + n)
+
+
+def _run_worker(algorithm: str, per_segment: int) -> int:
+    import torch.distributed as dist
+
+    from fourfold import comm, launch
+    from fourfold.comm.ring import segments
+
+    with launch.init("cpu", timeout_s=60) as ctx:
+        g = ctx.world_size
+        flat = torch.full((g * per_segment,), 1 << ctx.rank, dtype=torch.int64)
+        bounds = segments(flat.numel(), g)
+        sent: list[Sent] = []
+        states: list[list[int]] = []  # per-segment masks as each exchange starts, then at the end
+
+        class Recorder(comm.Communicator):
+            """Records what each exchange carried and the tensor's state after it."""
+
+            def exchange(self, sends=(), recvs=(), *, algorithm, step, phase="", offsets=None, labels=None):
+                index = len(states)
+                states.append([int(flat[o]) for o, _ in bounds])  # after the previous step's additions
+                for k, (peer, t) in enumerate(sends):
+                    offset = offsets[0][k] if offsets else 0
+                    segs = _segment_of(offset, t.numel(), bounds) if t.numel() < flat.numel() else \
+                        tuple(range(g))
+                    sent.append(Sent(index, phase, step, self.rank, peer, segs, int(t.reshape(-1)[0])))
+                super().exchange(sends, recvs, algorithm=algorithm, step=step, phase=phase, offsets=offsets,
+                                 labels=labels)
+
+        rec = Recorder(None, timeout_s=60)
+        comm.allreduce(flat, algorithm, comm=rec)
+        states.append([int(flat[o]) for o, _ in bounds])
+        expected = (1 << g) - 1
+        if not bool((flat == expected).all()):
+            raise RuntimeError(f"{algorithm} left rank {ctx.rank} with {flat.tolist()}, expected all {expected}.")
+        gathered: list[Any] = [None] * g if ctx.rank == 0 else []
+        dist.gather_object((sent, states), gathered if ctx.rank == 0 else None, dst=0)
+        if ctx.rank == 0:
+            _report(algorithm, g, gathered)
+    return 0
+
+
+def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
+    messages: list[Sent] = sorted((m for sent, _ in gathered for m in sent), key=lambda m: (m.index, m.src))
+    states = [states for _, states in gathered]  # states[rank][i] = per-segment masks before exchange i
+    steps = sorted({m.index for m in messages})
+    print(f"{algorithm} all-reduce on {g} ranks (rank 0 = a, rank 1 = b, ...), the tensor cut into {g} "
+          f"segments; a2+b2 = the sum of ranks 0 and 1's segment 2, S2 = segment 2 summed over every rank\n")
+    _print_state(states, 0, g)
+    for i in steps:
+        batch = [m for m in messages if m.index == i]
+        print(f"\nstep {i} ({batch[0].phase}):")
+        for m in batch:
+            what = masks_label(m.mask, m.segments[0] if len(m.segments) == 1 else None)
+            where = f"segment {m.segments[0]}" if len(m.segments) == 1 else "the whole tensor"
+            print(f"  rank {m.src} -> rank {m.dst}: {where} = {what}")
+        _print_state(states, i + 1, g)
+    pieces = sum(len(m.segments) for m in messages)
+    print(f"\n{len(messages)} messages in {len(steps)} steps; {pieces} segment-sized pieces moved "
+          f"({pieces / g:.2f} per rank, each 1/{g} of the tensor).")
+    out = Path(os.environ.get("FOURFOLD_EXPLAIN_OUT", f"runs/explain-{algorithm}-{g}.png"))
+    try:
+        _draw(algorithm, g, messages, states, steps, out)
+        print(f"picture: {out}")
+    except ImportError as e:
+        print(f"(no picture: {e})")
+
+
+def _label(mask: int, segment: int, g: int) -> str:
+    return f"S{segment}" if mask == (1 << g) - 1 else masks_label(mask, segment)
+
+
+def _print_state(states: list[list[list[int]]], i: int, g: int) -> None:
+    print("  then:" if i else "start:")
+    for r in range(g):
+        row = states[r][min(i, len(states[r]) - 1)]
+        print(f"    rank {r}: " + " | ".join(f"{_label(m, j, g):<{4 * g}}" for j, m in enumerate(row)))
+
+
+def _draw(algorithm: str, g: int, messages: list[Sent], states: list[list[list[int]]], steps: list[int],
+          out: Path) -> None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("pictures need matplotlib: pip install 'fourfold[viz]'") from e
+    from fourfold.files import atomic_path
+
+    rows = [*steps, None]  # each step drawn with the state it starts from; None = the end
+    fig = Figure(figsize=(3.3 * g + 1.4, 0.85 * len(rows) + 1.1), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    cmap = ["#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"]
+    for y, step in enumerate(rows):
+        batch = [m for m in messages if m.index == step]
+        for r in range(g):
+            masks = states[r][len(states[r]) - 1 if step is None else step]
+            for j, mask in enumerate(masks):
+                x = r * (g + 1) + j
+                n = bin(mask).count("1")
+                color = cmap[min(len(cmap) - 1, round((n / g) * (len(cmap) - 1)))]
+                to = [m.dst for m in batch if m.src == r and j in m.segments]
+                ax.add_patch(_rect(x, -y, color, bool(to)))
+                text = _label(mask, j, g).replace("+", "+\n") if n > 2 and n < g else _label(mask, j, g)
+                ax.text(x + 0.5, -y + 0.55, text, ha="center", va="center", fontsize=6.5 if n < 3 else 5.5,
+                        color="white" if n / g > 0.55 else "black")
+                if to:
+                    ax.text(x + 0.5, -y + 0.18, "→ " + ",".join(f"r{d}" for d in to), ha="center",
+                            va="center", fontsize=6, color="#ffb3b3" if n / g > 0.55 else "#b30000",
+                            fontweight="bold")
+        label = "end" if step is None else f"step {step}\n{batch[0].phase if batch else ''}"
+        ax.text(-0.4, -y + 0.5, label, ha="right", va="center", fontsize=7.5)
+    for r in range(g):
+        ax.text(r * (g + 1) + g / 2, 1.3, f"rank {r} ({LETTERS[r]})", ha="center", fontsize=9)
+    ax.set_xlim(-3.4, g * (g + 1))
+    ax.set_ylim(-len(rows) + 0.8, 1.7)
+    ax.axis("off")
+    ax.set_title(f"{algorithm} all-reduce on {g} ranks. Each row: every rank's {g} segments as the step starts; "
+                 "red = sent this step (→ to whom); darker = more ranks summed; Sj = segment j complete",
+                 fontsize=8.5)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
+
+
+def _rect(x: float, y: float, color: str, sending: bool) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.04, y + 0.1), 0.92, 0.8, facecolor=color,
+                     edgecolor="#d62728" if sending else "white", linewidth=2.0 if sending else 0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fourfold.config import LaunchConfig, make_parser
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser("fourfold explain", __doc__)
+    parser.add_argument("algorithm", help="naive, master, ring, tree, hierarchical, ...")
+    parser.add_argument("--world", type=int, default=4, help="ranks (2..16, default 4)")
+    parser.add_argument("--out", default=None, help="PNG path (default runs/explain-ALGORITHM-G.png)")
+    parser.add_argument("--per-segment", type=int, default=1, help="elements per segment (default 1)")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ:  # a worker started below
+        return _run_worker(args.algorithm, args.per_segment)
+    from fourfold.comm import ALGORITHMS
+
+    if args.algorithm not in ALGORITHMS or args.algorithm == "native":
+        choices = ", ".join(a for a in ALGORITHMS if a != "native")
+        parser.error(f"algorithm must be one of {choices} (native's steps are inside the backend), "
+                     f"got {args.algorithm!r}.")
+    if not 2 <= args.world <= len(LETTERS):
+        parser.error(f"--world must be in 2..{len(LETTERS)}, got {args.world}.")
+    if args.out:
+        os.environ["FOURFOLD_EXPLAIN_OUT"] = args.out
+    from fourfold.elastic import launch_workers
+
+    worker_argv = [args.algorithm, "--per-segment", str(args.per_segment)]
+    return launch_workers("fourfold.explain", worker_argv, LaunchConfig(nproc=args.world))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``fourfold explain``: the labels, and a real run of the ring whose printed steps match the textbook ring."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fourfold.explain import masks_label
+
+
+def test_masks_label_names_the_contributing_ranks():
+    assert masks_label(0b1, 2) == "a2"
+    assert masks_label(0b101, 2) == "a2+c2"
+    assert masks_label(0b1111) == "a+b+c+d"
+
+
+@pytest.mark.timeout(120)
+def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
+    png = tmp_path / "ring.png"
+    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", "ring", "--world", "3", "--out", str(png)],
+                         capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    # G-1 = 2 reduce-scatter steps then 2 all-gather steps, 3 messages each: 12 messages of 1/3 of the tensor
+    assert text.count("(reduce-scatter)") == 2 and text.count("(all-gather)") == 2
+    assert "12 messages in 4 steps" in text
+    # step 0: rank 0 sends its own segment 2 (member i sends segment i-1) to its right neighbour
+    assert "rank 0 -> rank 1: segment 2 = a2" in text
+    # after the reduce-scatter each rank owns one complete segment, which it sends first in the all-gather
+    assert "rank 0 -> rank 1: segment 0 = a0+b0+c0" in text
+    assert png.stat().st_size > 10_000
+
+
+def test_explain_refuses_native_and_bad_world(capsys):
+    from fourfold.explain import main
+
+    with pytest.raises(SystemExit):
+        main(["native", "--world", "2"])
+    assert "native's steps are inside the backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ring", "--world", "1"])
+    assert "--world must be in 2..16, got 1" in capsys.readouterr().err
