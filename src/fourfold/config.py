@@ -61,6 +61,8 @@ class TrainConfig:
         "data-parallel size (default: the world size divided by tp*pp)"))
     tp: int = field(default=1, metadata=_help("tensor-parallel size"))
     pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
+    allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
+        default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(

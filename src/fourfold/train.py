@@ -10,7 +10,8 @@ Outputs in ``--out``:
 * ``run.json``: the full config, the layout, and the corpus's name and sha256 (which text was trained on);
 * ``metrics.jsonl``: one JSON object per step: ``step``, ``loss`` (always the mean over the *global* batch,
   whatever the layout, so runs compare line by line), ``tokens_per_s``, ``step_time_s``, and where the time and
-  bytes went (``compute_s``, ``comm_s``, ``wait_s``, ``comm_bytes`` sent by rank 0, ``comm_messages``);
+  bytes went (``compute_s``, ``comm_s``, ``wait_s``, and ``comm_bytes``/``comm_messages`` counted on rank 0
+  for the fourfold ``--allreduce`` algorithms; ``native`` counts messages only, its bytes are the backend's);
 * ``trace-rank<r>.jsonl`` per rank and ``trace.json``, the merged timeline (open it in ui.perfetto.dev);
 * ``model.pt``: the final weights and the config, loadable with ``fourfold.checkpoint.load_checkpoint``.
 
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from fourfold import launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.chrome_trace import write_chrome_trace
+from fourfold.comm import Communicator
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.files import write_text_atomic
@@ -117,6 +119,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     tracer = Tracer(ctx.rank, enabled=t.trace)
+    comm = Communicator(ranks.dp_group, timeout_s=t.timeout)  # buffers and byte counts live across steps
     result = TrainResult(ctx.rank, mesh, num_parameters=model.num_parameters(), out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
@@ -141,7 +144,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 loss = lm_loss(model(x), y)
             with tracer.span("compute", "backward"):
                 loss.backward()
-            sync_gradients(model.parameters(), ranks.dp_group, tracer)
+            sync_gradients(model.parameters(), ranks.dp_group, tracer, t.allreduce, comm, check=step == 1)
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -16,30 +16,30 @@ from collections.abc import Iterable
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.comm import Communicator, allreduce
 from fourfold.trace import Tracer
 
 __all__ = ["sync_gradients"]
 
 
 def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
-                   tracer: Tracer | None = None) -> None:
-    """Average every parameter's ``.grad`` over ``group`` (one ``all_reduce`` per parameter, after backward).
+                   tracer: Tracer | None = None, algorithm: str = "native", comm: Communicator | None = None,
+                   check: bool = True) -> None:
+    """Average every parameter's ``.grad`` over ``group``: one all-reduce per parameter, after backward.
 
-    A parameter without a gradient is refused by name: silently skipping it would let replicas drift apart.
+    ``algorithm`` is any of :data:`fourfold.comm.ALGORITHMS`; pass a ``comm`` to reuse its buffers and count
+    bytes across steps, and ``check=False`` once the shapes are known to agree on every rank (the first step
+    checked them). A parameter without a gradient is refused by name: silently skipping it would let the
+    replicas drift apart.
     """
     size = dist.get_world_size(group)
     if size == 1:
         return
+    comm = comm if comm is not None else Communicator(group)
     for i, p in enumerate(params):
         if p.grad is None:
             raise RuntimeError(
                 f"parameter #{i} (shape {tuple(p.shape)}) got no gradient on rank {dist.get_rank()}: every rank "
                 "must use every parameter in each step, or the replicas drift apart.")
-        if tracer is None:
-            dist.all_reduce(p.grad, group=group)
-        else:
-            # The backend's own bytes on the wire are not visible from here; record the tensor's size.
-            with tracer.span("comm", "all_reduce", param=i, tensor_bytes=p.grad.numel() * p.grad.element_size()):
-                dist.all_reduce(p.grad, group=group)
+        allreduce(p.grad, algorithm, comm=comm, tracer=tracer, check=check)
         p.grad.div_(size)
-
