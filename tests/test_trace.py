@@ -258,3 +258,15 @@ def test_timeline_refuses_bad_input(tmp_path) -> None:
         timeline(_two_ranks(), tmp_path / "t.png", color_by="rank")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one rank"):
         timeline({}, tmp_path / "t.png")
+
+
+def test_hidden_fraction_counts_comm_under_compute_but_not_under_a_wait() -> None:
+    from fourfold.trace import hidden_fraction
+
+    spans = [
+        _span(0, "compute", 0, 100),    # backward, 0..100
+        _span(0, "wait", 80, 100),      # ... blocked on the last bucket from 80
+        _span(0, "comm", 50, 100),      # a bucket reduced 50..100: 30 hidden, 20 exposed
+    ]
+    assert hidden_fraction(spans) == pytest.approx(30 / 50)
+    assert hidden_fraction(spans[:2]) is None  # no communication at all

@@ -63,6 +63,8 @@ class TrainConfig:
     pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
     allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
+    bucket_mb: float = field(default=25.0, metadata=_help(
+        "data-parallel gradient bucket size in MB: each full bucket is all-reduced while backward goes on"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
@@ -83,6 +85,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got lr={self.lr}.")
         if self.timeout <= 0:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ __all__ = [
     "Span",
     "Tracer",
     "gather_spans",
+    "hidden_fraction",
     "load_jsonl",
 ]
 
@@ -243,6 +244,38 @@ class Tracer:
 
     def __repr__(self) -> str:
         return f"Tracer(rank={self.rank}, enabled={self.enabled}, spans={len(self.spans)}, step={self.step})"
+
+
+def hidden_fraction(spans: Sequence[Span]) -> float | None:
+    """The share of communication time that overlapped computation, from one step's spans.
+
+    Communication counts as hidden while a compute span runs and no wait span does (a wait inside backward is
+    the rank blocked on communication, not computing). ``None`` when there was no communication.
+    """
+    comm = [(s.start_ns, s.end_ns) for s in spans if s.kind == "comm"]
+    total = sum(e - b for b, e in comm)
+    if total == 0:
+        return None
+    busy = [(s.start_ns, s.end_ns) for s in spans if s.kind == "compute"]
+    blocked = [(s.start_ns, s.end_ns) for s in spans if s.kind == "wait"]
+    hidden = sum(_overlap(c, busy) - _overlap(c, [_clip(w, c) for w in blocked]) for c in comm)
+    return max(0.0, min(1.0, hidden / total))
+
+
+def _clip(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return max(a[0], b[0]), min(a[1], b[1])
+
+
+def _overlap(interval: tuple[int, int], others: Sequence[tuple[int, int]]) -> int:
+    """Length of ``interval`` covered by the union of ``others``."""
+    start, end = interval
+    covered, cursor = 0, start
+    for b, e in sorted(others):
+        b, e = max(b, cursor), min(e, end)
+        if e > b:
+            covered += e - b
+            cursor = e
+    return covered
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Span]:

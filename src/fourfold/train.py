@@ -37,14 +37,13 @@ from tqdm import tqdm
 from fourfold import launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.chrome_trace import write_chrome_trace
-from fourfold.comm import Communicator
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.files import write_text_atomic
 from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT, lm_loss
-from fourfold.parallel.data import sync_gradients
-from fourfold.trace import Tracer, gather_spans
+from fourfold.parallel.data import DataParallel
+from fourfold.trace import Tracer, gather_spans, hidden_fraction
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
@@ -119,7 +118,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     tracer = Tracer(ctx.rank, enabled=t.trace)
-    comm = Communicator(ranks.dp_group, timeout_s=t.timeout)  # buffers and byte counts live across steps
+    dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout)
     result = TrainResult(ctx.rank, mesh, num_parameters=model.num_parameters(), out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
@@ -141,10 +140,10 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             x, y = loader.shard(step - 1)
             x, y = x.to(ctx.device), y.to(ctx.device)
             with tracer.span("compute", "forward"):
-                loss = lm_loss(model(x), y)
+                loss = lm_loss(dp(x), y)
             with tracer.span("compute", "backward"):
-                loss.backward()
-            sync_gradients(model.parameters(), ranks.dp_group, tracer, t.allreduce, comm, check=step == 1)
+                loss.backward()  # bucket all-reduces start inside, as gradients become ready
+            dp.finish()  # idempotent: backward's last gradient hook has normally done it
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -153,6 +152,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 torch.cuda.synchronize(ctx.device)  # time the step, not the launch of its kernels
             elapsed = time.perf_counter() - start
             row = _metrics_row(step, global_loss, elapsed, tokens_per_step, tracer.totals(first_span), t.lr)
+            row["comm_hidden_fraction"] = hidden_fraction(tracer.spans[first_span:])
             result.losses.append(global_loss)
             result.metrics.append(row)
             if metrics_file is not None:

@@ -1,25 +1,47 @@
 """Data parallelism: every rank holds the whole model, sees its own shard of the batch, and averages gradients.
 
-This is the naive version: after backward, one all-reduce per parameter, then divide by the group size. It is
-the teaching version and the oracle the bucketed, overlapped version is tested against.
-
 With the global batch split into equal shards, the mean of the ranks' mean losses is the mean loss over the
 global batch, so the averaged gradient is exactly the single-process gradient::
 
     grad L = 1/G * sum_r grad L_r        (L_r: mean loss over rank r's B/G sequences)
+
+Two implementations, side by side:
+
+* :func:`sync_gradients` — the naive one: after backward, one all-reduce per parameter. The teaching version
+  and the oracle.
+* :class:`DataParallel` — the fast one: gradients are copied into fixed-size buckets as backward produces them
+  (``register_post_accumulate_grad_hook``), and each bucket's all-reduce starts as soon as the bucket is full,
+  so communication overlaps the rest of backward::
+
+      dp = DataParallel(model, group, algorithm="ring", bucket_mb=25)
+      loss = lm_loss(dp(x), y)
+      loss.backward()          # buckets reduce while backward goes on
+      dp.finish()              # (idempotent) every bucket done, averaged gradients in p.grad
+      optimizer.step()
+
+  Buckets are launched in bucket order on every rank (a bucket that fills early waits for the ones before it),
+  so all ranks issue the same collectives in the same order. ``native`` buckets run on the backend's own
+  asynchronous all-reduce; fourfold's point-to-point algorithms run one bucket at a time on one communication
+  thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import datetime
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm import Communicator, allreduce
+from fourfold.comm import ALGORITHMS, CommError, CommStats, Communicator, allreduce
 from fourfold.trace import Tracer
 
-__all__ = ["sync_gradients"]
+__all__ = ["Bucket", "DataParallel", "sync_gradients"]
 
 
 def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
@@ -43,3 +65,207 @@ def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | No
                 "must use every parameter in each step, or the replicas drift apart.")
         allreduce(p.grad, algorithm, comm=comm, tracer=tracer, check=check)
         p.grad.div_(size)
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients are reduced together, packed into one flat buffer."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    flat: torch.Tensor
+    ready: set[int] = field(default_factory=set)    # ids of the parameters whose gradient is in ``flat``
+    handle: Any = None                              # the in-flight all-reduce (Work or Future)
+
+
+class DataParallel(nn.Module):
+    """Replicate ``module`` over ``group``; average gradients bucket by bucket, overlapped with backward."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "native",
+                 bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}. 25 (MB) is a good default.")
+        self.module = module
+        self.group, self.algorithm, self.tracer = group, algorithm, tracer
+        self.timeout_s, self.find_unused_parameters = timeout_s, find_unused_parameters
+        self.size = dist.get_world_size(group)
+        self._comm = Communicator(group, timeout_s=timeout_s)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights appear once
+        _check_same_layout(named, self._comm)
+        _broadcast_state(module, self._comm)
+        self.buckets = _make_buckets(named, int(bucket_mb * 2**20))
+        self._where = {id(p): (b, b.offsets[i]) for b in self.buckets for i, p in enumerate(b.params)}
+        self._names = {id(p): n for n, p in named}
+        self._sync = True
+        self._launched = 0
+        self._finished = True
+        self._checked = False
+        self._executor: ThreadPoolExecutor | None = None
+        if self.size > 1:
+            for _, p in named:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @property
+    def stats(self) -> CommStats:
+        """Bytes and messages this rank sent through fourfold's algorithms (``native`` counts none)."""
+        return self._comm.stats
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync and self.size > 1:
+            self._begin()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates gradients locally; the next synchronised backward reduces their sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _begin(self) -> None:
+        if not self._finished:
+            self.finish()  # a backward whose gradients were never collected: settle it before starting over
+        for b in self.buckets:
+            b.ready.clear()
+            b.handle = None
+        self._launched, self._finished = 0, False
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync or self._finished:
+            return
+        bucket, offset = self._where[id(p)]
+        assert p.grad is not None  # the hook runs after accumulation
+        bucket.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.ready.add(id(p))
+        self._launch_in_order()
+        if self._launched == len(self.buckets):
+            self.finish()  # the last gradient of this backward: wait here, as backward ends
+
+    def _launch_in_order(self) -> None:
+        while self._launched < len(self.buckets):
+            b = self.buckets[self._launched]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+            self._launched += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if self.algorithm == "native":
+            start = self.tracer.now_ns() if self.tracer is not None else 0
+            work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+            b.handle = work
+            if self.tracer is not None and self.tracer.enabled:
+                tracer, numel = self.tracer, b.numel
+                work.get_future().then(lambda _: tracer.record(
+                    "comm", "allreduce:native", start, tracer.now_ns(), bucket=b.index, numel=numel))
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
+        b.handle = self._executor.submit(allreduce, b.flat, self.algorithm, comm=self._comm, tracer=self.tracer,
+                                         check=not self._checked)
+
+    def finish(self) -> None:
+        """Wait for every bucket and write the averaged gradients into ``p.grad`` (idempotent)."""
+        if self._finished or self.size == 1:
+            return
+        missing = [(b, p) for b in self.buckets for p in b.params if id(p) not in b.ready]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._names[id(p)] for _, p in missing[:8])
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: {len(missing)} parameter(s) got no gradient this step: {names}. Every "
+                "rank must use every parameter in each step; pass find_unused_parameters=True to treat their "
+                "gradient as zero, or freeze them (requires_grad=False).")
+        for b, p in missing:  # unused this step: contributes zero, so every rank still reduces every bucket
+            offset = b.offsets[b.params.index(p)]
+            b.flat[offset:offset + p.numel()].zero_()
+            b.ready.add(id(p))
+        self._launch_in_order()
+        waiting = self.tracer.span("wait", "grad_sync") if self.tracer is not None else contextlib.nullcontext()
+        with waiting:  # the communication backward could not hide
+            for b in self.buckets:
+                self._wait(b)
+        for b in self.buckets:
+            b.flat.div_(self.size)
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                chunk = b.flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = chunk.clone()
+                else:
+                    p.grad.copy_(chunk)
+        self._finished, self._checked = True, True
+
+    def _wait(self, b: Bucket) -> None:
+        if isinstance(b.handle, Future):
+            b.handle.result()  # the algorithm bounds its own waits and raises CommError naming the peer
+            return
+        try:
+            b.handle.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise CommError(f"rank {dist.get_rank()}: native all-reduce of bucket {b.index} did not complete "
+                            f"within {self.timeout_s:g} s; a peer is dead, stuck, or skipped a backward. "
+                            f"[{str(e).splitlines()[0]}]") from e
+
+
+def _make_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+    """Pack parameters, last-registered first (roughly the order backward produces gradients), into buckets
+    of at most ``cap_bytes`` (a larger parameter gets a bucket of its own); one dtype and device per bucket."""
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in reversed(named):
+        nbytes = p.numel() * p.element_size()
+        same_kind = groups and groups[-1][0][1].dtype == p.dtype and groups[-1][0][1].device == p.device
+        if not groups or not same_kind or size + nbytes > cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    buckets = []
+    for i, members in enumerate(groups):
+        offsets, total = [], 0
+        for _, p in members:
+            offsets.append(total)
+            total += p.numel()
+        first = members[0][1]
+        flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buckets.append(Bucket(i, [n for n, _ in members], [p for _, p in members], offsets, total, flat))
+    return buckets
+
+
+def _check_same_layout(named: list[tuple[str, nn.Parameter]], comm: Communicator) -> None:
+    """Refuse, on every rank, replicas whose parameters differ in name, shape or dtype."""
+    if comm.size == 1:
+        return
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+    everyone: list[Any] = [None] * comm.size
+    dist.all_gather_object(everyone, mine, group=comm.group)
+    reference = dict((n, rest) for n, *rest in everyone[0])
+    for r, layout in enumerate(everyone[1:], start=1):
+        theirs = dict((n, rest) for n, *rest in layout)
+        for name in sorted(set(reference) | set(theirs)):
+            a, b = reference.get(name), theirs.get(name)
+            if a != b:
+                def show(x: Any) -> str:
+                    return "missing" if x is None else f"shape {x[0]} {x[1].replace('torch.', '')}"
+
+                raise ValueError(
+                    f"every data-parallel replica must hold the same parameters, got {name!r}: {show(a)} on rank "
+                    f"{comm.global_ranks[0]} but {show(b)} on rank {comm.global_ranks[r]}. Build the same model "
+                    "(same config) on every rank.")
+
+
+def _broadcast_state(module: nn.Module, comm: Communicator) -> None:
+    """Copy group rank 0's parameters and buffers to every rank, so all replicas start equal."""
+    if comm.size == 1:
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=comm.global_ranks[0], group=comm.group)
