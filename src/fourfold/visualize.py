@@ -27,8 +27,8 @@ KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
 # Micro-batch colours: tab10 without its orange and red (comm and wait here) and its grey (no micro-batch).
 _MICROBATCH_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#5254a3")
 _NO_MICROBATCH = "#B0B0B0"
-# Within a rank's row: compute fills the band; comm and wait sit in its lower part, drawn over compute, so
-# communication that overlaps computation shows as a strip across the compute box.
+# Within a rank's row: compute fills the band; comm sits in its lower part and wait in its upper part, drawn
+# over compute, so communication that overlaps computation shows as a strip across the compute box.
 _BAND = 0.8
 _STRIP = 0.38
 
@@ -83,7 +83,12 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
                 if w > 0.012 * span_ms * len(text):
                     ax.text(x + w / 2, row, text, ha="center", va="center", fontsize=7, color="white", zorder=4)
         for (kind, color), xw in boxes.items():
-            y, h = (row - _BAND / 2, _BAND) if kind == "compute" else (row + _BAND / 2 - _STRIP, _STRIP)
+            if kind == "compute":
+                y, h = row - _BAND / 2, _BAND
+            elif kind == "comm":  # lower strip
+                y, h = row + _BAND / 2 - _STRIP, _STRIP
+            else:  # wait: upper strip, so a wait on communication does not hide the communication itself
+                y, h = row - _BAND / 2, _STRIP
             ax.broken_barh(xw, (y, h), facecolors=color, edgecolors="white", linewidth=0.4,
                            zorder=2 if kind == "compute" else 3)
 
