@@ -185,7 +185,7 @@ class DataParallel(nn.Module):
                 "rank must use every parameter in each step; pass find_unused_parameters=True to treat their "
                 "gradient as zero, or freeze them (requires_grad=False).")
         for b, p in missing:  # unused this step: contributes zero, so every rank still reduces every bucket
-            offset = b.offsets[b.params.index(p)]
+            offset = self._where[id(p)][1]  # not b.params.index(p): == on tensors compares elementwise
             b.flat[offset:offset + p.numel()].zero_()
             b.ready.add(id(p))
         self._launch_in_order()
