@@ -41,7 +41,9 @@ from torch import nn
 from fourfold.comm import ALGORITHMS, CommError, CommStats, Communicator, allreduce
 from fourfold.trace import Tracer
 
-__all__ = ["Bucket", "DataParallel", "sync_gradients"]
+__all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "sync_gradients"]
+
+FIRST_BUCKET_BYTES = 2**20
 
 
 def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
@@ -144,7 +146,8 @@ class DataParallel(nn.Module):
             return
         bucket, offset = self._where[id(p)]
         assert p.grad is not None  # the hook runs after accumulation
-        bucket.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        # Scale while packing (1/G), so finish() has no separate pass over the buckets on the critical path.
+        torch.mul(p.grad.reshape(-1), 1.0 / self.size, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))
         self._launch_in_order()
         if self._launched == len(self.buckets):
@@ -192,16 +195,17 @@ class DataParallel(nn.Module):
         waiting = self.tracer.span("wait", "grad_sync") if self.tracer is not None else contextlib.nullcontext()
         with waiting:  # the communication backward could not hide
             for b in self.buckets:
-                self._wait(b)
-        for b in self.buckets:
-            b.flat.div_(self.size)
-            for p, offset in zip(b.params, b.offsets, strict=True):
-                chunk = b.flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
+                self._wait(b)  # then unpack it at once, while later buckets are still in flight
+                self._unpack(b)
         self._finished, self._checked = True, True
+
+    def _unpack(self, b: Bucket) -> None:
+        for p, offset in zip(b.params, b.offsets, strict=True):
+            chunk = b.flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
 
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
@@ -217,13 +221,17 @@ class DataParallel(nn.Module):
 
 def _make_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
     """Pack parameters, last-registered first (roughly the order backward produces gradients), into buckets
-    of at most ``cap_bytes`` (a larger parameter gets a bucket of its own); one dtype and device per bucket."""
+    of at most ``cap_bytes`` (the first at most 1 MiB; a larger parameter gets a bucket of its own); one dtype
+    and device per bucket."""
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
     for name, p in reversed(named):
         nbytes = p.numel() * p.element_size()
         same_kind = groups and groups[-1][0][1].dtype == p.dtype and groups[-1][0][1].device == p.device
-        if not groups or not same_kind or size + nbytes > cap_bytes:
+        # The first bucket is small (at most 1 MiB, as DDP does): it fills early in backward, so communication
+        # starts early even when the whole model would fit in one bucket.
+        cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 else cap_bytes
+        if not groups or not same_kind or size + nbytes > cap:
             groups.append([])
             size = 0
         groups[-1].append((name, p))

@@ -1,0 +1,403 @@
+"""``fourfold bench allreduce``: every all-reduce algorithm timed side by side, the cost model fitted, a chart.
+
+    fourfold bench allreduce --nproc 2                      # sizes 4 KB..64 MB, every algorithm, ~1 minute
+    fourfold bench allreduce --nproc 4 --sizes 4KB,1MB --algorithms ring,tree,auto,native --iters 10
+    python benchmarks/allreduce.py --nproc 2                # the same code
+
+The parent starts ``--nproc`` ranks through torchrun's launcher (:func:`fourfold.elastic.launch_workers`), each
+running ``python -m fourfold.bench allreduce ...``. On the ranks:
+
+1. ping-pong between ranks 0 and 1 over 4 B..16 MB through :class:`~fourfold.comm.Communicator` (the path every
+   algorithm takes); one-way time t(n) = α + βn fitted by least squares on relative error (so 4 B counts as
+   much as 16 MB); γ from timing ``add_`` on rank 0. The model is saved (``--cost-model``, default
+   ``$FOURFOLD_COST_MODEL`` or ``~/.cache/fourfold/cost_model.json``) and is what ``auto`` uses in this run.
+2. per size (float32), the algorithms interleaved (the order rotates every iteration), warm-up calls first
+   (the first also checks the exact sum), a barrier before each timed call, one Communicator per algorithm;
+   a call's time is the slowest rank's; the figure is the median over ``--iters`` (capped for large sizes).
+3. rank 0 prints the table (busbw = size/time * 2(G-1)/G, the NCCL-tests convention), auto's switch points,
+   auto against the best, the project's targets, and writes OUT/bench.json and OUT/bench.png.
+
+A benchmark, not a test: it prints figures and refuses nothing but bad flags and wrong sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fit_line", "format_bytes", "main", "parse_size"]
+
+DEFAULT_SIZES = "4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB"
+CANDIDATES = ("ring", "tree", "hierarchical")  # what auto may pick: "auto vs best" compares with these
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_PINGPONG = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def parse_size(text: str) -> int:
+    """``"64KB"`` -> 65536 (KB = 1024 B, as NCCL-tests counts); a multiple of 4 bytes (float32), >= 4."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size must be a number with an optional unit B, KB, MB or GB, got {text!r}. "
+                         f"E.g. --sizes 4KB,1MB.")
+    n = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if n < 4 or n % 4:
+        raise ValueError(f"size must be a positive multiple of 4 bytes (float32 elements), got {text!r} = {n} B.")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``(a, b)`` minimising sum(((y - a - b*x) / y)^2): least squares on relative error."""
+    pts = [(x, y, 1.0 / (y * y)) for x, y in zip(xs, ys, strict=True)]
+    sw, sx, sy = sum(w for _, _, w in pts), sum(w * x for x, _, w in pts), sum(w * y for _, y, w in pts)
+    sxx, sxy = sum(w * x * x for x, _, w in pts), sum(w * x * y for x, y, w in pts)
+    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return (sy - b * sx) / sw, b
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fourfold.config import make_parser
+
+    p = make_parser("fourfold bench allreduce", "Time every all-reduce algorithm side by side on --nproc ranks, "
+                    "fit the alpha-beta cost model auto uses, and chart it.")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine, >= 2 (default: 2)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, float32 (default: {DEFAULT_SIZES})")
+    p.add_argument("--algorithms", default=None, help="comma-separated (default: every registered one but "
+                   "hierarchical, which is the ring on one machine, plus auto and native)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per size and algorithm; capped at "
+                   "max(20, ITERS*1MB/size) above 1 MB (default: 50)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
+    p.add_argument("--out", default="runs/bench-allreduce", help="where bench.json and bench.png go "
+                   "(overwritten; default: runs/bench-allreduce)")
+    p.add_argument("--cost-model", default=None, metavar="PATH", help="where to save the fitted model (default: "
+                   "$FOURFOLD_COST_MODEL or ~/.cache/fourfold/cost_model.json)")
+    p.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the fitted cost model for auto to use in later runs (default: yes)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    return p
+
+
+def _check(ns: argparse.Namespace) -> argparse.Namespace:
+    """Turn the flags into values (``ns.sizes``: bytes; ``ns.algorithms``: names) or raise ValueError."""
+    from fourfold.comm import ALGORITHMS
+
+    ns.sizes = [parse_size(s) for s in ns.sizes.split(",") if s.strip()]
+    if not ns.sizes:
+        raise ValueError("sizes must name at least one size, got none. E.g. --sizes 4KB,1MB.")
+    default = [a for a in ALGORITHMS if a != "hierarchical"]
+    ns.algorithms = default if ns.algorithms is None else [a.strip() for a in ns.algorithms.split(",") if a.strip()]
+    for a in ns.algorithms:
+        if a not in ALGORITHMS:
+            raise ValueError(f"algorithms must be among {', '.join(ALGORITHMS)}, got {a!r}.")
+    if len(set(ns.algorithms)) != len(ns.algorithms) or not ns.algorithms:
+        raise ValueError(f"algorithms must be distinct and at least one, got {ns.algorithms}.")
+    if ns.nproc < 2:
+        raise ValueError(f"nproc must be >= 2 (an all-reduce over one rank does nothing), got {ns.nproc}. "
+                         f"Pass --nproc 2.")
+    if ns.iters < 1 or ns.warmup < 1:
+        raise ValueError(f"iters and warmup must be >= 1 (the first warm-up call checks the sum), got "
+                         f"iters={ns.iters}, warmup={ns.warmup}.")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fourfold bench allreduce ...``: launch the ranks (parent) or run the benchmark (a rank)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fourfold bench allreduce [--nproc G] [--sizes ...] [--algorithms ...] [--iters N] "
+              "[--out DIR]\n\nbenchmarks:\n  allreduce  every all-reduce algorithm side by side, and the cost "
+              "model of auto\n  dp         a training step: fourfold DataParallel vs DDP vs no sync\n\n"
+              "Run `fourfold bench allreduce --help` (or dp --help) for its flags.")
+        return 0
+    if argv[0] == "dp":
+        from fourfold.bench_dp import main as dp_main
+
+        return dp_main(argv[1:])
+    if argv[0] != "allreduce":
+        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp.", file=sys.stderr)
+        return 2
+    parser = _parser()
+    ns = parser.parse_args(argv[1:])
+    try:
+        _check(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if "RANK" in os.environ:  # a rank started by the launcher
+        _run(ns)
+        return 0
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    command = ns.command or shlex.join(["fourfold", "bench", *argv])
+    rest = without_section_flags(argv[1:], "launch")
+    if "--command" in rest:  # ours replaces the user's (the "--command=..." form is dropped below)
+        del rest[rest.index("--command"):rest.index("--command") + 2]
+    rest = [a for a in rest if not a.startswith("--command=")]
+    print(f"fourfold bench: starting {ns.nproc} ranks ...", flush=True)
+    return launch_workers("fourfold.bench", ["allreduce", *rest, f"--command={command}"],
+                          LaunchConfig(nproc=ns.nproc))
+
+
+def _run(ns: argparse.Namespace) -> None:
+    """One rank's benchmark: ping-pong and fit, then every size x algorithm; rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from fourfold import launch
+    from fourfold.comm import Communicator, allreduce, auto
+
+    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    g, main_rank = ctx.world_size, ctx.rank == 0
+    say = (lambda *a: print("[bench]", *a, flush=True)) if main_rank else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
+            f"be noisy; re-run when it is quiet")
+    say(f"G={g}, sizes {', '.join(format_bytes(s) for s in ns.sizes)}, algorithms {', '.join(ns.algorithms)}")
+
+    # phase 1: alpha, beta from a ping-pong between ranks 0 and 1; gamma from add_ on rank 0
+    pp_comm = Communicator(timeout_s=ns.timeout)
+    pingpong: list[tuple[int, float]] = []
+    for nbytes in _PINGPONG:
+        t, reps, times = torch.zeros(nbytes // 4), (30 if nbytes <= 64 << 10 else 8), []
+        for i in range(reps + 2):
+            dist.barrier()  # as before every timed call below: back-to-back p2p on gloo can fall into 4 ms stalls
+            t0 = time.perf_counter()
+            if ctx.rank == 0:
+                pp_comm.exchange([(1, t)], algorithm="pingpong", step=i)
+                pp_comm.exchange([], [(1, t)], algorithm="pingpong", step=i)
+            elif ctx.rank == 1:
+                pp_comm.exchange([], [(0, t)], algorithm="pingpong", step=i)
+                pp_comm.exchange([(0, t)], algorithm="pingpong", step=i)
+            times.append((time.perf_counter() - t0) / 2)
+        pingpong.append((nbytes, statistics.median(times[2:])))
+    reduce_times: list[tuple[int, float]] = []
+    if main_rank:
+        for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20):
+            a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+            times = []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                a.add_(b)
+                times.append(time.perf_counter() - t0)
+            reduce_times.append((nbytes, statistics.median(times[2:])))
+    model = None
+    if main_rank:
+        alpha, beta = fit_line([n for n, _ in pingpong], [s for _, s in pingpong])
+        gamma = fit_line([n for n, _ in reduce_times], [s for _, s in reduce_times])[1]
+        info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": _machine(g), "pingpong": pingpong, "reduce": reduce_times,
+                "fit": "one-way ping-pong t = alpha + beta*n, least squares on relative error; gamma: add_ slope"}
+        if alpha < 0:
+            say(f"warning: the fit gave alpha = {alpha * 1e6:.1f} us < 0 (noise); using 0")
+        model = auto.CostModel(max(alpha, 0.0), max(beta, 0.0), max(gamma, 0.0),
+                               source=f"fourfold bench allreduce --nproc {g}", info=info)
+        say(f"cost model: alpha {model.alpha_s * 1e6:.1f} us, beta {model.beta_s_per_byte * 1e9:.3f} ns/B "
+            f"({1e-9 / model.beta_s_per_byte:.2f} GB/s), gamma {model.gamma_s_per_byte * 1e9:.3f} ns/B")
+        if ns.save_model:
+            say(f"saved the cost model to {model.save(ns.cost_model)}")
+    comms = {a: Communicator(timeout_s=ns.timeout) for a in ns.algorithms}
+    model = auto.attach(comms.get("auto") or Communicator(timeout_s=ns.timeout), model)  # rank 0's, everywhere
+
+    # phase 2: every size, the algorithms interleaved
+    rows: list[dict[str, Any]] = []
+    for k, nbytes in enumerate(ns.sizes):
+        numel = nbytes // 4
+        iters = max(min(ns.iters, 20), min(ns.iters, ns.iters * (1 << 20) // nbytes))
+        pattern = (torch.arange(numel) % 7 + 1).to(torch.float32)  # (N,) small integers: float32 sums exact
+        src, work = pattern * (ctx.rank + 1), torch.empty(numel)
+        expected = pattern * (g * (g + 1) // 2)
+        timed = torch.zeros(len(ns.algorithms), iters, dtype=torch.float64)  # (algorithms, iters)
+        for it in range(ns.warmup + iters):
+            for j in [(it + m) % len(ns.algorithms) for m in range(len(ns.algorithms))]:
+                name = ns.algorithms[j]
+                if it == ns.warmup:
+                    comms[name].stats.reset()
+                work.copy_(src)
+                dist.barrier()
+                t0 = time.perf_counter()
+                allreduce(work, name, comm=comms[name], check=False)
+                elapsed = time.perf_counter() - t0
+                if it >= ns.warmup:
+                    timed[j, it - ns.warmup] = elapsed
+                elif it == 0 and not torch.equal(work, expected):
+                    bad = int((work != expected).nonzero()[0])
+                    raise RuntimeError(f"rank {ctx.rank}: {name} gave a wrong sum at {format_bytes(nbytes)}: element "
+                                       f"{bad} is {work[bad].item()}, expected {expected[bad].item()}.")
+        dist.all_reduce(timed, op=dist.ReduceOp.MAX)  # a call takes as long as its slowest rank
+        sent = torch.tensor([comms[a].stats.sent_bytes // iters for a in ns.algorithms], dtype=torch.int64)
+        sent_all = [torch.empty_like(sent) for _ in range(g)]
+        dist.all_gather(sent_all, sent)
+        chosen = auto.choose(numel, 4, g, model)[0]
+        for j, name in enumerate(ns.algorithms):
+            rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], model, chosen))
+        _ratios(rows, nbytes)
+        say(f"size {k + 1}/{len(ns.sizes)}: {format_bytes(nbytes)}, {iters} iters, {time.monotonic() - started:.0f} s")
+        if main_rank:
+            print(_table([r for r in rows if r["bytes"] == nbytes], header=k == 0), flush=True)
+    if main_rank:
+        _report(ns, g, model, rows, time.monotonic() - started, load_before)
+    dist.barrier()
+    ctx.close()
+
+
+def _machine(g: int) -> dict[str, Any]:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "backend": "gloo", "world_size": g, "transport": "tcp over loopback"}
+
+
+def _theory(name: str, numel: int, g: int) -> list[int] | None:
+    from fourfold.comm import hierarchical, master, naive, ring, tree
+
+    fns = {"naive": naive.theory, "master": master.theory, "ring": ring.theory, "tree": tree.theory,
+           "hierarchical": hierarchical.theory}
+    return [fns[name](numel, g, r, 4)[0] for r in range(g)] if name in fns else None
+
+
+def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], model: Any, chosen: str) -> dict:
+    from fourfold.comm import auto
+
+    runs = chosen if name == "auto" else name
+    median = statistics.median(times)
+    return {"bytes": nbytes, "algorithm": name, "runs": runs, "median_s": median, "min_s": min(times),
+            "times_s": times, "algbw_GBps": nbytes / median / 1e9,
+            "busbw_GBps": nbytes / median / 1e9 * 2 * (g - 1) / g,
+            "sent_bytes_counted": None if name == "native" else sent, "sent_bytes_theory": _theory(runs, nbytes // 4, g),
+            "predicted_s": auto.predict(model, runs, nbytes // 4, 4, g) if runs in CANDIDATES else None}
+
+
+def _ratios(rows: list[dict], nbytes: int) -> None:
+    here = {r["algorithm"]: r for r in rows if r["bytes"] == nbytes}
+    native = here.get("native")
+    for r in here.values():
+        r["vs_native"] = r["median_s"] / native["median_s"] if native else None
+
+
+def _table(rows: list[dict], header: bool) -> str:
+    lines = [f"{'size':>8} {'algorithm':<13} {'median':>9} {'min':>9} {'busbw GB/s':>10} {'x native':>8} "
+             f"{'sent/rank':>10} {'theory':>10} {'predicted':>9}"] if header else []
+    for r in rows:
+        name = f"auto->{r['runs']}" if r["algorithm"] == "auto" else r["algorithm"]
+        counted, theory = r["sent_bytes_counted"], r["sent_bytes_theory"]
+        ok = "" if counted is None or theory is None or counted == theory else " !"
+        lines.append(f"{format_bytes(r['bytes']):>8} {name:<13} {_fmt_time(r['median_s']):>9} "
+                     f"{_fmt_time(r['min_s']):>9} {r['busbw_GBps']:>10.3f} "
+                     f"{'-' if r['vs_native'] is None else format(r['vs_native'], '.2f'):>8} "
+                     f"{'-' if counted is None else format_bytes(max(counted)):>10} "
+                     f"{'-' if theory is None else format_bytes(max(theory)):>10}{ok} "
+                     f"{'-' if r['predicted_s'] is None else _fmt_time(r['predicted_s']):>9}")
+    return "\n".join(lines)
+
+
+def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapsed: float,
+            load_before: tuple[float, float, float]) -> None:
+    """Rank 0: switch points, auto vs best, targets; bench.json and bench.png."""
+    from fourfold.comm import auto
+    from fourfold.files import write_text_atomic
+
+    switches = auto.switch_points(4, g, model)
+    text = ", ".join(f"{b} from {format_bytes(n * 4)}" for n, _, b in switches) or "none"
+    print(f"\nauto (G={g}): {switches[0][1] if switches else auto.choose(1, 4, g, model)[0]} first; {text}")
+    verdicts, best_rows = [], []
+    for nbytes in ns.sizes:
+        here = {r["algorithm"]: r for r in rows if r["bytes"] == nbytes}
+        cands = [r for a, r in here.items() if a in CANDIDATES]
+        if "auto" in here and cands:
+            best = min(cands, key=lambda r: r["median_s"])
+            overall = min((r for a, r in here.items() if a != "auto"), key=lambda r: r["median_s"])
+            ratio = here["auto"]["median_s"] / best["median_s"]
+            pick = here["auto"]["runs"]
+            # The pick's own row measures the choice without the noise between two runs of the same code.
+            pick_ratio = here[pick]["median_s"] / best["median_s"] if pick in here else None
+            best_rows.append({"bytes": nbytes, "auto_runs": pick, "auto_s": here["auto"]["median_s"],
+                              "best": best["algorithm"], "best_s": best["median_s"], "ratio": ratio,
+                              "pick_ratio": pick_ratio, "best_overall": overall["algorithm"],
+                              "best_overall_s": overall["median_s"]})
+            print(f"  {format_bytes(nbytes):>8}: auto->{pick} {_fmt_time(here['auto']['median_s'])} = {ratio:.2f}x "
+                  f"the best candidate, {best['algorithm']} {_fmt_time(best['median_s'])}"
+                  + ("" if pick_ratio is None else f" ({pick}'s own row: {pick_ratio:.2f}x)")
+                  + f"; best of all {overall['algorithm']} {_fmt_time(overall['median_s'])}")
+            verdicts.append((f"auto within 10% of the best candidate at {format_bytes(nbytes)}", ratio, 1.10))
+        ring_r, native_r, tree_r = here.get("ring"), here.get("native"), here.get("tree")
+        if g == 2 and ring_r and native_r:
+            limit = 1.10 if nbytes >= 16 << 20 else 1.3 if (1 << 20) <= nbytes <= (4 << 20) else None
+            if limit:
+                verdicts.append((f"G=2 ring <= {limit}x native at {format_bytes(nbytes)}",
+                                 ring_r["median_s"] / native_r["median_s"], limit))
+        if g == 4 and ring_r and tree_r and nbytes < 64 << 10:
+            verdicts.append((f"G=4 tree beats ring at {format_bytes(nbytes)}",
+                             tree_r["median_s"] / ring_r["median_s"], 1.0))
+    print("\ntargets:")
+    for what, value, limit in verdicts:
+        met = value <= limit
+        print(f"  {'met   ' if met else 'MISSED'} {what}: {value:.2f}x" + ("" if met else f" ({value / limit - 1:+.0%})"))
+    out = Path(ns.out)
+    result = {"command": ns.command, "argv": sys.argv, "date": model.info.get("date"), "elapsed_s": elapsed,
+              "machine": _machine(g), "load_before": load_before, "load_after": os.getloadavg(),
+              "settings": {"sizes": ns.sizes, "algorithms": ns.algorithms, "iters": ns.iters, "warmup": ns.warmup,
+                           "dtype": "float32", "timing": "slowest rank per call, median over iters"},
+              "cost_model": model.to_dict(), "switch_points": [{"bytes": n * 4, "from": a, "to": b}
+                                                               for n, a, b in switches],
+              "results": rows, "auto_vs_best": best_rows,
+              "targets": [{"target": w, "value": v, "limit": lim, "met": v <= lim} for w, v, lim in verdicts]}
+    import json
+
+    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        _chart(rows, g, model, out / "bench.png")
+        print(f"wrote {out / 'bench.png'}", flush=True)
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+
+
+def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fourfold.comm import auto
+    from fourfold.files import atomic_path
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == name]
+        line, = ax.plot([r["bytes"] for r in mine], [r["median_s"] * 1e3 for r in mine], "o-", label=name)
+        if name in ("ring", "tree"):
+            sizes = [r["bytes"] for r in mine]
+            ax.plot(sizes, [auto.predict(model, name, s // 4, 4, g) * 1e3 for s in sizes], ":",
+                    color=line.get_color(), label=f"{name} (model)")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes, float32)", ylabel="median time (ms)",
+           title=f"all-reduce on G={g} ranks, gloo on CPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""``fourfold bench dp``: fourfold's DataParallel against PyTorch's DistributedDataParallel and against no
+gradient sync at all, on the same model, the same batch and the same ranks, side by side.
+
+    fourfold bench dp --nproc 2                  # TinyGPT (3.3 M) and a 4 x 2048^2 MLP, 7 variants, ~1 min
+    fourfold bench dp --models gpt --variants none,ddp,native,ring,tree,auto --rounds 40
+    python benchmarks/data_parallel.py --nproc 2                 # the same code
+
+Variants (``--variants``; ``NAME@MB`` gives that variant its own bucket size, otherwise ``--bucket-mb``):
+
+* ``none``: every rank trains on its own shard and never syncs gradients, the lower bound on a step;
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=MB)``, the reference;
+* any fourfold algorithm (``native``, ``ring``, ``tree``, ``auto``, ...):
+  :class:`fourfold.parallel.data.DataParallel` ``(model, algorithm=NAME, bucket_mb=MB)``.
+
+Method. Every variant holds its own copy of the model (one seed, so every copy starts equal) and its own SGD
+optimizer. Round k draws one global batch (each rank takes its shard) and runs one training step (forward,
+backward with the gradient sync inside, optimizer) of every variant, the order rotating each round. The
+``--warmup`` rounds come first and are not timed; in the first one the averaged gradients of every variant
+are compared with DDP's (a float32 tolerance). A barrier precedes every timed step; a step takes as long as
+its slowest rank; the figure is the median over ``--rounds``. The hidden fraction of a fourfold variant comes
+from its :class:`~fourfold.trace.Tracer` spans (forward and backward as compute, each bucket's all-reduce as
+comm, the wait in ``finish`` as wait) through :func:`fourfold.trace.hidden_fraction`: the median over steps
+and ranks. Rank 0 prints the table and the project's targets and writes OUT/bench.json and OUT/bench.png.
+
+A benchmark, not a test: it prints figures and refuses nothing but bad flags and gradients that disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+
+__all__ = ["TARGETS", "main", "parse_variant"]
+
+DEFAULT_VARIANTS = "none,ddp,native,ring,ddp@4,native@4,ring@4"
+TARGETS = (("gpt", "native", 1.05), ("gpt", "ring", 1.20))
+"""(model, fourfold variant, limit on its median step time / DDP's at the same bucket size), at G=2."""
+GRAD_RTOL = 1e-5  # float32: |ours - ddp| <= 1e-5 * max|g_ddp| per parameter (~80 ulps of the largest entry)
+_COLUMNS = ("step", "forward", "backward", "optimizer", "comm", "wait", "hidden")  # per (round, rank)
+
+
+class Variant(NamedTuple):
+    """One way to synchronise gradients: ``kind`` is ``none``, ``ddp`` or a fourfold algorithm."""
+
+    name: str
+    kind: str
+    bucket_mb: float | None  # None for ``none``
+
+
+def parse_variant(text: str, bucket_mb: float) -> Variant:
+    """``"ring"`` -> Variant("ring", "ring", bucket_mb); ``"ring@4"`` -> Variant("ring@4", "ring", 4.0)."""
+    from fourfold.comm import ALGORITHMS
+
+    kind, _, mb = text.strip().partition("@")
+    if kind not in ("none", "ddp", *ALGORITHMS):
+        raise ValueError(f"variants must be none, ddp or a fourfold algorithm ({', '.join(ALGORITHMS)}), "
+                         f"optionally with @MB, got {text!r}. E.g. --variants none,ddp,native,ring@4.")
+    if kind == "none":
+        if mb:
+            raise ValueError(f"variant none has no buckets, got {text!r}. Pass none.")
+        return Variant("none", "none", None)
+    try:
+        size = float(mb) if mb else bucket_mb
+    except ValueError:
+        size = -1.0
+    if not size > 0:
+        raise ValueError(f"a variant's bucket size must be a number of MB > 0, got {text!r}. E.g. ring@4.")
+    return Variant(f"{kind}@{size:g}" if mb else kind, kind, size)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fourfold.config import make_parser
+
+    p = make_parser("fourfold bench dp", "Time a training step of fourfold's DataParallel, PyTorch's "
+                    "DistributedDataParallel and no gradient sync side by side on --nproc ranks.")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine, >= 2 (default: 2)")
+    p.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp (default: gpt,mlp)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="none, ddp, fourfold algorithms, NAME@MB for "
+                   f"a bucket size of its own (default: {DEFAULT_VARIANTS})")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB for ddp and fourfold "
+                   "(default: 25, DDP's default)")
+    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks the "
+                   "gradients (default: 3)")
+    p.add_argument("--gpt-layers", type=int, default=4, help="TinyGPT n_layer (default: 4)")
+    p.add_argument("--gpt-d-model", type=int, default=256, help="TinyGPT d_model (default: 256)")
+    p.add_argument("--gpt-heads", type=int, default=4, help="TinyGPT n_head (default: 4)")
+    p.add_argument("--gpt-seq-len", type=int, default=128, help="TinyGPT seq_len (default: 128)")
+    p.add_argument("--gpt-batch", type=int, default=8, help="global batch in sequences (default: 8)")
+    p.add_argument("--mlp-width", type=int, default=2048, help="MLP layer width (default: 2048)")
+    p.add_argument("--mlp-layers", type=int, default=4, help="MLP Linear(width, width) layers (default: 4)")
+    p.add_argument("--mlp-batch", type=int, default=64, help="MLP global batch in rows (default: 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
+    p.add_argument("--out", default="runs/bench-dp", help="where bench.json and bench.png go (overwritten; "
+                   "default: runs/bench-dp)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    return p
+
+
+def _check(ns: argparse.Namespace) -> argparse.Namespace:
+    """Turn the flags into values (``ns.models``: names, ``ns.variants``: Variants) or raise ValueError."""
+    ns.models = [m.strip() for m in ns.models.split(",") if m.strip()]
+    if not ns.models or any(m not in ("gpt", "mlp") for m in ns.models) or len(set(ns.models)) != len(ns.models):
+        raise ValueError(f"models must be distinct names among gpt, mlp, got {ns.models}. E.g. --models gpt.")
+    if not ns.bucket_mb > 0:
+        raise ValueError(f"bucket-mb must be > 0, got {ns.bucket_mb}. 25 is DDP's default.")
+    ns.variants = [parse_variant(v, ns.bucket_mb) for v in ns.variants.split(",") if v.strip()]
+    names = [v.name for v in ns.variants]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"variants must be distinct and at least one, got {names}.")
+    if ns.nproc < 2:
+        raise ValueError(f"nproc must be >= 2 (data parallelism over one rank syncs nothing), got {ns.nproc}. "
+                         "Pass --nproc 2.")
+    if ns.rounds < 1 or ns.warmup < 1:
+        raise ValueError(f"rounds and warmup must be >= 1 (the first warm-up round checks the gradients), got "
+                         f"rounds={ns.rounds}, warmup={ns.warmup}.")
+    for flag in ("gpt_batch", "mlp_batch"):
+        if getattr(ns, flag) % ns.nproc or getattr(ns, flag) < ns.nproc:
+            raise ValueError(f"{flag.replace('_', '-')} must be a positive multiple of nproc (equal shards), got "
+                             f"{getattr(ns, flag)} on {ns.nproc} ranks. Pass a multiple of {ns.nproc}.")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fourfold bench dp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        _check(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if "RANK" in os.environ:  # a rank started by the launcher
+        _run(ns)
+        return 0
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    rest = [a for a in without_section_flags(argv, "launch") if not a.startswith("--command=")]
+    if "--command" in rest:  # ours replaces the user's
+        del rest[rest.index("--command"):rest.index("--command") + 2]
+    command = ns.command or shlex.join(["fourfold", "bench", "dp", *argv])
+    print(f"fourfold bench dp: starting {ns.nproc} ranks ...", flush=True)
+    return launch_workers("fourfold.bench_dp", [*rest, f"--command={command}"], LaunchConfig(nproc=ns.nproc))
+
+
+class Workload(NamedTuple):
+    """A model and its data: ``build()`` the same weights on every call, ``shard(k)`` this rank's rows of
+    round k's global batch, ``loss(model(x), y)``."""
+
+    name: str
+    describe: str
+    build: Callable[[], Any]
+    shard: Callable[[int], tuple[Any, Any]]
+    loss: Callable[[Any, Any], Any]
+
+
+def _workload(name: str, ns: argparse.Namespace, rank: int, g: int) -> Workload:
+    import torch
+    from torch import nn
+
+    if name == "gpt":
+        from fourfold.data import BatchLoader, load_corpus
+        from fourfold.models import GPTConfig, TinyGPT
+        from fourfold.models.gpt import lm_loss
+
+        cfg = GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads, d_model=ns.gpt_d_model)
+        loader = BatchLoader(load_corpus(), ns.gpt_batch, cfg.seq_len, seed=0, dp_rank=rank, dp_size=g)
+        return Workload("gpt", f"TinyGPT L={cfg.n_layer} C={cfg.d_model} H={cfg.n_head} T={cfg.seq_len}, batch "
+                        f"{ns.gpt_batch} ({ns.gpt_batch // g}/rank)", lambda: TinyGPT(cfg, seed=0),
+                        loader.shard, lm_loss)
+
+    width, rows = ns.mlp_width, ns.mlp_batch // g
+
+    def build() -> nn.Module:
+        layers: list[nn.Module] = []
+        for i in range(ns.mlp_layers):
+            layers += [nn.Linear(width, width, device="meta")] + ([nn.GELU()] if i < ns.mlp_layers - 1 else [])
+        model = nn.Sequential(*layers).to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)  # our own generator: every copy equal, torch's global RNG untouched
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * width ** -0.5 if p.dim() == 2 else torch.zeros(p.shape))
+        return model
+
+    def shard(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(k * g + rank)
+        return torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen)  # (B/G, W) x2
+
+    return Workload("mlp", f"MLP {ns.mlp_layers} x Linear({width}, {width}), batch {ns.mlp_batch} ({rows}/rank)",
+                    build, shard, nn.functional.mse_loss)
+
+
+@dataclass(eq=False)
+class _Replica:
+    """One variant's model copy, wrapped as the variant wraps it, with its optimizer and tracer."""
+
+    variant: Variant
+    inner: Any       # the bare model (its parameters carry the averaged gradients)
+    model: Any       # what forward is called on: the model itself, DDP(model) or DataParallel(model)
+    optimizer: Any
+    tracer: Any
+    dp: Any = None   # the DataParallel, for fourfold variants
+
+
+def _replica(v: Variant, w: Workload, lr: float, rank: int, timeout_s: float) -> _Replica:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fourfold.parallel.data import DataParallel
+    from fourfold.trace import Tracer
+
+    inner = w.build()
+    optimizer = torch.optim.SGD(inner.parameters(), lr=lr)
+    tracer = Tracer(rank)
+    if v.kind == "none" or v.bucket_mb is None:
+        return _Replica(v, inner, inner, optimizer, tracer)
+    if v.kind == "ddp":
+        return _Replica(v, inner, DistributedDataParallel(inner, bucket_cap_mb=v.bucket_mb), optimizer, tracer)
+    dp = DataParallel(inner, None, v.kind, v.bucket_mb, tracer=tracer, timeout_s=timeout_s)
+    return _Replica(v, inner, dp, optimizer, tracer, dp)
+
+
+def _step(r: _Replica, w: Workload, x: Any, y: Any, grads: dict[str, list[Any]] | None = None) -> None:
+    """One training step; ``grads`` gets a copy of the averaged gradients (the check)."""
+    with r.tracer.span("compute", "forward"):
+        loss = w.loss(r.model(x), y)
+    with r.tracer.span("compute", "backward"):
+        loss.backward()  # DDP and DataParallel reduce their buckets in here, as gradients become ready
+    if r.dp is not None:
+        r.dp.finish()  # idempotent: backward's last gradient hook has normally done it
+    if grads is not None:
+        grads[r.variant.name] = [p.grad.detach().clone() for p in r.inner.parameters()]
+    with r.tracer.span("compute", "optimizer"):
+        r.optimizer.step()
+        r.optimizer.zero_grad(set_to_none=True)
+
+
+def _span_figures(spans: list[Any]) -> list[float]:
+    """forward, backward, optimizer, comm, wait seconds and the hidden fraction (NaN if no comm) of one step.
+
+    comm is the time at least one bucket was in flight (the union of the comm spans: native buckets queue in
+    the backend together, so their spans overlap and their sum would count the queueing twice).
+    """
+    from fourfold.trace import hidden_fraction
+
+    def total(kind: str, name: str | None = None) -> float:
+        return sum(s.duration_s for s in spans if s.kind == kind and (name is None or s.name == name))
+
+    in_flight, cursor = 0, -1
+    for b, e in sorted((s.start_ns, s.end_ns) for s in spans if s.kind == "comm"):
+        in_flight += max(0, e - max(b, cursor))
+        cursor = max(cursor, e)
+    hidden = hidden_fraction(spans)
+    return [total("compute", "forward"), total("compute", "backward"), total("compute", "optimizer"),
+            in_flight / 1e9, total("wait"), math.nan if hidden is None else hidden]
+
+
+def _run(ns: argparse.Namespace) -> None:
+    """One rank: every workload, every variant interleaved; rank 0 reports."""
+    import torch.distributed as dist
+
+    from fourfold import launch
+
+    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    g, main_rank = ctx.world_size, ctx.rank == 0
+    say = (lambda *a: print("[bench dp]", *a, flush=True)) if main_rank else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
+            "be noisy; re-run when it is quiet")
+    say(f"G={g}, variants {', '.join(v.name for v in ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
+    workloads = []
+    for name in ns.models:
+        workloads.append(_measure(_workload(name, ns, ctx.rank, g), ns, ctx.rank, g, say))
+        if main_rank:
+            print(_table(workloads[-1]), flush=True)
+    if main_rank:
+        _report(ns, g, workloads, time.monotonic() - started, load_before)
+    dist.barrier()
+    ctx.close()
+
+
+def _measure(w: Workload, ns: argparse.Namespace, rank: int, g: int, say: Callable[..., None]) -> dict[str, Any]:
+    """Build every variant's replica, run the rounds, gather the figures; the workload's result on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    replicas = [_replica(v, w, ns.lr, rank, ns.timeout) for v in ns.variants]
+    params = sum(p.numel() for p in replicas[0].inner.parameters())
+    say(f"{w.describe}: {params / 1e6:.2f} M parameters, {format_bytes(params * 4)} of float32 gradients")
+    dist.barrier()
+    for r in replicas:
+        r.tracer.start()
+    elapsed = torch.zeros(len(replicas), ns.rounds, dtype=torch.float64)  # (variants, rounds)
+    grads: dict[str, list[torch.Tensor]] = {}
+    for it in range(ns.warmup + ns.rounds):
+        x, y = w.shard(it)  # the same batch for every variant this round
+        for j in [(it + m) % len(replicas) for m in range(len(replicas))]:
+            r = replicas[j]
+            r.tracer.set_step(it)
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(r, w, x, y, grads if it == 0 else None)
+            if it >= ns.warmup:
+                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
+    check = _grad_check(replicas, grads)
+    steps = range(ns.warmup, ns.warmup + ns.rounds)
+    mine = torch.zeros(len(replicas), ns.rounds, len(_COLUMNS), dtype=torch.float64)  # (V, rounds, columns)
+    for j, r in enumerate(replicas):
+        by_step = defaultdict(list)
+        for s in r.tracer.spans:
+            by_step[s.step].append(s)
+        for k, step in enumerate(steps):
+            mine[j, k] = torch.tensor([elapsed[j, k].item(), *_span_figures(by_step[step])], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(g)]
+    dist.all_gather(everyone, mine)
+    stacked = torch.stack(everyone)  # (G, V, rounds, columns)
+    rows = [_row(r, stacked[:, j], ns.rounds) for j, r in enumerate(replicas)]
+    _ratios(rows)
+    return {"model": w.name, "describe": w.describe, "parameters": params, "grad_bytes": params * 4,
+            "rows": rows, "grad_check": check}
+
+
+def _grad_check(replicas: list[_Replica], grads: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every synced variant's step-1 gradients against the first DDP variant's, worst over ranks and params;
+    raises when one disagrees beyond GRAD_RTOL."""
+    import torch
+    import torch.distributed as dist
+
+    ref = next((r.variant.name for r in replicas if r.variant.kind == "ddp"), None)
+    others = [r.variant.name for r in replicas if r.variant.kind != "none" and r.variant.name != ref]
+    if ref is None or not others:
+        return []
+    worst = torch.zeros(len(others), 2, dtype=torch.float64)  # (variants, [max |diff|, max |diff| / max |g|])
+    for i, name in enumerate(others):
+        for a, b in zip(grads[name], grads[ref], strict=True):
+            diff = (a - b).abs().max().item()
+            worst[i, 0] = max(worst[i, 0].item(), diff)
+            worst[i, 1] = max(worst[i, 1].item(), diff / max(b.abs().max().item(), 1e-30))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    out = [{"variant": n, "reference": ref, "max_abs_diff": worst[i, 0].item(), "max_rel_diff": worst[i, 1].item(),
+            "rtol": GRAD_RTOL, "ok": worst[i, 1].item() <= GRAD_RTOL} for i, n in enumerate(others)]
+    bad = [c for c in out if not c["ok"]]
+    if bad:
+        raise RuntimeError(f"gradients must match {ref}'s on step 1 within rtol {GRAD_RTOL:g}, got "
+                           + ", ".join(f"{c['variant']}: max |diff| {c['max_abs_diff']:.3g} "
+                                       f"({c['max_rel_diff']:.3g} of max |g|)" for c in bad)
+                           + ". A bucket reduced twice, not averaged, or a parameter missed.")
+    return out
+
+
+def _row(r: _Replica, figures: Any, rounds: int) -> dict[str, Any]:
+    """A variant's figures from ``figures`` (G, rounds, columns): step = slowest rank, the rest medians."""
+    import torch
+
+    step = figures[:, :, 0].max(dim=0).values.tolist()  # (rounds,): a step takes as long as its slowest rank
+    med = {c: torch.nanmedian(figures[:, :, i].reshape(-1)).item() for i, c in enumerate(_COLUMNS) if i}
+    v = r.variant
+    return {"variant": v.name, "kind": v.kind, "bucket_mb": v.bucket_mb,
+            "buckets": len(r.dp.buckets) if r.dp is not None else None,
+            "median_s": statistics.median(step), "min_s": min(step), "max_s": max(step), "times_s": step,
+            **{f"{c}_s": med[c] for c in _COLUMNS[1:-1]},
+            "hidden_fraction": None if math.isnan(med["hidden"]) else med["hidden"]}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """x ddp: against DDP at the same bucket size (else the first DDP); x none: against no sync."""
+    ddps = [r for r in rows if r["kind"] == "ddp"]
+    none = next((r for r in rows if r["kind"] == "none"), None)
+    for r in rows:
+        ref = next((d for d in ddps if d["bucket_mb"] == r["bucket_mb"]), ddps[0] if ddps else None)
+        r["vs_ddp"] = ref["variant"] if ref else None
+        r["x_ddp"] = r["median_s"] / ref["median_s"] if ref else None
+        r["x_none"] = r["median_s"] / none["median_s"] if none else None
+        r["over_none_s"] = r["median_s"] - none["median_s"] if none else None
+
+
+def _table(result: dict[str, Any]) -> str:
+    def num(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    def bucket(r: dict[str, Any]) -> str:
+        return "-" if r["bucket_mb"] is None else f"{r['bucket_mb']:g} MB"
+
+    def fourfold_only(r: dict[str, Any], key: str) -> str:
+        return "-" if r["kind"] in ("none", "ddp") else _fmt_time(r[key])
+
+    lines = [f"\n{result['describe']}, {result['parameters'] / 1e6:.2f} M parameters",
+             f"{'variant':<11} {'bucket':>7} {'#b':>3} {'median':>9} {'min':>9} {'x ddp':>6} {'x none':>6} "
+             f"{'+ vs none':>9} {'forward':>9} {'backward':>9} {'comm':>9} {'wait':>9} {'hidden':>6}"]
+    for r in result["rows"]:
+        over = r["over_none_s"]
+        lines.append(
+            f"{r['variant']:<11} {bucket(r):>7} "
+            f"{num(r['buckets'], 'd'):>3} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+            f"{num(r['x_ddp'], '.3f'):>6} {num(r['x_none'], '.3f'):>6} "
+            f"{'-' if over is None else format(over * 1e3, '+.1f') + ' ms':>9} {_fmt_time(r['forward_s']):>9} "
+            f"{_fmt_time(r['backward_s']):>9} {fourfold_only(r, 'comm_s'):>9} {fourfold_only(r, 'wait_s'):>9} "
+            f"{num(r['hidden_fraction'], '.2f'):>6}")
+    for c in result["grad_check"]:
+        lines.append(f"grad check, step 1: {c['variant']} vs {c['reference']}: max |diff| {c['max_abs_diff']:.3g} "
+                     f"({c['max_rel_diff']:.3g} of max |g|, rtol {c['rtol']:g}) {'ok' if c['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], elapsed: float,
+            load_before: tuple[float, float, float]) -> None:
+    """Rank 0: the targets, bench.json and bench.png."""
+    from fourfold.files import write_text_atomic
+
+    verdicts = []
+    for model, variant, limit in TARGETS:
+        for w in workloads:
+            row = next((r for r in w["rows"] if w["model"] == model and r["variant"] == variant), None)
+            if row is not None and row["x_ddp"] is not None and g == 2:
+                verdicts.append({"target": f"G=2 {model} {variant}: step time <= {limit}x {row['vs_ddp']}",
+                                 "value": row["x_ddp"], "limit": limit, "met": row["x_ddp"] <= limit,
+                                 "hidden_fraction": row["hidden_fraction"]})
+    print("\ntargets:")
+    for t in verdicts:
+        miss = "" if t["met"] else f" ({t['value'] / t['limit'] - 1:+.1%} over the limit)"
+        hidden = "-" if t["hidden_fraction"] is None else f"{t['hidden_fraction']:.2f}"
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}x{miss}; hidden {hidden}")
+    load_after = os.getloadavg()
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
+    result = {"command": ns.command, "argv": sys.argv,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "elapsed_s": elapsed, "machine": _machine(g), "load_before": load_before, "load_after": load_after,
+              "settings": {"variants": [v._asdict() for v in ns.variants], "bucket_mb": ns.bucket_mb,
+                           "rounds": ns.rounds, "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})",
+                           "dtype": "float32", "timing": "slowest rank per step, median over rounds; other "
+                           "columns: median over ranks and rounds"},
+              "workloads": workloads, "targets": verdicts}
+    out = Path(ns.out)
+    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        _chart(workloads, g, out / "bench.png")
+        print(f"wrote {out / 'bench.png'}", flush=True)
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+
+
+def _chart(workloads: list[dict[str, Any]], g: int, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fourfold.files import atomic_path
+
+    fig = Figure(figsize=(4 + 3 * len(workloads), 4.5))
+    for i, w in enumerate(workloads):
+        ax = fig.add_subplot(1, len(workloads), i + 1)
+        rows = w["rows"]
+        xs = range(len(rows))
+        colors = ["0.6" if r["kind"] == "none" else "C1" if r["kind"] == "ddp" else "C0" for r in rows]
+        medians = [r["median_s"] * 1e3 for r in rows]
+        spread = [[m - r["min_s"] * 1e3 for m, r in zip(medians, rows, strict=True)],
+                  [r["max_s"] * 1e3 - m for m, r in zip(medians, rows, strict=True)]]
+        ax.bar(xs, medians, color=colors, yerr=spread, capsize=3)
+        for x, r in zip(xs, rows, strict=True):
+            if r["x_ddp"] is not None and r["kind"] != "ddp":
+                ax.annotate(f"{r['x_ddp']:.2f}x", (x, r["max_s"] * 1e3), ha="center", va="bottom", fontsize=8,
+                            xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(list(xs), [r["variant"] for r in rows], rotation=30, fontsize=8)
+        ax.set(ylabel="median step time (ms; bars: min..max)", title=f"{w['model']}: {w['parameters'] / 1e6:.2f} M "
+               f"params, G={g}")
+        ax.title.set_fontsize(9)
+    fig.suptitle("data parallel step, gloo on CPU: grey none, orange DDP, blue fourfold (label: x DDP)", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
