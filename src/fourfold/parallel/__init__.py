@@ -1,7 +1,6 @@
-"""Parallel strategies: data, tensor, pipeline and model parallelism."""
+"""Parallel strategies, one module each: ``data`` (DataParallel, sync_gradients), ``tensor`` (column/row-
+parallel layers, TinyGPT's plan in ``tensor_gpt``), ``schedule`` (pipeline schedules as pure data).
 
-from __future__ import annotations
-
-from fourfold.parallel.data import sync_gradients
-
-__all__ = ["sync_gradients"]
+Import the module you need (``from fourfold.parallel.data import DataParallel``); this package imports
+nothing itself, so the pure ones (``schedule``) load without torch.distributed.
+"""

@@ -1,0 +1,491 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions ``(stage, op, microbatch)``.
+
+::
+
+    from fourfold.parallel.schedule import make_schedule, peak_in_flight, simulate
+
+    s = make_schedule("1f1b", pp=4, microbatches=8)    # validated on the way out
+    print(s)                                            # the rank x time grid, cells like 0F3
+    t = simulate(s, f=1.0, b=1.0, w=1.0)                # start/end of every action
+    t.bubble, t.bubble_by_rank, peak_in_flight(s)       # 3/11 idle, (3/11,)*4, [4, 3, 2, 1]
+
+Vocabulary. ``pp`` ranks hold ``pp * virtual`` model stages; stage ``s`` lives on rank ``s % pp`` (Megatron's
+round robin: rank r holds stages r, r+pp, r+2pp, ...). ``F`` runs a stage forward on one micro-batch; ``B``
+runs it backward: the input gradient, and also the weight gradient unless the schedule *splits* backward, in
+which case ``W`` computes the weight gradient later (zero bubble). ``str(Action(1, "F", 3)) == "1F3"``.
+
+A :class:`Schedule` holds only the *order* of each rank's work (compact lists, no idle slots). Time is a
+consequence of that order and of costs, computed by :func:`simulate`: every rank runs its list in order, and an
+action starts when the rank is free and its inputs exist (the activation of ``F`` on stage s-1, the gradient
+of ``B`` on stage s+1; sends never block, i.e. the runtime uses ``isend``). The same rules, with every action
+one time slot, give :func:`format_grid`'s columns and :func:`validate`'s deadlock check, so "valid" means "the
+runtime, executing these lists with blocking receives, finishes".
+
+Costs: ``f``, ``b``, ``w`` are the times of forward, input-gradient and weight-gradient work of one micro-batch
+through one *rank's* share of the model; a fused ``B`` costs ``b + w`` and a virtual stage ``1/virtual`` of
+each (so schedules compare at equal work). ``comm`` is added to every activation or gradient that crosses
+ranks. The defaults f = b = w = 1 are the usual rule of thumb (backward = 2 x forward) and ZB-H1's assumption.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, NoReturn
+
+__all__ = [
+    "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "TimedAction", "Timeline", "format_grid",
+    "gpipe", "interleaved", "make_schedule", "naive", "one_f_one_b", "parse_actions", "peak_in_flight",
+    "simulate", "theory_bubble", "validate", "zero_bubble",
+]
+
+Op = Literal["F", "B", "W"]
+_FB: tuple[Op, ...] = ("F", "B")
+_FBW: tuple[Op, ...] = ("F", "B", "W")
+_BEFORE: dict[str, Op] = {"B": "F", "W": "B"}  # on a stage, B needs its F, W needs its B
+_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+
+
+class Action(NamedTuple):
+    """One unit of pipeline work: ``op`` of model stage ``stage`` on micro-batch ``microbatch``."""
+
+    stage: int
+    op: Op
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"1F3"`` -> ``Action(stage=1, op="F", microbatch=3)``."""
+        match = _ACTION.fullmatch(text.strip())
+        if not match:
+            raise ValueError(f"an action must read <stage><F|B|W><microbatch>, e.g. 1F3, got {text!r}.")
+        return cls(int(match[1]), match[2], int(match[3]))  # type: ignore[arg-type]
+
+
+def parse_actions(text: str) -> tuple[Action, ...]:
+    """``"0F0 0F1 0B0"`` -> three actions (whitespace separated)."""
+    return tuple(Action.parse(t) for t in text.split())
+
+
+class ScheduleError(ValueError):
+    """A schedule that breaks a rule; the message holds the rank x step grid with the failing step marked."""
+
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.step = rank, step
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank's actions in the order it runs them; ``ranks[r][i]`` is rank r's step i."""
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual: int
+    ranks: tuple[tuple[Action, ...], ...]
+    split_backward: bool = False  # B is the input gradient only and each (stage, microbatch) has a W
+
+    def __post_init__(self) -> None:
+        _check_sizes(self.name, self.pp, self.microbatches, self.virtual)
+        if len(self.ranks) != self.pp:
+            raise ValueError(f"a schedule needs one action list per rank, got {len(self.ranks)} lists for "
+                             f"pp={self.pp}.")
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+    def owner(self, stage: int) -> int:
+        """The rank that holds ``stage``."""
+        return stage % self.pp
+
+    def __str__(self) -> str:
+        return format_grid(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generators: each schedule written once, as the per-rank lists it produces
+
+def _check_sizes(name: str, pp: int, microbatches: int, virtual: int) -> None:
+    for key, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {key}={value!r} for {name}.")
+
+
+def _one_stage_per_rank(name: str, pp: int, microbatches: int, virtual: int) -> None:
+    _check_sizes(name, pp, microbatches, virtual)
+    if virtual != 1:
+        raise ValueError(f"{name} runs one stage per rank, got virtual={virtual} with pp={pp}: "
+                         "use virtual=1, or the interleaved schedule for virtual stages.")
+
+
+def naive(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Model parallelism: each micro-batch goes all the way forward and back before the next one starts."""
+    _one_stage_per_rank("naive", pp, microbatches, virtual)
+    ranks = tuple(tuple(Action(r, op, i) for i in range(microbatches) for op in _FB) for r in range(pp))
+    return Schedule("naive", pp, microbatches, 1, ranks)
+
+
+def gpipe(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """GPipe (Huang et al. 2019): every micro-batch forward, then every micro-batch backward."""
+    _one_stage_per_rank("gpipe", pp, microbatches, virtual)
+    ranks = tuple(tuple(Action(r, op, i) for op in _FB for i in range(microbatches)) for r in range(pp))
+    return Schedule("gpipe", pp, microbatches, 1, ranks)
+
+
+def _warmup_steady_cooldown(pp: int, microbatches: int, virtual: int, rank: int,
+                            warmup: int) -> tuple[Action, ...]:
+    """``warmup`` forwards, then forward/backward pairs, then the backwards left: 1F1B and its interleaving.
+
+    The k-th forward on a rank takes micro-batches in groups of pp through chunk 0, then the same group through
+    chunk 1, ...; the k-th backward walks the chunks the other way (Narayanan et al. 2021). With virtual=1
+    both are simply micro-batch k.
+    """
+    total = microbatches * virtual
+
+    def at(k: int, op: Op) -> Action:
+        chunk = (k // pp) % virtual
+        if op == "B":
+            chunk = virtual - 1 - chunk
+        return Action(chunk * pp + rank, op, k // (pp * virtual) * pp + k % pp)
+
+    order = [at(k, "F") for k in range(warmup)]
+    for k in range(total - warmup):  # steady state: one forward, one backward
+        order += [at(warmup + k, "F"), at(k, "B")]
+    return tuple(order + [at(k, "B") for k in range(total - warmup, total)])
+
+
+def one_f_one_b(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """PipeDream-Flush 1F1B (Narayanan et al. 2021): pp-1-r warm-up forwards, then alternate F and B.
+
+    A rank never holds more than pp-r micro-batches' activations, where GPipe holds all of them; the bubble
+    is GPipe's. Allowed with fewer micro-batches than ranks, where it degenerates: the first pp-m ranks run
+    out of forwards while warming up (GPipe's order) and the bubble (p-1)/(m+p-1) is most of the step.
+    """
+    _one_stage_per_rank("1f1b", pp, microbatches, virtual)
+    ranks = tuple(_warmup_steady_cooldown(pp, microbatches, 1, r, min(pp - 1 - r, microbatches))
+                  for r in range(pp))
+    return Schedule("1f1b", pp, microbatches, 1, ranks)
+
+
+def interleaved(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): each rank holds ``virtual`` non-adjacent stages.
+
+    A micro-batch crosses every rank ``virtual`` times in stages 1/virtual as long, so the fill and drain
+    shrink by that factor, for ``virtual`` times more messages. Rank r warms up with 2(pp-1-r) + (v-1)pp
+    forwards: (v-1)pp so its first backward's stage exists, and twice 1F1B's pp-1-r so that a message's
+    round trip (comm > 0) does not stall the steady state. Megatron warms up fully when microbatches == pp;
+    simulating both shows no gain, so this keeps the lower memory.
+    """
+    _check_sizes("interleaved", pp, microbatches, virtual)
+    if virtual < 2:
+        raise ValueError(f"interleaved needs virtual >= 2 stages per rank, got virtual={virtual} with pp={pp}: "
+                         "pass virtual=2 or more, or use 1f1b (which is the one-stage case).")
+    if microbatches % pp:
+        low, high = microbatches // pp * pp, (microbatches // pp + 1) * pp
+        fix = f"{low} or {high}" if low else f"{high}"
+        raise ValueError(f"interleaved needs microbatches divisible by pp, got microbatches={microbatches} and "
+                         f"pp={pp}: use {fix} micro-batches.")
+    total = microbatches * virtual
+    ranks = tuple(_warmup_steady_cooldown(pp, microbatches, virtual, r,
+                                          min(total, 2 * (pp - 1 - r) + (virtual - 1) * pp)) for r in range(pp))
+    return Schedule("interleaved", pp, microbatches, virtual, ranks)
+
+
+def zero_bubble(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): 1F1B's order of F and B, with B the input gradient only and W placed later.
+
+    Gradients travel back after B alone, so the drain is shorter; each W (weight gradient, needed by no other
+    rank) waits until its rank would otherwise idle. F and B keep 1F1B's order, so at most pp-r micro-batches
+    are between F and B on rank r, as in 1F1B; and a rank starts no F while pp micro-batches are between F and
+    W, so counted until W (what W still needs: layer inputs and output gradients) the peak is 1F1B's pp too.
+    W is placed by running the schedule with F = B = W = one slot, the paper's assumption; each rank then
+    idles (p-1)(f+b-w) for any costs with w <= min(f, b) and m >= p.
+    """
+    _one_stage_per_rank("zb", pp, microbatches, virtual)
+    order = one_f_one_b(pp, microbatches).ranks
+    done: dict[tuple[int, str, int], int] = {}  # (stage, op, microbatch) -> slot it ended in
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    pos, held = [0] * pp, [0] * pp  # next F/B in 1F1B's order; micro-batches between F and W
+    waiting: list[list[int]] = [[] for _ in range(pp)]  # micro-batches whose B ran and W did not
+    t = 0
+    while any(pos[r] < len(order[r]) or waiting[r] for r in range(pp)):
+        for r in range(pp):
+            nxt = order[r][pos[r]] if pos[r] < len(order[r]) else None
+            if nxt is not None and (nxt.op == "B" or held[r] < pp) and _ready(nxt, pp, done, t):
+                action, pos[r] = nxt, pos[r] + 1
+                if nxt.op == "B":
+                    waiting[r].append(nxt.microbatch)
+            elif waiting[r]:  # nothing else can start now: fill the slot with the oldest weight gradient
+                action = Action(r, "W", waiting[r].pop(0))
+            else:
+                continue
+            out[r].append(action)
+            held[r] += {"F": 1, "W": -1}.get(action.op, 0)
+            done[(action.stage, action.op, action.microbatch)] = t + 1
+        t += 1
+    return Schedule("zb", pp, microbatches, 1, tuple(map(tuple, out)), split_backward=True)
+
+
+def _ready(a: Action, stages: int, done: dict[tuple[int, str, int], int], t: int) -> bool:
+    return all(done.get(key, t + 1) <= t for key, _ in _inputs(a, stages))
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble,
+}
+
+
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The named schedule, validated; refuses unknown names with the nearest one."""
+    if name not in SCHEDULES:
+        near = difflib.get_close_matches(name, SCHEDULES, n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}.{hint}")
+    schedule = SCHEDULES[name](pp, microbatches, virtual)
+    validate(schedule)
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------------------
+# running a schedule: dependencies, validation, simulated time
+
+def _inputs(a: Action, stages: int) -> list[tuple[tuple[int, str, int], bool]]:
+    """What ``a`` needs before it can start: ``(stage, op, microbatch)`` keys, and whether it is a message."""
+    s, i = a.stage, a.microbatch
+    if a.op == "F":
+        return [((s - 1, "F", i), True)] if s > 0 else []
+    if a.op == "B":  # the activations its forward saved, and the gradient from the next stage
+        return [((s, "F", i), False)] + ([((s + 1, "B", i), True)] if s < stages - 1 else [])
+    return [((s, "B", i), False)]
+
+
+def _run(schedule: Schedule, cost: Callable[[Action], float], comm: float = 0.0,
+         ) -> tuple[dict[tuple[int, str, int], tuple[float, float]], list[int]]:
+    """Execute every rank's list in order: ``{key: (start, end)}`` for what ran, and how far each rank got."""
+    times: dict[tuple[int, str, int], tuple[float, float]] = {}
+    pos, free = [0] * schedule.pp, [0.0] * schedule.pp
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(schedule.ranks):
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                needs = _inputs(a, schedule.stages)
+                if any(key not in times for key, _ in needs):
+                    break  # blocked on a receive (or on its own later step: a deadlock if nobody moves)
+                start = max([free[r]] + [times[key][1] + (comm if message and schedule.owner(key[0]) != r else 0)
+                                         for key, message in needs])
+                free[r] = start + cost(a)
+                times[(a.stage, a.op, a.microbatch)] = (start, free[r])
+                pos[r] += 1
+                progress = True
+    return times, pos
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless the schedule is complete, well placed, ordered and deadlock-free.
+
+    Every (stage, microbatch) has exactly one F and one B (and one W iff ``split_backward``), on the rank that
+    owns the stage; on a rank, a stage's B comes after its F and its W after its B; and the lists run to the
+    end with blocking receives (the F of stage s waits for stage s-1's activation, the B of stage s for stage
+    s+1's gradient). The error shows the rank x step grid with the failing step marked ``>1B3<``.
+    """
+    s = schedule
+    seen: dict[tuple[int, str, int], tuple[int, int]] = {}
+    for r, actions in enumerate(s.ranks):
+        for i, a in enumerate(actions):
+            what = f"{a} at rank {r} step {i}"
+            if not isinstance(a, Action) or a.op not in ("F", "B", "W"):
+                _fail(s, r, i, f"{a!r} at rank {r} step {i} is not an Action(stage, 'F'|'B'|'W', microbatch).")
+            if not (0 <= a.stage < s.stages and 0 <= a.microbatch < s.microbatches):
+                _fail(s, r, i, f"{what} is out of range: stages are 0..{s.stages - 1} and micro-batches "
+                               f"0..{s.microbatches - 1}.")
+            if a.op == "W" and not s.split_backward:
+                _fail(s, r, i, f"{what} is a weight-gradient step, but {s.name} does not split backward "
+                               "(its B computes the weight gradient too).")
+            if s.owner(a.stage) != r:
+                _fail(s, r, i, f"{what} is on the wrong rank: stage {a.stage} lives on rank "
+                               f"{s.owner(a.stage)} (stage % pp = {a.stage} % {s.pp}).")
+            key = (a.stage, a.op, a.microbatch)
+            if key in seen:
+                _fail(s, r, i, f"{what} appears twice: also at rank {seen[key][0]} step {seen[key][1]}.")
+            seen[key] = (r, i)
+            before = _BEFORE.get(a.op)
+            if before and seen.get((a.stage, before, a.microbatch)) is None:
+                later = [j for j, b in enumerate(actions) if b == Action(a.stage, before, a.microbatch)]
+                where = f"it comes later, at step {later[0]}" if later else "it is missing"
+                _fail(s, r, i, f"{what} comes before {a.stage}{before}{a.microbatch} ({where}): "
+                               + ("a backward needs the activations its forward saved."
+                                  if a.op == "B" else "a weight gradient needs its backward's output gradient."))
+    ops = _FBW if s.split_backward else _FB
+    missing = [Action(st, op, i) for st in range(s.stages) for i in range(s.microbatches) for op in ops
+               if (st, op, i) not in seen]
+    if missing:
+        a = missing[0]
+        words = f"{len(missing)} action(s) on no rank, first {a} (it belongs on rank {s.owner(a.stage)}): " \
+                f"every stage runs {', '.join(ops)} once per micro-batch"
+        needs = [(r, i) for r, actions in enumerate(s.ranks) for i, b in enumerate(actions)
+                 if any(key == tuple(a) for key, _ in _inputs(b, s.stages))]
+        if not needs:
+            _fail(s, None, None, words + ".")
+        r, i = needs[0]  # mark the step that would wait for it forever
+        _fail(s, r, i, f"{words}; {s.ranks[r][i]} at rank {r} step {i} waits for it.")
+    _, pos = _run(s, lambda a: 1.0)
+    stuck = [r for r in range(s.pp) if pos[r] < len(s.ranks[r])]
+    if stuck:
+        lines = []
+        for r in stuck:
+            a = s.ranks[r][pos[r]]
+            for (st, op, i), _ in _inputs(a, s.stages):
+                src, j = seen[(st, op, i)]
+                if j >= pos[src]:  # not run yet
+                    kind = "activation" if op == "F" else "gradient"
+                    lines.append(f"rank {r} waits at step {pos[r]} ({a}) for the {kind} of {st}{op}{i}, "
+                                 f"rank {src}'s step {j}")
+        _fail(s, stuck[0], pos[stuck[0]], "deadlock: no rank can go on.\n  " + "\n  ".join(lines))
+
+
+def _fail(schedule: Schedule, rank: int | None, step: int | None, words: str) -> NoReturn:
+    mark = None if rank is None or step is None else (rank, step)
+    head = f"{schedule.name} (pp={schedule.pp}, microbatches={schedule.microbatches}, virtual=" \
+           f"{schedule.virtual}) is broken: {words}"
+    raise ScheduleError(f"{head}\n{format_grid(schedule, mark=mark, columns='step')}", rank, step)
+
+
+class TimedAction(NamedTuple):
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When every action ran under :func:`simulate`'s costs; ``ranks[r]`` in rank r's order."""
+
+    schedule: Schedule
+    ranks: tuple[tuple[TimedAction, ...], ...]
+    makespan: float
+    f: float
+    b: float
+    w: float
+    comm: float
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        return tuple(sum(t.end - t.start for t in row) for row in self.ranks)
+
+    @property
+    def bubble_by_rank(self) -> tuple[float, ...]:
+        """Idle fraction of each rank between time 0 and the makespan."""
+        return tuple(1 - busy / self.makespan for busy in self.busy)
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over all ranks / (pp * makespan)."""
+        return 1 - sum(self.busy) / (self.schedule.pp * self.makespan)
+
+
+def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0) -> Timeline:
+    """Start and end of every action when each rank runs its list in order as soon as inputs arrive.
+
+    ``f``, ``b``, ``w``: forward, input-gradient and weight-gradient time of one micro-batch through one rank's
+    share of the model (a fused B costs b + w; a virtual stage 1/virtual of each); ``comm``: added to each
+    activation or gradient sent to another rank. Validates first.
+    """
+    if min(f, b, w, comm) < 0 or f + b + w <= 0:
+        raise ValueError(f"costs must be >= 0 with f + b + w > 0, got f={f}, b={b}, w={w}, comm={comm}.")
+    validate(schedule)
+    fused = not schedule.split_backward
+    each = {"F": f, "B": b + w if fused else b, "W": w}
+    times, _ = _run(schedule, lambda a: each[a.op] / schedule.virtual, comm)
+    rows = tuple(tuple(TimedAction(a, *times[(a.stage, a.op, a.microbatch)]) for a in actions)
+                 for actions in schedule.ranks)
+    makespan = max((t.end for row in rows for t in row), default=0.0)
+    return Timeline(schedule, rows, makespan, f, b, w, comm)
+
+
+def theory_bubble(name: str, pp: int, microbatches: int, virtual: int = 1, f: float = 1.0, b: float = 1.0,
+                  w: float = 1.0) -> float:
+    """The textbook bubble (idle / (pp * makespan)) with equal stages and comm = 0.
+
+    naive (p-1)/p. gpipe, 1f1b: (p-1)/(m+p-1), for any f, b, w. interleaved: (p-1)/(vm+p-1), Megatron's
+    estimate, and exact in :func:`simulate`. zb (ZB-H1): each rank idles (p-1)(f+b-w) of a makespan
+    m(f+b+w) + (p-1)(f+b-w); exact for m >= p and w <= min(f, b) (a W must fit the gaps it fills).
+    """
+    p, m, v = pp, microbatches, virtual
+    if name == "naive":
+        return (p - 1) / p
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb":
+        idle = (p - 1) * (f + b - w)
+        return idle / (m * (f + b + w) + idle)
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}.")
+
+
+def peak_in_flight(schedule: Schedule, until: Literal["B", "W"] = "B") -> list[int]:
+    """Per rank, the most (stage, microbatch) forwards whose B has not run yet: activations held at once.
+
+    1f1b: pp - r on rank r; gpipe: m. An interleaved stage holds 1/virtual of a rank's layers, so its count
+    weighs 1/virtual of a micro-batch's activations. ``until="W"`` counts a micro-batch until its weight
+    gradient instead (what W still needs: the layer inputs and output gradients; zb keeps this at pp);
+    for a schedule without W it is the same as ``"B"``.
+    """
+    end = "W" if until == "W" and schedule.split_backward else "B"
+    peaks = []
+    for actions in schedule.ranks:
+        held = peak = 0
+        for a in actions:
+            held += {"F": 1, end: -1}.get(a.op, 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the picture in text
+
+def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None,
+                columns: Literal["time", "step"] = "time") -> str:
+    """Rows = ranks, cells like ``0F1``, ``.`` = idle; ``mark=(rank, step)`` draws that cell as ``>0F1<``.
+
+    ``columns="time"``: time slots with every action one slot (the order the schedule makes, not durations);
+    a schedule that :func:`validate` refuses is drawn by ``"step"``: each rank's list position.
+    """
+    cells: list[dict[int, str]] = []
+    if columns == "time":
+        try:
+            validate(schedule)
+            times, _ = _run(schedule, lambda a: 1.0)
+        except ScheduleError:
+            columns = "step"
+    for r, actions in enumerate(schedule.ranks):
+        row = {}
+        for i, a in enumerate(actions):
+            col = i if columns == "step" else int(times[(a.stage, a.op, a.microbatch)][0])
+            row[col] = (">{}<" if mark == (r, i) else " {} ").format(str(a))
+        cells.append(row)
+    width = max([len(c) for row in cells for c in row.values()] + [5])
+    n = max([max(row, default=-1) + 1 for row in cells] + [1])
+    lines = [(f"{columns:<7}" + "".join(f"{c:^{width}}" for c in range(n))).rstrip()]
+    for r, row in enumerate(cells):
+        idle = " . " if columns == "time" else "   "  # by step, a shorter list just ends
+        text = "".join(_pad(row.get(c, idle), width) for c in range(n))
+        lines.append(f"rank {r:<2}" + text.rstrip())
+    return "\n".join(lines)
+
+
+def _pad(cell: str, width: int) -> str:
+    """Centre a cell, keeping a mark's ``>`` and ``<`` hugging the label."""
+    inner = cell[1:-1].center(width - 2)
+    return cell[0] + inner + cell[-1] if cell[0] == ">" else f" {inner} "
+
