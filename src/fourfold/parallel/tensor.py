@@ -1,0 +1,396 @@
+"""Tensor parallelism: every big matmul's weight split over the p ranks of a ``group`` (Megatron-LM, Shoeybi
+et al. 2019), with the same numbers as one process. Notation: a linear layer is Y = XA + b with A = W^T, the
+(in, out) matrix (``nn.Linear`` stores W, (out, in)).
+
+* :class:`ColumnParallelLinear`: A = [A_1 ... A_p] split by output columns; rank i computes Y_i = X A_i + b_i.
+* :class:`RowParallelLinear`: A = [A_1; ...; A_p] split by input rows, X = [X_1 ... X_p]; Y = sum_i X_i A_i + b.
+* :class:`VocabParallelEmbedding`: the table's rows (the vocabulary) split; ids outside a rank's rows give zeros.
+* :func:`vocab_parallel_cross_entropy`: the loss over vocabulary-sharded logits, never gathering them.
+
+A column layer feeding a row layer (elementwise work such as GELU between) needs one all-reduce forward (g, after
+the row layer) and one backward (f, before the column layer): that is one transformer block half. Use it::
+
+    tp_model = parallelize_tinygpt(TinyGPT(config, seed=0), group, sequence_parallel=True)
+    logits, loss = tp_model(idx, targets)        # logits: this rank's vocabulary shard (B, T, V/p)
+    loss.backward()
+    sync_replicated_grads(tp_model, group)       # sequence parallelism only; a no-op without it
+    optimizer.step()
+    full = gather_state_dict(tp_model, group)    # loads into TinyGPT(config)
+
+or shard your own model's layers by name: ``tensor_parallel(model, {"fc1": "column", "fc2": "row"}, group)``.
+The collectives themselves live in :mod:`fourfold.parallel.tensor_comm`; TinyGPT's plan, whole state dicts and
+the collective theory in :mod:`fourfold.parallel.tensor_gpt` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.parallel.tensor_comm import (
+    Group,
+    all_reduce,
+    copy_to_tp,
+    gather_from_tp,
+    gather_sequence,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    split_to_tp,
+)
+from fourfold.trace import Tracer
+
+__all__ = [
+    "ColumnParallelLinear",
+    "Layout",
+    "RowParallelLinear",
+    "Style",
+    "VocabParallelEmbedding",
+    "shard",
+    "tensor_parallel",
+    "unshard",
+    "vocab_parallel_cross_entropy",
+]
+
+Style = Literal["column", "row", "vocab"]
+
+
+class Layout(NamedTuple):
+    """How a full tensor is cut: along ``dim`` (None: replicated), each of its ``parts`` blocks split p ways.
+
+    ``parts`` > 1 is a fused weight such as [W_q; W_k; W_v] (parts=3): rank i holds [W_q,i; W_k,i; W_v,i].
+    """
+
+    dim: int | None
+    parts: int = 1
+
+
+REPLICATED = Layout(None)
+
+
+def shard(full: torch.Tensor, layout: Layout, rank: int, p: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` under ``layout`` (a copy)."""
+    if layout.dim is None:
+        return full.detach().clone()
+    blocks = full.detach().chunk(layout.parts, layout.dim)
+    n = blocks[0].shape[layout.dim] // p
+    return torch.cat([b.narrow(layout.dim, rank * n, n) for b in blocks], layout.dim)
+
+
+def unshard(pieces: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The full tensor from every rank's piece, in rank order: the inverse of :func:`shard`."""
+    if layout.dim is None:
+        return pieces[0].clone()
+    per_rank = [piece.chunk(layout.parts, layout.dim) for piece in pieces]
+    return torch.cat([blocks[j] for j in range(layout.parts) for blocks in per_rank], layout.dim)
+
+
+def _tp(group: Group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _divisible(what: str, n: int, p: int, parts: int = 1) -> None:
+    m = p * parts  # parts > 1: each of the fused blocks is split p ways
+    if n % m:
+        raise ValueError(f"{what} must be divisible by tp{'' if parts == 1 else f'*{parts}'}, got {n} and {p}. "
+                         f"Use {what}={-(-n // m) * m} or a tp that divides {n // parts}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A = [A_1 ... A_p] split by output columns: rank i holds A_i, b_i; Y_i = X A_i + b_i.
+
+    Rank i's weight is rows [i out/p, (i+1) out/p) of W. The input X (B, T, in) is replicated, passed through f
+    (dL/dX = sum_i dL/dY_i A_i^T is all-reduced in backward); the output is Y_i (B, T, out/p), or with
+    ``gather_output`` [Y_1 ... Y_p] (B, T, out). ``sequence_parallel``: X arrives as this rank's sequence shard
+    (B, T/p, in) and is all-gathered first (dL/dX reduce-scattered back). ``parts`` > 1: A is ``parts`` blocks
+    side by side (fused q, k, v: parts=3), each split p ways, so Y_i = [X A^(1)_i ... X A^(parts)_i].
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True, parts: int = 1,
+                 gather_output: bool = False, sequence_parallel: bool = False, tracer: Tracer | None = None,
+                 site: str = "", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.rank, self.tp = _tp(group)
+        _divisible("out_features", out_features, self.tp, parts)
+        if gather_output and parts > 1:
+            raise ValueError(f"gather_output needs parts=1, got parts={parts}: the gathered blocks would be "
+                             "interleaved by rank. Split the output into its parts first, then gather each")
+        self.in_features, self.out_features, self.parts = in_features, out_features, parts
+        self.group, self.tracer, self.site = group, tracer, site
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features, **kw))  # (out/p, in)
+        self.bias = nn.Parameter(torch.empty(out_features // self.tp, **kw)) if bias else None
+        bound = 1 / math.sqrt(in_features)  # nn.Linear's init for the full layer; use from_linear to match one
+        for t in (self.weight, self.bias):
+            if t is not None:
+                nn.init.uniform_(t, -bound, bound)
+
+    def layouts(self) -> dict[str, Layout]:
+        return {"weight": Layout(0, self.parts), "bias": Layout(0, self.parts)}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> ColumnParallelLinear:
+        """This rank's columns of ``linear``: the sharded layer computes the same function."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        _copy_shards(layer, linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
+        x = gather_sequence(x, self.group, **kw) if self.sequence_parallel else copy_to_tp(x, self.group, **kw)
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/p)
+        return gather_from_tp(y, self.group, **kw) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp}), "
+                f"parts={self.parts}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A = [A_1; ...; A_p] split by input rows and X = [X_1 ... X_p]: Y = sum_i X_i A_i + b.
+
+    Rank i's weight is columns [i in/p, (i+1) in/p) of W; its input X_i (B, T, in/p) is a column layer's output
+    (``input_is_parallel``, the default) or cut here from a replicated X. The partial products X_i A_i are
+    all-reduced (g), or with ``sequence_parallel`` reduce-scattered to this rank's (B, T/p, out) sequence shard;
+    the bias, replicated, is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, tracer: Tracer | None = None,
+                 site: str = "", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.rank, self.tp = _tp(group)
+        _divisible("in_features", in_features, self.tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tracer, self.site = group, tracer, site
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp, **kw))  # (out, in/p)
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        bound = 1 / math.sqrt(in_features)
+        for t in (self.weight, self.bias):
+            if t is not None:
+                nn.init.uniform_(t, -bound, bound)
+
+    def layouts(self) -> dict[str, Layout]:
+        return {"weight": Layout(1), "bias": REPLICATED}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> RowParallelLinear:
+        """This rank's rows of A (columns of ``linear.weight``); the bias is copied whole."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        _copy_shards(layer, linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
+        if not self.input_is_parallel:
+            x = split_to_tp(x, self.group, **kw)  # (B, T, in/p)
+        y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum X_i A_i
+        y = reduce_scatter_sequence(y, self.group, **kw) if self.sequence_parallel else reduce_from_tp(
+            y, self.group, **kw)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (/{self.tp}), out_features={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[idx] with the table E (V, C) split by rows: rank i holds E_i = rows [i V/p, (i+1) V/p).
+
+    Rank i looks up the ids in its rows and writes zeros for the others, so the sum over ranks is the lookup:
+    E[idx] = sum_i 1[idx in rows_i] E_i[idx - i V/p]. The sum is an all-reduce (output (B, T, C), replicated)
+    or, with ``sequence_parallel``, a reduce-scatter to this rank's (B, T/p, C) sequence shard.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *, sequence_parallel: bool = False,
+                 tracer: Tracer | None = None, site: str = "", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.rank, self.tp = _tp(group)
+        if num_embeddings % self.tp:
+            raise ValueError(f"vocab_size must be divisible by tp, got {num_embeddings} and {self.tp}. Pad the "
+                             f"vocabulary to {-(-num_embeddings // self.tp) * self.tp}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.tracer, self.site, self.sequence_parallel = group, tracer, site, sequence_parallel
+        self.start = self.rank * num_embeddings // self.tp  # this rank's rows: [start, start + V/p)
+        self.weight = nn.Parameter(torch.empty(num_embeddings // self.tp, embedding_dim, device=device,
+                                               dtype=dtype))  # (V/p, C)
+        nn.init.normal_(self.weight)
+
+    def layouts(self) -> dict[str, Layout]:
+        return {"weight": Layout(0)}
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Group, **kw: Any) -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding``'s table."""
+        extras = {"padding_idx": embedding.padding_idx, "max_norm": embedding.max_norm,
+                  "scale_grad_by_freq": embedding.scale_grad_by_freq or None, "sparse": embedding.sparse or None}
+        extras = {k: v for k, v in extras.items() if v is not None}
+        if extras:  # each would act on the masked local ids (every other rank's token counts as id 0)
+            raise ValueError(f"VocabParallelEmbedding supports a plain nn.Embedding, got {extras}. "
+                             f"Build the embedding without {', '.join(extras)}")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=embedding.weight.device,
+                    dtype=embedding.weight.dtype, **kw)
+        _copy_shards(layer, embedding)
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.start + self.weight.shape[0])  # (B, T)
+        local = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)  # (B, T, C)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)  # rows another rank holds
+        kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(local, self.group, **kw)  # (B, T/p, C)
+        return reduce_from_tp(local, self.group, **kw)  # (B, T, C)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (/{self.tp}), {self.embedding_dim}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+
+
+@torch.no_grad()
+def _copy_shards(layer: Sharded, full: nn.Module) -> None:
+    for name, layout in layer.layouts().items():
+        mine, theirs = getattr(layer, name), getattr(full, name, None)
+        if mine is not None and theirs is not None:
+            mine.copy_(shard(theirs, layout, layer.rank, layer.tp))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group, tracer: Tracer | None,
+                site: str) -> torch.Tensor:
+        rank, _ = _tp(group)
+        kw: dict[str, Any] = {"tracer": tracer, "site": site}
+        z = logits.reshape(-1, logits.shape[-1])  # (N, V/p): this rank's columns of the logits
+        start = rank * z.shape[1]
+        y = targets.reshape(-1)  # (N,)
+        inside = (y >= start) & (y < start + z.shape[1])  # (N,) targets in this rank's columns
+        local = (y - start).masked_fill(~inside, 0)
+        # phase 1: the max over the whole row, so exp never overflows (it cancels in the loss)
+        m = all_reduce(z.max(dim=1).values, group, op=dist.ReduceOp.MAX, **kw)  # (N,)
+        e = torch.exp(z - m.unsqueeze(1))  # (N, V/p)
+        target = (z.gather(1, local.unsqueeze(1)).squeeze(1) - m).masked_fill(~inside, 0.0)  # (N,)
+        # phase 2: sum_v exp(z_v - m) and z_y - m, both sums over ranks, in one message
+        sums = all_reduce(torch.stack([e.sum(dim=1), target]), group, **kw)  # (2, N)
+        ctx.save_for_backward(e.div_(sums[0].unsqueeze(1)), local, inside)  # e is softmax_local now
+        ctx.shape = logits.shape
+        return (sums[0].log() - sums[1]).mean()  # mean_n [log sum_v exp(z_nv) - z_{n,y_n}]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, local, inside = ctx.saved_tensors
+        # d loss / d z = (softmax - onehot(y)) / N, restricted to this rank's columns: no communication
+        g = softmax.clone()
+        g.scatter_add_(1, local.unsqueeze(1), -inside.to(g.dtype).unsqueeze(1))
+        g.mul_(grad / softmax.shape[0])
+        return g.view(ctx.shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group: Group, *,
+                                 tracer: Tracer | None = None, site: str = "loss") -> torch.Tensor:
+    """mean_n [log sum_v exp(z_nv) - z_{n,y_n}] from this rank's logits z[..., i V/p : (i+1) V/p] alone.
+
+    Two all-reduces forward (the row maxima, then the two sums), none backward: equal to
+    ``F.cross_entropy(full_logits.reshape(-1, V), targets.reshape(-1))``. ``targets`` (...) are global ids.
+    """
+    if local_logits.shape[:-1] != targets.shape:
+        raise ValueError(f"targets must have the logits' shape without the last dim, got "
+                         f"{tuple(targets.shape)} and {tuple(local_logits.shape)}. Pass targets of shape "
+                         f"{tuple(local_logits.shape[:-1])}")
+    vocab = local_logits.shape[-1] * dist.get_world_size(group)
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(f"targets must be token ids in [0, {vocab}), got values in [{int(targets.min())}, "
+                         f"{int(targets.max())}]. Check the tokenizer's vocabulary size")
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, group, tracer, site)
+
+
+def tensor_parallel(model: nn.Module, plan: Mapping[str, Style], group: Group, *,
+                    tracer: Tracer | None = None, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place: each module named in ``plan`` is replaced by its tensor-parallel version.
+
+    ``"column"``: nn.Linear -> :class:`ColumnParallelLinear` (output left split: feed it, through elementwise
+    work only, to a ``"row"`` layer, or to :func:`vocab_parallel_cross_entropy`); ``"row"``: nn.Linear ->
+    :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding ->
+    :class:`VocabParallelEmbedding`. A weight two modules share (a tied embedding and head, ``"vocab"`` and
+    ``"column"``: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is for models that
+    run their non-parallel parts on sequence shards themselves (as :func:`parallelize_tinygpt` does).
+    Returns ``model``.
+    """
+    # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
+    sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
+    for name, style in plan.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+            raise ValueError(f"plan names a module the model does not have, got {name!r}. Linear and Embedding "
+                             f"modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}") from None
+        kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
+        if style in ("column", "row") and type(module) is nn.Linear:
+            cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+            new: Sharded = cls.from_linear(module, group, **kw)
+        elif style == "vocab" and type(module) is nn.Embedding:
+            new = VocabParallelEmbedding.from_embedding(module, group, **kw)
+        elif style in ("column", "row", "vocab"):
+            want = "nn.Embedding" if style == "vocab" else "nn.Linear"
+            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
+                            f"Use 'column'/'row' for nn.Linear and 'vocab' for nn.Embedding")
+        else:
+            raise ValueError(f"plan styles must be 'column', 'row' or 'vocab', got {style!r} for {name!r}")
+        full, layout = module.weight, new.layouts()["weight"]
+        assert isinstance(full, torch.Tensor)
+        if id(full) in sharded:  # tied: reuse the first shard, if it was cut the same way
+            other, other_layout, weight, _ = sharded[id(full)]
+            if other_layout != layout:
+                raise ValueError(f"{other!r} and {name!r} share one weight, so the plan must split it the same "
+                                 f"way in both, got {other_layout} and {layout}. Shard a tied head as 'column'")
+            new.weight = weight
+        else:
+            sharded[id(full)] = (name, layout, new.weight, full)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in sharded:
+            raise ValueError(f"{name!r} is tied to {sharded[id(param)][0]!r}, which the plan shards, so it "
+                             f"would keep the full weight and train apart. Add {name.rpartition('.')[0]!r} to "
+                             "the plan")
+    return model
+
+
+# TinyGPT's plan and the whole-model helpers, importable from here too (they build on the layers above).
+from fourfold.parallel.tensor_gpt import (  # noqa: E402
+    ParameterBytes,
+    TensorParallelGPT,
+    check_tinygpt_tp,
+    collective_theory,
+    collectives_per_step,
+    gather_state_dict,
+    load_full_state_dict,
+    parallelize_tinygpt,
+    parameter_bytes,
+    shard_layouts,
+    sync_replicated_grads,
+)
+
+__all__ += [
+    "ParameterBytes", "TensorParallelGPT", "check_tinygpt_tp", "collective_theory", "collectives_per_step",
+    "gather_state_dict", "load_full_state_dict", "parallelize_tinygpt", "parameter_bytes", "shard_layouts",
+    "sync_replicated_grads",
+]

@@ -1,0 +1,223 @@
+"""The communication of tensor parallelism: conjugate autograd functions over an explicit ``group`` of p ranks.
+
+Each function's backward is its partner's forward (Megatron-LM: Shoeybi et al. 2019, sec. 3; the sequence pair
+from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2):
+
+===========================  ========================  ========================  =======================
+function                     forward                   backward                  used
+===========================  ========================  ========================  =======================
+``copy_to_tp``  (f)          identity                  all-reduce (sum)          before a column layer
+``reduce_from_tp``  (g)      all-reduce (sum)          identity                  after a row layer
+``gather_from_tp``           all-gather, last dim      keep own slice            ``gather_output``
+``split_to_tp``              keep own slice, last dim  all-gather                row layer, full input
+``gather_sequence``          all-gather, sequence dim  reduce-scatter            before column (SP)
+``reduce_scatter_sequence``  reduce-scatter, seq. dim  all-gather                after row (SP)
+===========================  ========================  ========================  =======================
+
+Why f all-reduces in backward: every rank computes its own Y_i = X A_i from the same X, so
+dL/dX = sum_i dL/dY_i A_i^T, a sum over ranks. Why g's backward is the identity: Y = sum_i Y_i, so
+dL/dY_i = dL/dY, which every rank already holds. The sequence pair is the same argument with the all-reduce
+cut in its two halves: an all-reduce is a reduce-scatter followed by an all-gather.
+
+With a :class:`~fourfold.trace.Tracer`, each collective is one comm span named ``tp.all_reduce``,
+``tp.all_gather`` or ``tp.reduce_scatter``; ``bytes`` is the size of the tensor this rank hands to the
+collective (its payload, not the wire traffic: a ring all-reduce of N bytes sends 2(p-1)N/p per rank), and
+``args`` hold ``phase`` (``forward`` | ``backward`` | ``grad_sync``), ``site`` (the layer's module name) and
+``numel``. A group of one rank communicates nothing and records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from fourfold.trace import Tracer
+
+__all__ = [
+    "Phase",
+    "all_gather",
+    "all_reduce",
+    "copy_to_tp",
+    "gather_from_tp",
+    "gather_sequence",
+    "reduce_from_tp",
+    "reduce_scatter",
+    "reduce_scatter_sequence",
+    "split",
+    "split_to_tp",
+]
+
+Phase = Literal["forward", "backward", "grad_sync"]
+Group = dist.ProcessGroup | None
+
+# torch 2.13 renamed the one-tensor collectives *_single and deprecates the *_tensor names, which are all that
+# torch 2.4 has; both write one output laid out along dim 0. gloo implements both on CPU.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _span(tracer: Tracer | None, op: str, t: torch.Tensor, phase: Phase, site: str) -> Any:
+    if tracer is None:
+        return contextlib.nullcontext()
+    return tracer.span("comm", f"tp.{op}", bytes=t.numel() * t.element_size(), phase=phase, site=site,
+                       numel=t.numel())
+
+
+def _chunk(n: int, p: int, dim: int, what: str) -> int:
+    if n % p:
+        raise ValueError(f"{what} dimension {dim} must be divisible by tp, got {n} and {p}. Pad it to "
+                         f"{-(-n // p) * p} or use a tp that divides {n}")
+    return n // p
+
+
+def all_reduce(x: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               tracer: Tracer | None = None, phase: Phase = "forward", site: str = "") -> torch.Tensor:
+    """sum_i x_i (or ``op``) over ``group``, in a new tensor; ``x`` is left as it was."""
+    if dist.get_world_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    with _span(tracer, "all_reduce", out, phase, site):
+        dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
+               phase: Phase = "forward", site: str = "") -> torch.Tensor:
+    """[x_0, x_1, ..., x_{p-1}] concatenated along ``dim`` (every rank's x has the same shape)."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()  # the collective lays the ranks' pieces out along dim 0
+    out = front.new_empty((p * front.shape[0], *front.shape[1:]))
+    with _span(tracer, "all_gather", front, phase, site):
+        _all_gather_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
+                   phase: Phase = "forward", site: str = "") -> torch.Tensor:
+    """Chunk r (of p, along ``dim``) of sum_i x_i on rank r."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((_chunk(front.shape[0], p, dim, "reduce-scattered"), *front.shape[1:]))
+    with _span(tracer, "reduce_scatter", front, phase, site):
+        _reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Chunk r (of p, along ``dim``) of ``x`` on rank r, copied; no communication."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    n = _chunk(x.shape[dim], p, dim, "split")
+    return x.narrow(dim, dist.get_rank(group) * n, n).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.group, ctx.tracer, ctx.site = group, tracer, site
+        return x.view_as(x)  # a view, not x itself: autograd gives it this node as its grad_fn
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_reduce(grad, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site), None, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        return all_reduce(x, group, tracer=tracer, phase="forward", site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.group = group
+        return all_gather(x, -1, group, tracer=tracer, phase="forward", site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return split(grad, -1, ctx.group), None, None, None
+
+
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.group, ctx.tracer, ctx.site = group, tracer, site
+        return split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out = all_gather(grad, -1, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
+        return out, None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, tracer: Tracer | None,
+                site: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tracer, ctx.site = dim, group, tracer, site
+        return all_gather(x, dim, group, tracer=tracer, phase="forward", site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out = reduce_scatter(grad, ctx.dim, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
+        return out, None, None, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, tracer: Tracer | None,
+                site: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tracer, ctx.site = dim, group, tracer, site
+        return reduce_scatter(x, dim, group, tracer=tracer, phase="forward", site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out = all_gather(grad, ctx.dim, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
+        return out, None, None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None, site: str = "") -> torch.Tensor:
+    """f: identity forward, all-reduce (sum) of the gradient backward."""
+    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group, tracer, site)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None,
+                   site: str = "") -> torch.Tensor:
+    """g: all-reduce (sum) forward, identity backward."""
+    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group, tracer, site)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None,
+                   site: str = "") -> torch.Tensor:
+    """[x_0 ... x_{p-1}] along the last dim forward; backward keeps this rank's slice of the gradient."""
+    return x if dist.get_world_size(group) == 1 else _GatherFromTP.apply(x, group, tracer, site)
+
+
+def split_to_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None, site: str = "") -> torch.Tensor:
+    """This rank's slice of the last dim forward; backward all-gathers the gradient."""
+    return x if dist.get_world_size(group) == 1 else _SplitToTP.apply(x, group, tracer, site)
+
+
+def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, tracer: Tracer | None = None,
+                    site: str = "") -> torch.Tensor:
+    """(B, T/p, C) sequence shards -> (B, T, C) forward; backward reduce-scatters the gradient to the shards."""
+    return x if dist.get_world_size(group) == 1 else _GatherSequence.apply(x, dim, group, tracer, site)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, tracer: Tracer | None = None,
+                            site: str = "") -> torch.Tensor:
+    """(B, T, C) partial sums -> this rank's (B, T/p, C) shard of their sum; backward all-gathers."""
+    return x if dist.get_world_size(group) == 1 else _ReduceScatterSequence.apply(x, dim, group, tracer, site)

@@ -1,0 +1,313 @@
+"""Tensor parallelism for TinyGPT, whole-model state dicts, parameter memory, and the collective theory.
+
+Builds on the layers of :mod:`fourfold.parallel.tensor`: attention split by heads (fused q/k/v column-parallel,
+output projection row-parallel), the MLP column -> row, the vocabulary-parallel embedding tied to the head, the
+vocabulary-parallel loss, and Megatron-style sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.models.gpt import CausalSelfAttention, Embedding, GPTConfig, TinyGPT
+from fourfold.parallel.tensor import (
+    _SHARDED,
+    REPLICATED,
+    ColumnParallelLinear,
+    Layout,
+    RowParallelLinear,
+    Style,
+    VocabParallelEmbedding,
+    _tp,
+    shard,
+    tensor_parallel,
+    unshard,
+    vocab_parallel_cross_entropy,
+)
+from fourfold.parallel.tensor_comm import (
+    Group,
+    all_reduce,
+)
+from fourfold.trace import Tracer
+
+__all__ = [
+    "ParameterBytes",
+    "TensorParallelGPT",
+    "check_tinygpt_tp",
+    "collective_theory",
+    "collectives_per_step",
+    "gather_state_dict",
+    "load_full_state_dict",
+    "parallelize_tinygpt",
+    "parameter_bytes",
+    "shard_layouts",
+    "sync_replicated_grads",
+]
+
+
+def shard_layouts(model: nn.Module) -> dict[str, Layout]:
+    """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
+    out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
+    for prefix, module in model.named_modules():
+        if isinstance(module, _SHARDED):
+            for name, layout in module.layouts().items():
+                key = f"{prefix}.{name}" if prefix else name
+                if key in out:
+                    out[key] = layout
+    return out
+
+
+@torch.no_grad()
+def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict on every rank: what one process's model would hold. A collective.
+
+    Keys are ``model.state_dict()``'s, so a TinyGPT sharded by :func:`parallelize_tinygpt` gives a dict
+    ``TinyGPT(config).load_state_dict`` accepts. Apply the same :func:`unshard` to optimiser state by name.
+    """
+    p = dist.get_world_size(group)
+    layouts = shard_layouts(model)
+    done: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            pieces = [t.detach()]
+            if layouts[key].dim is not None and p > 1:
+                pieces = [torch.empty_like(t.detach()) for _ in range(p)]
+                dist.all_gather(pieces, t.detach().contiguous(), group=group)
+            done[id(t)] = unshard(pieces, layouts[key])
+        out[key] = done[id(t)]
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], group: Group) -> None:
+    """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
+    rank, p = _tp(group)
+    layouts = shard_layouts(model)
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key not in state:
+            raise ValueError(f"state must hold every key of the model's state dict, got no {key!r}. Save it "
+                             "with gather_state_dict")
+        piece = shard(state[key], layouts[key], rank, p)
+        if piece.shape != t.shape:
+            raise ValueError(f"state[{key!r}] must be the full tensor of this model's piece, got shape "
+                             f"{tuple(state[key].shape)}, which gives {tuple(piece.shape)} on rank {rank} for "
+                             f"{tuple(t.shape)}. Build the model from the checkpoint's config")
+        t.copy_(piece)
+
+
+class ParameterBytes(NamedTuple):
+    """Bytes of this rank's parameters: ``sharded`` (a 1/p piece of a full tensor) and ``replicated``."""
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def parameter_bytes(model: nn.Module) -> ParameterBytes:
+    """This rank's parameter memory, a tied weight once; every parameter of a plain model is replicated."""
+    layouts = shard_layouts(model)
+    sharded = replicated = 0
+    for name, param in model.named_parameters():
+        if layouts.get(name, REPLICATED).dim is None:
+            replicated += param.numel() * param.element_size()
+        else:
+            sharded += param.numel() * param.element_size()
+    return ParameterBytes(sharded, replicated)
+
+
+# --- TinyGPT ---------------------------------------------------------------------------------------------------
+
+
+class _Embedding(nn.Module):
+    """x[b, t] = E[idx[b, t]] + P[t] with E vocabulary-parallel and P replicated: (B, T) -> (B, T, C).
+
+    With sequence parallelism E's partial lookups are reduce-scattered, and P is added for this rank's positions
+    only: (B, T) -> (B, T/p, C).
+    """
+
+    def __init__(self, embed: Embedding, wte: VocabParallelEmbedding) -> None:
+        super().__init__()
+        self.seq_len, self.wte, self.wpe, self.drop = embed.seq_len, wte, embed.wpe, embed.drop
+        self.rank, self.tp, self.sequence_parallel = wte.rank, wte.tp, wte.sequence_parallel
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2 or idx.size(1) > self.seq_len:
+            raise ValueError(f"idx must have shape (B, T) with T <= seq_len={self.seq_len}, got shape "
+                             f"{tuple(idx.shape)}. Crop it to its last {self.seq_len} tokens")
+        T = idx.size(1)
+        if self.sequence_parallel and T % self.tp:
+            raise ValueError(f"sequence length must be divisible by tp with sequence parallelism, got T={T} and "
+                             f"tp={self.tp}. Pass sequences of {T - T % self.tp or self.tp} tokens")
+        n = T // self.tp if self.sequence_parallel else T
+        first = self.rank * n if self.sequence_parallel else 0
+        pos = torch.arange(first, first + n, device=idx.device)  # (n,): this rank's positions
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, n, C)
+
+
+class _Attention(nn.Module):
+    """Causal self-attention over this rank's heads [i H/p, (i+1) H/p): qkv column-parallel, proj row-parallel.
+
+    The fused weight W_qkv = [W_q; W_k; W_v] (3C, C) is split with parts=3, so rank i holds the rows of its
+    heads in each of W_q, W_k and W_v; attention is per head, so it runs on the local heads with no
+    communication. proj's input rows are the same heads: Y = sum_i heads_i A_i, one all-reduce.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, group: Group, sequence_parallel: bool, tracer: Tracer | None,
+                 site: str) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"sequence_parallel": sequence_parallel, "tracer": tracer}
+        self.n_head = attn.n_head // dist.get_world_size(group)
+        self.dropout = attn.dropout
+        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, parts=3, site=f"{site}.qkv", **kw)
+        self.proj = RowParallelLinear.from_linear(attn.proj, group, site=f"{site}.proj", **kw)
+        self.resid_drop = attn.resid_drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, T, 3C/p), T the full sequence also with sequence parallelism
+        B, T, c = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = (t.view(B, T, self.n_head, c // self.n_head).transpose(1, 2) for t in qkv.split(c, dim=2))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H/p, T, D)
+        y = y.transpose(1, 2).reshape(B, T, c)  # (B, T, C/p)
+        return self.resid_drop(self.proj(y))  # (B, T, C), or (B, T/p, C) with sequence parallelism
+
+
+class TensorParallelGPT(nn.Module):
+    """One rank's share of a TinyGPT: ``forward(idx, targets)`` -> (this rank's logits (B, T, V/p), the loss).
+
+    Parameter names are TinyGPT's, so :func:`gather_state_dict` gives a state dict TinyGPT loads.
+    """
+
+    def __init__(self, model: TinyGPT, group: Group, *, sequence_parallel: bool, tracer: Tracer | None) -> None:
+        super().__init__()
+        self.config, self.group, self.tracer = model.config, group, tracer
+        self.sequence_parallel = sequence_parallel
+        plan: dict[str, Style] = {"embed.wte": "vocab", "head.lm_head": "column"}
+        for i in range(model.config.n_layer):
+            plan.update({f"blocks.{i}.mlp.fc": "column", f"blocks.{i}.mlp.proj": "row"})
+        tensor_parallel(model, plan, group, tracer=tracer, sequence_parallel=sequence_parallel)
+        for i, block in enumerate(model.blocks):
+            attn = block.get_submodule("attn")
+            assert isinstance(attn, CausalSelfAttention)
+            block.add_module("attn", _Attention(attn, group, sequence_parallel, tracer, f"blocks.{i}.attn"))
+        wte = model.embed.wte
+        assert isinstance(wte, VocabParallelEmbedding)  # the plan's "vocab"
+        self.embed: nn.Module = _Embedding(model.embed, wte)
+        self.blocks: nn.ModuleList = model.blocks
+        self.head: nn.Module = model.head
+        # Parameters whose gradient on one rank is a partial sum, for sync_replicated_grads: with sequence
+        # parallelism every replicated parameter (wpe, the layer norms, the row-parallel biases) sees only this
+        # rank's T/p positions; without it every replicated parameter sees them all.
+        layouts = shard_layouts(self)
+        self.partial_grad_names: tuple[str, ...] = tuple(
+            n for n, _ in self.named_parameters() if sequence_parallel and layouts[n].dim is None)
+
+    def layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(idx)  # (B, T, C), or (B, T/p, C) with sequence parallelism
+        for block in self.blocks:
+            x = block(x)  # same shape: layer norms and residual adds run on what this rank holds
+        logits = self.head(x)  # (B, T, V/p)
+        if targets is None:
+            return logits
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, tracer=self.tracer)
+
+
+def parallelize_tinygpt(model: TinyGPT, group: Group, *, sequence_parallel: bool = False,
+                        tracer: Tracer | None = None) -> TensorParallelGPT:
+    """Shard ``model`` over ``group`` (Megatron's layout): heads, MLP columns and the vocabulary split p ways.
+
+    ``model`` is taken apart (its modules are replaced in place and reused): build one TinyGPT per rank from
+    the same seed, shard it, and use only the returned model. A tied head shares the embedding's shard.
+    """
+    if not isinstance(model, TinyGPT):
+        raise TypeError(f"model must be a TinyGPT, got {type(model).__name__}. Use tensor_parallel(model, plan, "
+                        "group) for other models")
+    check_tinygpt_tp(model.config, dist.get_world_size(group), sequence_parallel=sequence_parallel)
+    return TensorParallelGPT(model, group, sequence_parallel=sequence_parallel, tracer=tracer)
+
+
+def check_tinygpt_tp(config: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Refuse a TinyGPT shape that ``tp`` ranks cannot split (ValueError naming the values and the fix).
+
+    Pure: call it before any process starts. Heads, the MLP's 4C columns and the vocabulary are split p ways;
+    with sequence parallelism the context length too.
+    """
+    sizes = {"n_head": config.n_head, "4*d_model": 4 * config.d_model, "vocab_size": config.vocab_size}
+    if sequence_parallel:
+        sizes["seq_len"] = config.seq_len
+    for what, n in sizes.items():
+        if n % tp:
+            fix = "Pad the vocabulary to" if what == "vocab_size" else f"Use {what} ="
+            raise ValueError(f"{what} must be divisible by tp, got {n} and {tp}. {fix} {-(-n // tp) * tp} or a "
+                             f"tp that divides {n}")
+
+
+def sync_replicated_grads(model: nn.Module, group: Group, *, tracer: Tracer | None = None) -> None:
+    """Sum over ``group`` the gradients of ``model.partial_grad_names``: one all-reduce per dtype.
+
+    Needed with sequence parallelism only (the list is empty otherwise): call it after the step's last
+    backward, before the optimiser (once per step: with gradient accumulation the sum of sums is the sum).
+    """
+    names = set(getattr(model, "partial_grad_names", ()))
+    if not names or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if name in names:
+            if param.grad is None:
+                raise RuntimeError(f"{name!r} got no gradient on rank {dist.get_rank()}: call "
+                                   "sync_replicated_grads after backward")
+            by_dtype.setdefault(param.grad.dtype, []).append(param)
+    for params in by_dtype.values():
+        flat = torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
+        flat = all_reduce(flat, group, tracer=tracer, phase="grad_sync", site="grad_sync")
+        offset = 0
+        for q in params:
+            q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))  # type: ignore[union-attr]
+            offset += q.numel()
+
+
+def collective_theory(sequence_parallel: bool) -> dict[str, dict[tuple[str, str], int]]:
+    """The collectives one TinyGPT step issues per part, ``{part: {(phase, op): count}}``; "block" is each block.
+
+    Without sequence parallelism a block is two halves, each f (backward all-reduce) then g (forward all-reduce).
+    With it, each all-reduce is cut into its halves: reduce-scatter after the row layer, all-gather before the
+    column layer, in forward and (transposed) in backward. The loss adds two forward all-reduces.
+    """
+    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+    if not sequence_parallel:
+        return {"embed": {("forward", ar): 1},
+                "block": {("forward", ar): 2, ("backward", ar): 2},
+                "head": {("backward", ar): 1},
+                "loss": {("forward", ar): 2}}
+    return {"embed": {("forward", rs): 1, ("backward", ag): 1},
+            "block": {("forward", ag): 2, ("forward", rs): 2, ("backward", rs): 2, ("backward", ag): 2},
+            "head": {("forward", ag): 1, ("backward", rs): 1},
+            "loss": {("forward", ar): 2},
+            "grad_sync": {("grad_sync", ar): 1}}
+
+
+def collectives_per_step(n_layer: int, sequence_parallel: bool) -> dict[tuple[str, str], int]:
+    """``{(phase, op): count}`` for a whole TinyGPT step of ``n_layer`` blocks: :func:`collective_theory` summed.
+
+    Without sequence parallelism: 2L + 3 all-reduces forward and 2L + 1 backward.
+    """
+    total: dict[tuple[str, str], int] = {}
+    for part, counts in collective_theory(sequence_parallel).items():
+        for key, n in counts.items():
+            total[key] = total.get(key, 0) + n * (n_layer if part == "block" else 1)
+    return total
