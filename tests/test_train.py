@@ -72,6 +72,8 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     (["--nproc", "3"], "batch_size must be divisible by dp, got batch_size=8, dp=3. Pass --batch-size 9"),
     (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),
     (["--data", "/nonexistent/file.txt"], "data must be a readable text file"),
+    (["--sequence-parallel"], "sequence_parallel needs tensor parallelism, got tp=1"),
+    (["--nproc", "2", "--tp", "2", "--n-head", "3", "--d-model", "33"], "divisible by tp"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
     start = time.perf_counter()
@@ -174,3 +176,34 @@ def test_cli_help_reads_well():
         assert flag in out.stdout
     out = subprocess.run([sys.executable, "-m", "fourfold", "trian"], capture_output=True, text=True)
     assert out.returncode == 2 and "Did you mean 'train'" in out.stderr
+
+
+def _train_on_ranks(ctx, argv: list[str]):
+    """A rank of the in-harness runs below: train with these flags on the harness's process group."""
+    from fourfold.config import parse_args
+    from fourfold.train import train
+
+    result = train(parse_args(argv), ctx)
+    return result.losses, result.state if ctx.rank == 0 else None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "2", "--sequence-parallel"],
+                                    ["--tp", "2", "--dp", "2", "--sequence-parallel", "--allreduce", "ring"]])
+def test_tensor_and_data_parallel_layouts_match_one_process(tmp_path, layout):
+    from fourfold.testing import run_ranks
+
+    common = ["--steps", "3", "--dtype", "float64", *SMALL]
+    assert train_mod.main([*common, "--out", str(tmp_path / "one")]) == 0
+    reference = load_checkpoint(tmp_path / "one" / "model.pt")["model"]
+    world = 4 if "--dp" in layout else 2
+    results = run_ranks(_train_on_ranks, world, [*common, *layout, "--out", str(tmp_path / "many")],
+                        timeout_s=150)
+    want = _losses(tmp_path / "one")
+    for losses, _ in results:
+        assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) < 1e-10, (losses, want)
+    state = results[0][1]
+    assert set(state) == set(reference)  # the gathered tensor-parallel state is a plain TinyGPT checkpoint
+    assert max((state[k] - reference[k]).abs().max().item() for k in reference) < 1e-10
+    saved = load_checkpoint(tmp_path / "many" / "model.pt")["model"]
+    assert max((saved[k] - reference[k]).abs().max().item() for k in reference) < 1e-10

@@ -61,6 +61,8 @@ class TrainConfig:
         "data-parallel size (default: the world size divided by tp*pp)"))
     tp: int = field(default=1, metadata=_help("tensor-parallel size"))
     pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
+    sequence_parallel: bool = field(default=False, metadata=_help(
+        "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
     allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
     bucket_mb: float = field(default=25.0, metadata=_help(

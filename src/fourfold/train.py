@@ -40,9 +40,16 @@ from fourfold.chrome_trace import write_chrome_trace
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.files import write_text_atomic
-from fourfold.mesh import Mesh
-from fourfold.models.gpt import TinyGPT, lm_loss
+from fourfold.mesh import Mesh, RankMesh
+from fourfold.models.gpt import TinyGPT
 from fourfold.parallel.data import DataParallel
+from fourfold.parallel.tensor import (
+    check_tinygpt_tp,
+    gather_state_dict,
+    parallelize_tinygpt,
+    parameter_bytes,
+    sync_replicated_grads,
+)
 from fourfold.trace import Tracer, gather_spans, hidden_fraction
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
@@ -77,9 +84,13 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     """Every check that needs no process group, so bad input fails before any process starts."""
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
-    if mesh.tp > 1 or mesh.pp > 1:
-        raise ValueError(f"tensor and pipeline parallelism are not available in this version yet, got tp={mesh.tp}"
-                         f" pp={mesh.pp}. Pass --tp 1 --pp 1 (data parallelism uses every rank).")
+    if mesh.pp > 1:
+        raise ValueError(f"pipeline parallelism is not available in fourfold train yet, got pp={mesh.pp}. Pass "
+                         "--pp 1 (data and tensor parallelism share the ranks); `fourfold schedule` plans one.")
+    if t.sequence_parallel and mesh.tp == 1:
+        raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
+                         "--sequence-parallel.")
+    check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel)
     if t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
@@ -112,20 +123,24 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     mesh = preflight(cfg, ctx.world_size)  # on every rank, so bad input fails everywhere, not as a hang
     dist.barrier()  # nobody writes to OUT before every rank has checked it
     ranks = mesh.build(t.timeout)
+    tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
-    model = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
+    model: torch.nn.Module = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
+    num_parameters = model.num_parameters()  # type: ignore[operator]
+    if mesh.tp > 1:  # each rank keeps its shard of every big matmul; same forward(idx, targets) -> (logits, loss)
+        model = parallelize_tinygpt(model, ranks.tp_group, sequence_parallel=t.sequence_parallel, tracer=tracer)
     corpus = load_corpus(t.data)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    tracer = Tracer(ctx.rank, enabled=t.trace)
     dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout)
-    result = TrainResult(ctx.rank, mesh, num_parameters=model.num_parameters(), out=out)
+    result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
-               "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend}
+               "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
+               "parameter_bytes_rank0": parameter_bytes(model)._asdict()}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
     metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
     bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
@@ -140,10 +155,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             x, y = loader.shard(step - 1)
             x, y = x.to(ctx.device), y.to(ctx.device)
             with tracer.span("compute", "forward"):
-                loss = lm_loss(dp(x), y)
+                _, loss = dp(x, y)
             with tracer.span("compute", "backward"):
                 loss.backward()  # bucket all-reduces start inside, as gradients become ready
             dp.finish()  # idempotent: backward's last gradient hook has normally done it
+            if mesh.tp > 1:
+                sync_replicated_grads(model, ranks.tp_group, tracer=tracer)  # sequence parallelism only
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -164,7 +181,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
-    _write_outputs(cfg, ctx, model, tracer, out, result)
+    _write_outputs(cfg, ctx, model, tracer, out, result, ranks)
     return result
 
 
@@ -187,14 +204,17 @@ def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: di
 
 
 def _write_outputs(cfg: Config, ctx: launch.DistContext, model: torch.nn.Module, tracer: Tracer, out: Path,
-                   result: TrainResult) -> None:
+                   result: TrainResult, ranks: RankMesh) -> None:
     if cfg.train.trace:
         if out.is_dir():  # on several machines OUT may exist only on rank 0's
             tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
         spans = gather_spans(tracer)
         if spans is not None:
             write_chrome_trace(out / "trace.json", spans)
-    result.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # A tensor-parallel model's state is gathered whole (a collective over the tp group), so model.pt is the same
+    # TinyGPT checkpoint whatever the layout.
+    state = gather_state_dict(model, ranks.tp_group) if ranks.mesh.tp > 1 else model.state_dict()
+    result.state = {k: v.detach().cpu() for k, v in state.items()}
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     dist.barrier()
