@@ -266,7 +266,8 @@ def test_hidden_fraction_counts_comm_under_compute_but_not_under_a_wait() -> Non
     spans = [
         _span(0, "compute", 0, 100),    # backward, 0..100
         _span(0, "wait", 80, 100),      # ... blocked on the last bucket from 80
-        _span(0, "comm", 50, 100),      # a bucket reduced 50..100: 30 hidden, 20 exposed
+        _span(0, "comm", 50, 100, name="allreduce:ring"),   # a bucket reduced 50..100: 30 hidden, 20 exposed
+        _span(0, "comm", 10, 20, name="tp.all_reduce"),     # inline tensor-parallel collective: not counted
     ]
     assert hidden_fraction(spans) == pytest.approx(30 / 50)
     assert hidden_fraction(spans[:2]) is None  # no communication at all

@@ -6,9 +6,10 @@
 1. TinyGPT trains on one process on the built-in corpus (the Python standard library's source, read byte by
    byte); a sample of its text is printed.
 2. The same run on 2 data-parallel ranks (started through torchrun's launcher), gradients all-reduced with
-   the backend's own algorithm (``native``), then with fourfold's ``ring``: the losses match the one-process
-   run, and the table shows step time, throughput, bytes each rank sent and how much communication backward
-   hid. A timeline picture shows one data-parallel step on both ranks.
+   the backend's own algorithm (``native``), then with fourfold's ``ring``, then on 2 tensor-parallel ranks
+   (every big matmul split in two): the losses match the one-process run, and the table shows step time,
+   throughput, bytes each rank sent, how much communication backward hid, and parameter memory per rank.
+   A timeline picture shows one data-parallel step on both ranks.
 
 Everything lands under ``--out`` (default ``runs/demo``): one folder per run with ``metrics.jsonl``,
 ``trace.json`` (open in ui.perfetto.dev) and ``model.pt``, plus ``timeline-single.png`` and ``timeline-dp.png``.
@@ -48,6 +49,17 @@ def _sample(cfg: Config, result: TrainResult, prompt: str, n: int, seed: int = 0
             probs = torch.softmax(logits.double() / 0.8, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen)], dim=1)
     return tok.decode(idx[0, len(prompt):])
+
+
+NOTES = """
+  KB sent/step: what rank 0 put on the wire per step, counted by fourfold's own algorithms (the backend's
+    native all-reduce sends on its own, invisible here; for tp=2, the payload of its per-layer all-reduces).
+  hidden: the share of the gradient all-reduce that overlapped backward.
+  loss gap: float32 rounding only (the sums run in another order); in float64 every layout agrees with one
+    process to 1e-10, which the tests check.
+  Two ranks on 2 cores get one core each, so expect no speed-up here: the point is that the numbers match
+  and you can see what each layout costs: bytes, waiting, memory.
+"""
 
 
 def _rows(out: Path) -> list[dict]:
@@ -97,18 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     prompt = "def "
     print(f"\nthe trained model continues {prompt!r}:\n---\n{prompt}{_sample(cfg, result, prompt, 160)}\n---\n")
 
-    print(f"fourfold demo 2/2: the same batches on 2 data-parallel ranks, {args.dp_steps} steps each: every rank "
-          "sees half of each batch and the gradients are averaged (all-reduce) during backward\n", flush=True)
+    print(f"fourfold demo 2/2: the same batches on 2 ranks, {args.dp_steps} steps each: data parallel (every rank "
+          "sees half of each batch, gradients averaged during backward), then tensor parallel (every rank holds "
+          "half of each big matmul)\n", flush=True)
     from fourfold.train import main as train_main
 
     # 1 MB buckets: the model's ~3.3 MB of gradients go out in 4 pieces, the first while backward still runs
     flags = ["--nproc", "2", "--steps", str(args.dp_steps), "--bucket-mb", "1", "--overwrite", "--no-progress",
              "--device", "cpu"]
-    for algorithm in ("native", "ring"):
-        out = root / f"dp2-{algorithm}"
-        print(f"$ fourfold train {' '.join(flags)} --allreduce {algorithm} --out {out}", flush=True)
-        if train_main([*flags, "--allreduce", algorithm, "--out", str(out)]) != 0:
-            print("fourfold demo: the data-parallel run failed; its error is above.", file=sys.stderr)
+    runs = {f"dp2-{a}": ["--allreduce", a] for a in ("native", "ring")}
+    runs["tp2"] = ["--tp", "2"]  # tensor parallelism: every big matmul split over the 2 ranks
+    for name, extra in runs.items():
+        out = root / name
+        print(f"$ fourfold train {' '.join(flags)} {' '.join(extra)} --out {out}", flush=True)
+        if train_main([*flags, *extra, "--out", str(out)]) != 0:
+            print(f"fourfold demo: the {name} run failed; its error is above.", file=sys.stderr)
             return 1
 
     single = _rows(root / "single")
@@ -116,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
           "max |loss - one process|")
     print(_summary("1 process", single[: args.dp_steps], single))
     for algorithm in ("native", "ring"):
-        print(_summary(f"2 ranks, {algorithm} all-reduce", _rows(root / f"dp2-{algorithm}"), single))
-    print("\n  KB sent/step: what rank 0 put on the wire per step, counted by fourfold's own algorithms (the "
-          "backend's\n  native all-reduce does its own sending, invisible here). hidden: the share of "
-          "communication that\n  overlapped backward. The losses differ from one process only by float32 "
-          "rounding (the sums run in\n  another order; in float64 they agree to 1e-10, which the tests check). "
-          "Two ranks on 2 cores get one\n  core each, so expect no speed-up here: the point is that the numbers "
-          "match and you can see the cost.\n")
+        print(_summary(f"dp=2, {algorithm} all-reduce", _rows(root / f"dp2-{algorithm}"), single))
+    print(_summary("tp=2 (matmuls split)", _rows(root / "tp2"), single))
+    print("\n  parameter memory per rank (run.json):")
+    for name in ("single", "dp2-ring", "tp2"):
+        pb = json.loads((root / name / "run.json").read_text())["parameter_bytes_rank0"]
+        print(f"    {name:<10} {(pb['sharded'] + pb['replicated']) / 2**20:6.2f} MiB  (sharded "
+              f"{pb['sharded'] / 2**20:.2f} MiB, replicated {pb['replicated'] / 2**20:.2f} MiB)")
+    print(NOTES)
     step = max(1, args.dp_steps - 1)
     _draw(root / "single", 1, "timeline-single.png", f"one training step (step {step}), one process", step)
     _draw(root / "dp2-ring", 2, "timeline-dp.png", f"one data-parallel step (step {step}), 2 ranks, ring", step)

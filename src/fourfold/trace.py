@@ -246,13 +246,15 @@ class Tracer:
         return f"Tracer(rank={self.rank}, enabled={self.enabled}, spans={len(self.spans)}, step={self.step})"
 
 
-def hidden_fraction(spans: Sequence[Span]) -> float | None:
-    """The share of communication time that overlapped computation, from one step's spans.
+def hidden_fraction(spans: Sequence[Span], prefix: str = "allreduce:") -> float | None:
+    """The share of gradient-synchronisation time that overlapped computation, from one step's spans.
 
+    Only comm spans named ``prefix...`` count (the data-parallel all-reduces, which run beside backward); the
+    inline collectives of tensor parallelism block the computation they sit in and are never hidden.
     Communication counts as hidden while a compute span runs and no wait span does (a wait inside backward is
-    the rank blocked on communication, not computing). ``None`` when there was no communication.
+    the rank blocked on communication, not computing). ``None`` when there was no such communication.
     """
-    comm = [(s.start_ns, s.end_ns) for s in spans if s.kind == "comm"]
+    comm = [(s.start_ns, s.end_ns) for s in spans if s.kind == "comm" and s.name.startswith(prefix)]
     total = sum(e - b for b, e in comm)
     if total == 0:
         return None
