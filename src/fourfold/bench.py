@@ -127,15 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fourfold bench allreduce [--nproc G] [--sizes ...] [--algorithms ...] [--iters N] "
               "[--out DIR]\n\nbenchmarks:\n  allreduce  every all-reduce algorithm side by side, and the cost "
-              "model of auto\n  dp         a training step: fourfold DataParallel vs DDP vs no sync\n\n"
-              "Run `fourfold bench allreduce --help` (or dp --help) for its flags.")
+              "model of auto\n  dp         a training step: fourfold DataParallel vs DDP vs no sync\n"
+              "  tp         a training step: fourfold tensor parallelism vs DTensor vs unsharded\n\n"
+              "Run `fourfold bench allreduce --help` (or dp --help, tp --help) for its flags.")
         return 0
     if argv[0] == "dp":
         from fourfold.bench_dp import main as dp_main
 
         return dp_main(argv[1:])
+    if argv[0] == "tp":
+        from fourfold.bench_tp import main as tp_main
+
+        return tp_main(argv[1:])
     if argv[0] != "allreduce":
-        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp.", file=sys.stderr)
+        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp, tp.", file=sys.stderr)
         return 2
     parser = _parser()
     ns = parser.parse_args(argv[1:])
@@ -172,8 +177,8 @@ def _run(ns: argparse.Namespace) -> None:
     say = (lambda *a: print("[bench]", *a, flush=True)) if main_rank else (lambda *a: None)
     started, load_before = time.monotonic(), os.getloadavg()
     if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
-            f"be noisy; re-run when it is quiet")
+        say(f"warning: the 1-minute load average is {load_before[0]:.1f} on {os.cpu_count()} cores: if other work "
+            f"is still running, figures will be noisy (check `top`; re-run when it is quiet)")
     say(f"G={g}, sizes {', '.join(format_bytes(s) for s in ns.sizes)}, algorithms {', '.join(ns.algorithms)}")
 
     # phase 1: alpha, beta from a ping-pong between ranks 0 and 1; gamma from add_ on rank 0
