@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fourfold.comm.naive import sum_in_rank_order
 from fourfold.comm.p2p import Communicator
 
 __all__ = ["allreduce", "theory"]
@@ -27,12 +28,7 @@ def allreduce(comm: Communicator, flat: torch.Tensor, root: int = 0) -> None:
     inbox = comm.buffer((g - 1) * flat.numel(), flat).view(g - 1, flat.numel())  # (G-1, N)
     comm.exchange([], [(r, inbox[k]) for k, r in enumerate(others)], algorithm="master", step=0,
                   phase="gather")
-    pieces = [flat if r == root else inbox[others.index(r)] for r in range(g)]
-    total = comm.buffer(flat.numel(), flat, slot=1)
-    total.copy_(pieces[0])
-    for p in pieces[1:]:  # rank order, like every other algorithm here
-        total.add_(p)
-    flat.copy_(total)
+    sum_in_rank_order(flat, root, {r: inbox[k] for k, r in enumerate(others)})  # rank order, as everywhere
     label = ["sum of all ranks"] * len(others) if comm.record_messages else None
     comm.exchange([(r, flat) for r in others], [], algorithm="master", step=1, phase="broadcast",
                   offsets=([0] * len(others), []), labels=label)

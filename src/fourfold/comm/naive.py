@@ -12,7 +12,7 @@ import torch
 
 from fourfold.comm.p2p import Communicator
 
-__all__ = ["allreduce", "theory"]
+__all__ = ["allreduce", "sum_in_rank_order", "theory"]
 
 
 def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
@@ -24,13 +24,25 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
     comm.exchange([(r, flat) for r in others], [(r, inbox[k]) for k, r in enumerate(others)],
                   algorithm="naive", step=0, phase="all-to-all", offsets=([0] * len(others), [0] * len(others)),
                   labels=label)
-    # Sum in rank order (rank 0's tensor first) so every rank rounds identically.
-    pieces = [flat if r == me else inbox[others.index(r)] for r in range(g)]
-    total = comm.buffer(flat.numel(), flat, slot=1)
-    total.copy_(pieces[0])
-    for p in pieces[1:]:
-        total.add_(p)
-    flat.copy_(total)
+    sum_in_rank_order(flat, me, {r: inbox[k] for k, r in enumerate(others)})
+
+
+def sum_in_rank_order(flat: torch.Tensor, me: int, received: dict[int, torch.Tensor]) -> None:
+    """``flat`` (rank ``me``'s tensor) becomes ((t_0 + t_1) + t_2) + ... over every rank, in rank order.
+
+    The same order on every rank gives bitwise the same sum; IEEE addition is commutative (a+b == b+a), so the
+    ranks before ``me`` are summed in the first received buffer, added into ``flat``, and the ranks after
+    ``me`` follow: no copies of the whole tensor.
+    """
+    before = [received[r] for r in sorted(received) if r < me]
+    if before:
+        acc = before[0]  # a receive buffer: free to overwrite
+        for t in before[1:]:
+            acc.add_(t)
+        flat.add_(acc)  # t_me + acc == acc + t_me, bitwise
+    for r in sorted(received):
+        if r > me:
+            flat.add_(received[r])
 
 
 def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, int]:
