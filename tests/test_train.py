@@ -73,6 +73,10 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),
     (["--data", "/nonexistent/file.txt"], "data must be a readable text file"),
     (["--sequence-parallel"], "sequence_parallel needs tensor parallelism, got tp=1"),
+    (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "got 8 sequences per shard and microbatches=3. Pass "
+     "--microbatches 4"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--microbatches", "1"], "microbatches"),
+    (["--strategy", "model"], "strategy 'model' places layers on pipeline ranks, got pp=1"),
     (["--nproc", "2", "--tp", "2", "--n-head", "3", "--d-model", "33"], "divisible by tp"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
@@ -189,8 +193,13 @@ def _train_on_ranks(ctx, argv: list[str]):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "2", "--sequence-parallel"],
-                                    ["--tp", "2", "--dp", "2", "--sequence-parallel", "--allreduce", "ring"]])
-def test_tensor_and_data_parallel_layouts_match_one_process(tmp_path, layout):
+                                    ["--tp", "2", "--dp", "2", "--sequence-parallel", "--allreduce", "ring"],
+                                    ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
+                                    ["--pp", "2", "--schedule", "zb", "--microbatches", "2"],
+                                    ["--pp", "2", "--strategy", "model"],
+                                    ["--pp", "2", "--dp", "2", "--schedule", "gpipe", "--microbatches", "2",
+                                     "--allreduce", "ring"]])
+def test_tensor_pipeline_and_data_parallel_layouts_match_one_process(tmp_path, layout):
     from fourfold.testing import run_ranks
 
     common = ["--steps", "3", "--dtype", "float64", *SMALL]

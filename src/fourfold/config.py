@@ -61,6 +61,14 @@ class TrainConfig:
         "data-parallel size (default: the world size divided by tp*pp)"))
     tp: int = field(default=1, metadata=_help("tensor-parallel size"))
     pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
+    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "zb"] = field(default="1f1b", metadata=_help(
+        "with --pp: the pipeline schedule (see `fourfold schedule`)"))
+    microbatches: int = field(default=4, metadata=_help(
+        "with --pp: micro-batches each data-parallel shard is cut into"))
+    virtual: int = field(default=2, metadata=_help("with --schedule interleaved: stages per pipeline rank"))
+    strategy: Literal["pipeline", "model"] = field(default="pipeline", metadata=_help(
+        "with --pp: 'model' places layers on ranks with one micro-batch (model parallelism: one rank busy "
+        "at a time)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
     allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
@@ -82,7 +90,7 @@ class TrainConfig:
     progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "tp", "pp"):
+        for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
         if self.dp is not None and self.dp < 1:

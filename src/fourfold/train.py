@@ -37,12 +37,16 @@ from tqdm import tqdm
 from fourfold import launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.chrome_trace import write_chrome_trace
+from fourfold.comm import Communicator
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.files import write_text_atomic
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.models.gpt import TinyGPT
-from fourfold.parallel.data import DataParallel
+from fourfold.parallel.data import DataParallel, sync_gradients
+from fourfold.parallel.model import model_parallel
+from fourfold.parallel.pipeline import Pipeline, build_pipeline
+from fourfold.parallel.schedule import make_schedule
 from fourfold.parallel.tensor import (
     check_tinygpt_tp,
     gather_state_dict,
@@ -85,8 +89,9 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
     if mesh.pp > 1:
-        raise ValueError(f"pipeline parallelism is not available in fourfold train yet, got pp={mesh.pp}. Pass "
-                         "--pp 1 (data and tensor parallelism share the ranks); `fourfold schedule` plans one.")
+        _check_pipeline(cfg, mesh)
+    elif t.strategy == "model":
+        raise ValueError("strategy 'model' places layers on pipeline ranks, got pp=1. Pass --pp 2 (or more).")
     if t.sequence_parallel and mesh.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
                          "--sequence-parallel.")
@@ -105,6 +110,30 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
                          "replace them, or another --out.")
     return mesh
+
+
+def _check_pipeline(cfg: Config, mesh: Mesh) -> None:
+    t = cfg.train
+    if mesh.tp > 1:
+        raise ValueError(f"tensor and pipeline parallelism together are not supported yet, got tp={mesh.tp}, "
+                         f"pp={mesh.pp}. Pass --tp 1 or --pp 1.")
+    m = 1 if t.strategy == "model" else t.microbatches
+    virtual = t.virtual if t.schedule == "interleaved" and t.strategy == "pipeline" else 1
+    if t.strategy == "pipeline":
+        make_schedule(t.schedule, mesh.pp, m, virtual)  # refuses combinations it cannot run, naming both numbers
+    stages, blocks = mesh.pp * virtual, cfg.model.n_layer + 2
+    if stages > blocks:
+        raise ValueError(f"stages must be at most the model's blocks (embedding, {cfg.model.n_layer} layers, head),"
+                         f" got pp*virtual={mesh.pp}*{virtual}={stages} > {blocks}. Use fewer --pp or more --n-layer.")
+    shard = t.batch_size // mesh.dp
+    if shard % m:
+        raise ValueError(f"each data-parallel shard must divide into micro-batches, got {shard} sequences per "
+                         f"shard and microbatches={m}. Pass --microbatches {_divisor_near(shard, m)} or change "
+                         "--batch-size.")
+
+
+def _divisor_near(n: int, m: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - m), -d))  # ties: more
 
 
 def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
@@ -131,8 +160,13 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         model = parallelize_tinygpt(model, ranks.tp_group, sequence_parallel=t.sequence_parallel, tracer=tracer)
     corpus = load_corpus(t.data)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout)
+    pipe = _pipeline(cfg, model, ranks, tracer) if mesh.pp > 1 else None
+    params = pipe.parameters() if pipe is not None else list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    # A pipeline runs m backwards per step, so its data-parallel sync is the per-parameter one after them all.
+    dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout) \
+        if pipe is None else None
+    comm = Communicator(ranks.dp_group, timeout_s=t.timeout)
     result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
@@ -140,7 +174,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
-               "parameter_bytes_rank0": parameter_bytes(model)._asdict()}
+               "parameter_bytes_rank0": parameter_bytes(model)._asdict() if pipe is None else
+               {"stage": sum(q.numel() * q.element_size() for q in params)}}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
     metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
     bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
@@ -154,13 +189,23 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             start = time.perf_counter()
             x, y = loader.shard(step - 1)
             x, y = x.to(ctx.device), y.to(ctx.device)
-            with tracer.span("compute", "forward"):
-                _, loss = dp(x, y)
-            with tracer.span("compute", "backward"):
-                loss.backward()  # bucket all-reduces start inside, as gradients become ready
-            dp.finish()  # idempotent: backward's last gradient hook has normally done it
-            if mesh.tp > 1:
-                sync_replicated_grads(model, ranks.tp_group, tracer=tracer)  # sequence parallelism only
+            extra: dict[str, Any] = {}
+            if pipe is not None:  # F/B/W of every micro-batch, in the schedule's order, spans recorded inside
+                res = pipe.step(x, y)
+                sync_gradients(params, ranks.dp_group, tracer, t.allreduce, comm, check=step == 1)
+                loss = torch.tensor(res.loss, dtype=torch.float64)
+                extra = {"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
+                         "peak_activation_bytes_by_rank": list(res.peak_activation_bytes_by_rank),
+                         "peak_in_flight_by_rank": list(res.peak_in_flight_by_rank)}
+            else:
+                assert dp is not None
+                with tracer.span("compute", "forward"):
+                    _, loss = dp(x, y)
+                with tracer.span("compute", "backward"):
+                    loss.backward()  # bucket all-reduces start inside, as gradients become ready
+                dp.finish()  # idempotent: backward's last gradient hook has normally done it
+                if mesh.tp > 1:
+                    sync_replicated_grads(model, ranks.tp_group, tracer=tracer)  # sequence parallelism only
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -170,6 +215,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             elapsed = time.perf_counter() - start
             row = _metrics_row(step, global_loss, elapsed, tokens_per_step, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(tracer.spans[first_span:])
+            row.update(extra)
             result.losses.append(global_loss)
             result.metrics.append(row)
             if metrics_file is not None:
@@ -181,8 +227,19 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
-    _write_outputs(cfg, ctx, model, tracer, out, result, ranks)
+    _write_outputs(cfg, ctx, model, tracer, out, result, ranks, pipe)
     return result
+
+
+def _pipeline(cfg: Config, model: torch.nn.Module, ranks: RankMesh, tracer: Tracer) -> Pipeline:
+    """This rank's stages of ``model``: --strategy model (one micro-batch) or --schedule over micro-batches."""
+    t = cfg.train
+    kw = {"tracer": tracer, "timeout_s": t.timeout}
+    if t.strategy == "model":
+        return model_parallel(model, ranks.pp_group, **kw)
+    virtual = t.virtual if t.schedule == "interleaved" else 1
+    schedule = make_schedule(t.schedule, ranks.mesh.pp, t.microbatches, virtual)
+    return build_pipeline(model, schedule, ranks.pp_group, **kw)
 
 
 def _global_mean(loss: torch.Tensor, group: dist.ProcessGroup, tracer: Tracer) -> float:
@@ -204,7 +261,7 @@ def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: di
 
 
 def _write_outputs(cfg: Config, ctx: launch.DistContext, model: torch.nn.Module, tracer: Tracer, out: Path,
-                   result: TrainResult, ranks: RankMesh) -> None:
+                   result: TrainResult, ranks: RankMesh, pipe: Pipeline | None) -> None:
     if cfg.train.trace:
         if out.is_dir():  # on several machines OUT may exist only on rank 0's
             tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
@@ -213,7 +270,12 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, model: torch.nn.Module,
             write_chrome_trace(out / "trace.json", spans)
     # A tensor-parallel model's state is gathered whole (a collective over the tp group), so model.pt is the same
     # TinyGPT checkpoint whatever the layout.
-    state = gather_state_dict(model, ranks.tp_group) if ranks.mesh.tp > 1 else model.state_dict()
+    if pipe is not None:
+        state = pipe.gather_state_dict()  # a collective over the pp group
+    elif ranks.mesh.tp > 1:
+        state = gather_state_dict(model, ranks.tp_group)
+    else:
+        state = model.state_dict()
     result.state = {k: v.detach().cpu() for k, v in state.items()}
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
