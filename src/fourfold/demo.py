@@ -12,7 +12,7 @@
    A timeline picture shows one data-parallel step on both ranks.
 
 Everything lands under ``--out`` (default ``runs/demo``): one folder per run with ``metrics.jsonl``,
-``trace.json`` (open in ui.perfetto.dev) and ``model.pt``, plus ``timeline-single.png`` and ``timeline-dp.png``.
+``trace.json`` (open in ui.perfetto.dev) and ``model.pt``, plus ``timeline-*.png`` pictures.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _summary(name: str, rows: list[dict], reference: list[dict]) -> str:
     return f"  {name:<28} {ms:8.1f} {tps:10,.0f} {kb:12,.0f} {hid}   {diff:.1e}"
 
 
-def _draw(out: Path, ranks: int, name: str, title: str, step: int) -> None:
+def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
     try:
         from fourfold.visualize import timeline
     except ImportError:
@@ -85,7 +85,7 @@ def _draw(out: Path, ranks: int, name: str, title: str, step: int) -> None:
     spans = {r: [s for s in load_jsonl(out / f"trace-rank{r}.jsonl") if s.step == step] for r in range(ranks)}
     path = out.parent / name
     try:
-        timeline(spans, path, title=title, color_by="name")
+        timeline(spans, path, title=title, color_by=color_by)  # type: ignore[arg-type]
     except ImportError as e:  # matplotlib missing: the picture is optional
         print(f"(no picture: {e})")
         return
@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out)
     base = TrainConfig(out=str(root / "single"), overwrite=True, device="cpu")
     cfg = Config(train=replace(base, steps=args.steps))
-    print(f"fourfold demo 1/2: TinyGPT trains for {args.steps} steps on one process "
+    print(f"fourfold demo 1/3: TinyGPT trains for {args.steps} steps on one process "
           f"(global batch {cfg.train.batch_size} x {cfg.model.seq_len} bytes of Python source)\n", flush=True)
     result = train(cfg)
     print("\n" + result.summary())
     prompt = "def "
     print(f"\nthe trained model continues {prompt!r}:\n---\n{prompt}{_sample(cfg, result, prompt, 160)}\n---\n")
 
-    print(f"fourfold demo 2/2: the same batches on 2 ranks, {args.dp_steps} steps each: data parallel (every rank "
+    print(f"fourfold demo 2/3: the same batches on 2 ranks, {args.dp_steps} steps each: data parallel (every rank "
           "sees half of each batch, gradients averaged during backward), then tensor parallel (every rank holds "
           "half of each big matmul)\n", flush=True)
     from fourfold.train import main as train_main
@@ -142,7 +142,53 @@ def main(argv: list[str] | None = None) -> int:
     step = max(1, args.dp_steps - 1)
     _draw(root / "single", 1, "timeline-single.png", f"one training step (step {step}), one process", step)
     _draw(root / "dp2-ring", 2, "timeline-dp.png", f"one data-parallel step (step {step}), 2 ranks, ring", step)
+    if _pipelines(root, flags) != 0:
+        return 1
     print("\n  open any trace.json in https://ui.perfetto.dev to explore every span")
+    return 0
+
+
+PIPELINES = {  # name: (flags, what it is)
+    "model": (["--strategy", "model"], "model parallel: layers split over 2 ranks, one micro-batch"),
+    "gpipe": (["--schedule", "gpipe", "--microbatches", "8"], "GPipe: 8 micro-batches, all F then all B"),
+    "1f1b": (["--schedule", "1f1b", "--microbatches", "8"], "1F1B: 8 micro-batches, one F one B"),
+}
+
+
+def _pipelines(root: Path, flags: list[str]) -> int:
+    """Part 3: the same layers on 2 pipeline ranks, three ways; bubble and activation memory per rank."""
+    from fourfold.parallel.schedule import theory_bubble
+    from fourfold.train import main as train_main
+
+    print("\nfourfold demo 3/3: the model's layers split over 2 ranks (pipeline parallelism): model parallel "
+          "(one rank busy at a time), then GPipe and 1F1B with 8 micro-batches\n", flush=True)
+    # 64 sequences a step, so each of the 8 micro-batches (8 sequences) computes long enough to outweigh a
+    # message between the ranks (milliseconds with gloo on 2 busy cores)
+    flags = [*flags, "--pp", "2", "--batch-size", "64"]
+    for name, (extra, _) in PIPELINES.items():
+        out = root / f"pp2-{name}"
+        print(f"$ fourfold train {' '.join(flags)} {' '.join(extra)} --out {out}", flush=True)
+        if train_main([*flags, *extra, "--out", str(out)]) != 0:
+            print(f"fourfold demo: the pp2-{name} run failed; its error is above.", file=sys.stderr)
+            return 1
+    print(f"\n  {'run':<58} {'ms/step':>8} {'bubble':>7} {'theory':>7} {'activations per rank':>22}")
+    for name, (_, text) in PIPELINES.items():
+        rows = _rows(root / f"pp2-{name}")[2:]
+        ms = 1e3 * statistics.median(r["step_time_s"] for r in rows)
+        bubble = statistics.median(statistics.mean(r["bubble_by_rank"]) for r in rows)
+        m = 1 if name == "model" else 8
+        theory = theory_bubble("naive" if name == "model" else name, 2, m)
+        mem = " / ".join(f"{b / 2**20:.1f}" for b in rows[-1]["peak_activation_bytes_by_rank"])
+        print(f"  {text:<58} {ms:8.1f} {100 * bubble:6.0f}% {100 * theory:6.0f}% {mem:>17} MiB")
+    print("\n  bubble: the share of each rank's step spent waiting for the other (measured from the trace),")
+    print("  beside the schedule's theory with equal costs, (p-1)/(m+p-1) for GPipe and 1F1B. On 2 shared cores")
+    print("  the measured figure also holds each message's latency and time waiting for a core (the theory")
+    print("  counts neither: `fourfold schedule --comm X` adds it). activations: the most bytes saved for")
+    print("  backward held at once; 1F1B keeps about p micro-batches alive where GPipe keeps all m.")
+    last = max(r["step"] for r in _rows(root / "pp2-1f1b"))
+    for name in PIPELINES:
+        _draw(root / f"pp2-{name}", 2, f"timeline-pp-{name}.png", f"one pipeline step, {PIPELINES[name][1]}",
+              last, color_by="microbatch")
     return 0
 
 
