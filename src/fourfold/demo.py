@@ -71,7 +71,7 @@ def _summary(name: str, rows: list[dict], reference: list[dict]) -> str:
     ms = 1e3 * statistics.median(r["step_time_s"] for r in steady)
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     kb = statistics.median(r["comm_bytes"] for r in steady) / 1024
-    hidden = [r.get("comm_hidden_fraction") for r in steady if r.get("comm_hidden_fraction") is not None]
+    hidden = [float(r["comm_hidden_fraction"]) for r in steady if r.get("comm_hidden_fraction") is not None]
     hid = f"{100 * statistics.median(hidden):5.0f} %" if hidden else "      -"
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, reference, strict=False))
     return f"  {name:<28} {ms:8.1f} {tps:10,.0f} {kb:12,.0f} {hid}   {diff:.1e}"

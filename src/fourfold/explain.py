@@ -29,9 +29,9 @@ LETTERS = "abcdefghijklmnop"
 
 
 class Sent(NamedTuple):
-    """One recorded message: at exchange ``index`` (this rank's count), ``src`` sent ``dst`` a range."""
+    """One recorded message: at exchange number ``exchange`` (this rank's count), ``src`` sent ``dst`` a range."""
 
-    index: int
+    exchange: int
     phase: str
     step: int
     src: int
@@ -91,14 +91,14 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
 
 
 def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
-    messages: list[Sent] = sorted((m for sent, _ in gathered for m in sent), key=lambda m: (m.index, m.src))
+    messages: list[Sent] = sorted((m for sent, _ in gathered for m in sent), key=lambda m: (m.exchange, m.src))
     states = [states for _, states in gathered]  # states[rank][i] = per-segment masks before exchange i
-    steps = sorted({m.index for m in messages})
+    steps = sorted({m.exchange for m in messages})
     print(f"{algorithm} all-reduce on {g} ranks (rank 0 = a, rank 1 = b, ...), the tensor cut into {g} "
           f"segments; a2+b2 = the sum of ranks 0 and 1's segment 2, S2 = segment 2 summed over every rank\n")
     _print_state(states, 0, g)
     for i in steps:
-        batch = [m for m in messages if m.index == i]
+        batch = [m for m in messages if m.exchange == i]
         print(f"\nstep {i} ({batch[0].phase}):")
         for m in batch:
             what = masks_label(m.mask, m.segments[0] if len(m.segments) == 1 else None)
@@ -142,7 +142,7 @@ def _draw(algorithm: str, g: int, messages: list[Sent], states: list[list[list[i
     ax = fig.add_subplot()
     cmap = ["#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"]
     for y, step in enumerate(rows):
-        batch = [m for m in messages if m.index == step]
+        batch = [m for m in messages if m.exchange == step]
         for r in range(g):
             masks = states[r][len(states[r]) - 1 if step is None else step]
             for j, mask in enumerate(masks):

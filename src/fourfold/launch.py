@@ -176,8 +176,8 @@ def init(
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = _default_store(rank, world_size, timeout_s)
-    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=dev if dev.type == "cuda" else None)
     ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s)
     atexit.register(ctx.close)
     return ctx

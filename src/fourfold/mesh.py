@@ -125,13 +125,14 @@ class Mesh:
         world = dist.get_world_size()
         self.check_world(world)
         rank = dist.get_rank()
-        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         mine: dict[str, dist.ProcessGroup] = {}
         for axis in AXES:
             for ranks in self.groups(axis):
                 # new_group is collective over the whole world, so every rank creates every group.
-                group = dist.new_group(ranks, **kwargs) if len(ranks) < world else dist.group.WORLD
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
+                    assert group is not None  # every rank is a member of its own groups
                     mine[axis] = group
         return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"])
 

@@ -157,6 +157,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     model: torch.nn.Module = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
     num_parameters = model.num_parameters()  # type: ignore[operator]
     if mesh.tp > 1:  # each rank keeps its shard of every big matmul; same forward(idx, targets) -> (logits, loss)
+        assert isinstance(model, TinyGPT)
         model = parallelize_tinygpt(model, ranks.tp_group, sequence_parallel=t.sequence_parallel, tracer=tracer)
     corpus = load_corpus(t.data)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
@@ -234,12 +235,11 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
 def _pipeline(cfg: Config, model: torch.nn.Module, ranks: RankMesh, tracer: Tracer) -> Pipeline:
     """This rank's stages of ``model``: --strategy model (one micro-batch) or --schedule over micro-batches."""
     t = cfg.train
-    kw = {"tracer": tracer, "timeout_s": t.timeout}
     if t.strategy == "model":
-        return model_parallel(model, ranks.pp_group, **kw)
+        return model_parallel(model, ranks.pp_group, tracer=tracer, timeout_s=t.timeout)
     virtual = t.virtual if t.schedule == "interleaved" else 1
     schedule = make_schedule(t.schedule, ranks.mesh.pp, t.microbatches, virtual)
-    return build_pipeline(model, schedule, ranks.pp_group, **kw)
+    return build_pipeline(model, schedule, ranks.pp_group, tracer=tracer, timeout_s=t.timeout)
 
 
 def _global_mean(loss: torch.Tensor, group: dist.ProcessGroup, tracer: Tracer) -> float:

@@ -119,6 +119,7 @@ class Communicator:
         deadline = time.monotonic() + self.timeout_s
         for what, peer, work in works:
             remaining = max(deadline - time.monotonic(), 0.001)
+            assert work is not None  # None only for a rank outside the group, which exchange never targets
             try:
                 work.wait(timeout=datetime.timedelta(seconds=remaining))
             except RuntimeError as e:
