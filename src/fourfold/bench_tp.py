@@ -1,0 +1,609 @@
+"""``fourfold bench tp``: fourfold's tensor parallelism against PyTorch's DTensor tensor parallelism, and against
+no tensor parallelism at all, on the same model, the same batch and the same ranks, side by side.
+
+    fourfold bench tp --nproc 2                  # TinyGPT (3.3 M) and a 2 x (2048 -> 8192 -> 2048) MLP, ~1 min
+    fourfold bench tp --models gpt --variants single,fourfold-mlp,dtensor-mlp --rounds 40
+    python benchmarks/tensor_parallel.py --nproc 2                # the same code
+
+``--nproc`` ranks form one tensor-parallel group (tp = nproc). Variants (``--variants``), FRAMEWORK-PLAN:
+
+* ``single``: every rank holds the whole model and runs the unsharded step on the whole batch (no
+  communication): the reference of the check and of ``x single``. Always run.
+* ``fourfold-mlp`` / ``dtensor-mlp``: every MLP block Y = GELU(X A) B split Megatron's way, A = [A_1 ... A_p] by
+  columns and B = [B_1; ...; B_p] by rows; the rest replicated. fourfold: ``tensor_parallel(model, {fc:
+  "column", proj: "row"}, group)``; torch: ``parallelize_module(model, mesh, {fc: ColwiseParallel(), proj:
+  RowwiseParallel()})``. The cleanest like-for-like: both run the same GEMMs and the same two all-reduces.
+* ``fourfold-full`` / ``dtensor-full`` (TinyGPT only): also attention (qkv by heads, proj by rows), the
+  embedding by vocabulary rows, the tied head by vocabulary columns and the loss on vocabulary-sharded logits.
+  fourfold: :func:`~fourfold.parallel.tensor.parallelize_tinygpt`; torch: the MLP plan plus ``ColwiseParallel``
+  qkv, ``RowwiseParallel`` attn.proj, ``RowwiseParallel(input_layouts=Replicate())`` on wte,
+  ``ColwiseParallel(output_layouts=Shard(-1))`` lm_head re-tied to wte's shard, and ``loss_parallel()``.
+  TinyGPT's qkv is fused, W = [W_q; W_k; W_v] (3C, C), and ColwiseParallel cuts dim 0 into p contiguous blocks:
+  at p = 2 rank 0 would get all of W_q and half of W_k, no whole heads. The DTensor copy therefore stores W's
+  rows rank-major, [W_q,0; W_k,0; W_v,0; W_q,1; ...] (each rank's ``shard(W, Layout(0, parts=3))``), so
+  Shard(0) hands rank i fourfold's piece: one fused GEMM per rank, as fourfold runs.
+
+Method (as ``fourfold bench dp``). Every variant holds its own copy of the model (one seed) and its own SGD.
+Round k draws one batch, the same on every rank (tensor parallelism splits weights, not data), and runs one step
+(forward, backward, optimizer) of every variant, the order rotating each round; ``--warmup`` rounds first, not
+timed. In the first, each variant's loss and every gradient is checked against ``single``'s (its shard of it;
+float32 tolerance) and its collectives counted, by :class:`~torch.distributed.tensor.debug.CommDebugMode` for
+every variant and by fourfold's :class:`~fourfold.trace.Tracer` for fourfold's (per block, against
+:func:`plan_theory`); later rounds run uninstrumented. A barrier precedes every timed step; a step takes as long
+as its slowest rank; the figure is the median over ``--rounds``; ``x dtensor`` is a fourfold variant's median over
+the DTensor one's with the same plan, and ``paired`` the median over rounds of the two steps' ratio in each round
+(less moved by load that comes and goes). Rank 0 prints the tables and the project's targets and writes
+OUT/bench.json and OUT/bench.png.
+
+A benchmark, not a test: it prints figures and refuses nothing but bad flags and results that disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+from fourfold.bench_dp import GRAD_RTOL, Workload, _workload
+
+__all__ = ["TARGET_RATIO", "VARIANTS", "main", "plan_theory"]
+
+VARIANTS = ("single", "fourfold-mlp", "dtensor-mlp", "fourfold-full", "dtensor-full")
+TARGET_RATIO = 1.05
+"""The limit on a fourfold variant's median step time / the DTensor variant's with the same plan, at tp = 2."""
+LOSS_RTOL = 1e-5  # float32: |loss - single's| <= 1e-5 * |single's|
+SHARDS = {"none": "nothing: the whole model and batch on every rank",
+          "mlp": "each MLP block: fc by columns, proj by rows",
+          "full": "MLP + attention (qkv by heads, proj by rows) + embedding, tied head and loss by vocabulary"}
+_SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_model"),
+          ("gpt-heads", 4, "TinyGPT n_head"), ("gpt-seq-len", 128, "TinyGPT seq_len"),
+          ("gpt-batch", 8, "TinyGPT batch in sequences, every rank the same"),
+          ("mlp-width", 2048, "MLP width W; each block is W -> 4W -> W"),
+          ("mlp-blocks", 2, "MLP blocks, two Linear layers each"),
+          ("mlp-batch", 64, "MLP batch in rows, every rank the same"))
+Counts = dict[tuple[str, str], int]  # (phase, op) -> how many, e.g. ("forward", "all_reduce") -> 10
+
+
+def plan_theory(plan: str, n_blocks: int, *, data_input: bool = False) -> tuple[list[Counts], Counts]:
+    """The collectives of one step under ``plan``: (per block, per step), Megatron's counts.
+
+    ``full`` is :func:`~fourfold.parallel.tensor.collective_theory` for TinyGPT. ``mlp`` shards one of a block's
+    two column -> row halves, so a block issues half of what ``collective_theory`` counts: one all-reduce forward
+    (g) and one backward (f). ``data_input``: the first block's input is the data, whose gradient autograd never
+    asks for, so that block's f never all-reduces.
+    """
+    from fourfold.parallel.tensor import collective_theory, collectives_per_step
+
+    if plan == "none":
+        return [{} for _ in range(n_blocks)], {}
+    block = collective_theory(False)["block"]
+    if plan == "full":
+        return [dict(block) for _ in range(n_blocks)], collectives_per_step(n_blocks, False)
+    blocks = [{key: n // 2 for key, n in block.items()} for _ in range(n_blocks)]
+    if data_input and blocks:
+        del blocks[0][("backward", "all_reduce")]
+    step: Counts = {}
+    for counts in blocks:
+        for key, n in counts.items():
+            step[key] = step.get(key, 0) + n
+    return blocks, step
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fourfold.config import make_parser
+
+    p = make_parser("fourfold bench tp", "Time a training step of fourfold's tensor parallelism, PyTorch's "
+                    "DTensor tensor parallelism and the unsharded model side by side on --nproc ranks (tp).")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine: the tp degree, >= 2 "
+                   "(default: 2)")
+    p.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp (default: gpt,mlp)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}; single is "
+                   "always run; the mlp model has only the mlp plan (default: all)")
+    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks losses, "
+                   "gradients and collectives (default: 3)")
+    for flag, default, what in _SIZES:
+        p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
+    p.add_argument("--out", default="runs/bench-tp", help="where bench.json and bench.png go (overwritten; "
+                   "default: runs/bench-tp)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    return p
+
+
+def _check(ns: argparse.Namespace) -> argparse.Namespace:
+    """Turn the flags into values (``ns.models``, ``ns.variants``: names) or raise ValueError."""
+    from fourfold.models import GPTConfig
+    from fourfold.parallel.tensor import check_tinygpt_tp
+
+    ns.models = [m.strip() for m in ns.models.split(",") if m.strip()]
+    if not ns.models or any(m not in ("gpt", "mlp") for m in ns.models) or len(set(ns.models)) != len(ns.models):
+        raise ValueError(f"models must be distinct names among gpt, mlp, got {ns.models}. E.g. --models gpt.")
+    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
+    if any(v not in VARIANTS for v in ns.variants) or len(set(ns.variants)) != len(ns.variants):
+        raise ValueError(f"variants must be distinct names among {', '.join(VARIANTS)}, got {ns.variants}. "
+                         "E.g. --variants single,fourfold-mlp,dtensor-mlp.")
+    ns.variants = ["single", *(v for v in ns.variants if v != "single")]  # the reference of the check
+    if ns.nproc < 2:
+        raise ValueError(f"nproc must be >= 2 (tensor parallelism over one rank splits nothing), got {ns.nproc}. "
+                         "Pass --nproc 2.")
+    if ns.rounds < 1 or ns.warmup < 1:
+        raise ValueError(f"rounds and warmup must be >= 1 (the first warm-up round checks the variants), got "
+                         f"rounds={ns.rounds}, warmup={ns.warmup}.")
+    small = {flag: getattr(ns, flag.replace("-", "_")) for flag, _, _ in _SIZES}
+    if any(n < 1 for n in small.values()):
+        raise ValueError(f"sizes must be >= 1, got {', '.join(f'--{f} {n}' for f, n in small.items() if n < 1)}. "
+                         f"The defaults: {', '.join(f'--{f} {d}' for f, d, _ in _SIZES)}.")
+    if "gpt" in ns.models:
+        check_tinygpt_tp(GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads,
+                                   d_model=ns.gpt_d_model), ns.nproc)
+    if "mlp" in ns.models and 4 * ns.mlp_width % ns.nproc:
+        raise ValueError(f"4*mlp-width (the hidden width) must be divisible by tp, got {4 * ns.mlp_width} and "
+                         f"{ns.nproc}. Use --mlp-width {-(-ns.mlp_width // ns.nproc) * ns.nproc} or an nproc that "
+                         f"divides {4 * ns.mlp_width}.")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fourfold bench tp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        _check(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if "RANK" in os.environ:  # a rank started by the launcher
+        _run(ns)
+        return 0
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    rest = [a for a in without_section_flags(argv, "launch") if not a.startswith("--command=")]
+    if "--command" in rest:  # ours replaces the user's
+        del rest[rest.index("--command"):rest.index("--command") + 2]
+    command = ns.command or shlex.join(["fourfold", "bench", "tp", *argv])
+    print(f"fourfold bench tp: starting {ns.nproc} ranks ...", flush=True)
+    return launch_workers("fourfold.bench_tp", [*rest, f"--command={command}"], LaunchConfig(nproc=ns.nproc))
+
+
+def _mlp(ns: argparse.Namespace) -> Workload:
+    """``--mlp-blocks`` TinyGPT MLP blocks of width W (W -> 4W -> W, GELU), MSE against random targets."""
+    import torch
+    from torch import nn
+
+    from fourfold.models import GPTConfig
+    from fourfold.models.gpt import MLP
+
+    cfg, width = GPTConfig(d_model=ns.mlp_width, n_head=1), ns.mlp_width
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = nn.Sequential(*(MLP(cfg) for _ in range(ns.mlp_blocks)))
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)  # every copy equal; torch's global RNG untouched
+        for name, param in model.named_parameters():
+            fan_in = param.shape[-1]
+            nn.init.normal_(param, std=fan_in ** -0.5, generator=gen) if name.endswith("weight") else \
+                nn.init.zeros_(param)
+        return model
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(k)  # round k's batch, the same on every rank
+        return torch.randn(ns.mlp_batch, width, generator=gen), torch.randn(ns.mlp_batch, width, generator=gen)
+
+    return Workload("mlp", f"MLP {ns.mlp_blocks} x (Linear({width}, {4 * width}), GELU, Linear({4 * width}, "
+                    f"{width})), batch {ns.mlp_batch} rows", build, batch, nn.functional.mse_loss)
+
+
+@dataclass(eq=False)
+class _Variant:
+    """One variant's model copy, sharded as it shards it, with its optimizer, loss and what the check needs."""
+
+    name: str
+    plan: str                 # none | mlp | full
+    model: Any
+    loss: Callable[[Any, Any], Any]  # (x, y) -> the scalar loss, under ``context``
+    optimizer: Any
+    layouts: dict[str, Any]   # parameter name -> fourfold Layout of this rank's piece of single's tensor
+    tracer: Any = None        # fourfold's, recording its collectives
+    context: Callable[[], Any] = contextlib.nullcontext
+    probe: dict[str, Any] = field(default_factory=dict)
+
+
+def _build(name: str, w: Workload, mesh: Any, lr: float, rank: int) -> _Variant:
+    """``name``'s copy of ``w``'s model, sharded over ``mesh`` (one dimension: every rank of the world)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from fourfold.models.gpt import MLP
+    from fourfold.parallel.tensor import Layout, Style, parallelize_tinygpt, shard_layouts, tensor_parallel
+    from fourfold.trace import Tracer
+
+    framework, _, plan = name.partition("-")
+    model = w.build()
+    mlps = [n for n, m in model.named_modules() if isinstance(m, MLP)]
+    loss: Callable[[Any, Any], Any] = lambda x, y: w.loss(model(x), y)  # noqa: E731
+    tracer, layouts = None, {}
+    context: Callable[[], Any] = contextlib.nullcontext
+    if framework == "fourfold":
+        tracer = Tracer(rank)
+        if plan == "full":
+            model = parallelize_tinygpt(model, None, tracer=tracer)
+            loss = lambda x, y: model(x, y)[1]  # noqa: E731  (the vocabulary-parallel loss)
+        else:
+            styles: dict[str, Style] = {}
+            for n in mlps:
+                styles.update({f"{n}.fc": "column", f"{n}.proj": "row"})
+            tensor_parallel(model, styles, None, tracer=tracer)
+        layouts = shard_layouts(model)
+    elif framework == "dtensor":
+        fused = _dtensor_parallel(model, plan, mlps, mesh)
+        if plan == "full":
+            context = loss_parallel
+        for n, param in model.named_parameters():
+            place = param.placements[0] if isinstance(param, DTensor) else None
+            if isinstance(place, Shard):
+                layouts[n] = Layout(place.dim, 3 if n in fused else 1)
+    return _Variant(name, plan or "none", model, loss, torch.optim.SGD(model.parameters(), lr=lr), layouts,
+                    tracer, context)
+
+
+def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[str]:
+    """Shard ``model`` in place with torch's DTensor tensor parallelism; the names of the fused qkv tensors."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fourfold.models.gpt import CausalSelfAttention
+    from fourfold.parallel.tensor import Layout, shard
+    from fourfold.parallel.tensor_gpt import _Attention
+
+    class LocalHeads(nn.Module):
+        """TinyGPT attention on this rank's H/p heads; DTensor shards its qkv and proj."""
+
+        forward = _Attention.forward  # fourfold's local-heads math: only the layers under it differ
+
+        def __init__(self, attn: CausalSelfAttention, p: int) -> None:
+            super().__init__()
+            self.n_head, self.dropout = attn.n_head // p, attn.dropout
+            self.qkv, self.proj, self.resid_drop = attn.qkv, attn.proj, attn.resid_drop
+
+    p, fused = mesh.size(), set()
+    styles: dict[str, Any] = {}
+    for n in mlps:
+        styles.update({f"{n}.fc": ColwiseParallel(), f"{n}.proj": RowwiseParallel()})
+    if plan == "full":
+        for i, block in enumerate(model.blocks):
+            qkv = block.attn.qkv
+            with torch.no_grad():  # rank-major rows, so that Shard(0) gives rank r whole heads of q, k and v
+                for t in (qkv.weight, qkv.bias):
+                    if t is not None:
+                        t.copy_(torch.cat([shard(t, Layout(0, 3), r, p) for r in range(p)]))
+            fused |= {f"blocks.{i}.attn.qkv.weight", f"blocks.{i}.attn.qkv.bias"}
+            block.attn = LocalHeads(block.attn, p)
+            styles.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel()})
+        styles["embed.wte"] = RowwiseParallel(input_layouts=Replicate())  # token ids replicated, rows split
+        styles["head.lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, styles)
+    if plan == "full" and model.config.tie_weights:  # each got its own DTensor; both are Shard(0) of W (V, C)
+        model.head.lm_head.weight = model.embed.wte.weight
+    return fused
+
+
+def _step(v: _Variant, x: Any, y: Any, probe: bool = False) -> None:
+    """One training step; with ``probe``, count its collectives and keep its loss and gradients in v.probe."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    count: Callable[[], Any] = CommDebugMode if probe else contextlib.nullcontext
+    with v.context(), count() as fwd:
+        loss = v.loss(x, y)
+    with v.context(), count() as bwd:
+        loss.backward()
+    if probe:
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        v.probe = {"loss": float(local(loss.detach())),
+                   "grads": {n: local(q.grad).detach().clone() for n, q in v.model.named_parameters()},
+                   "counted": {(phase, _op_name(op)): k for phase, mode in (("forward", fwd), ("backward", bwd))
+                               for op, k in mode.get_comm_counts().items()}}
+    v.optimizer.step()
+    v.optimizer.zero_grad(set_to_none=True)
+
+
+def _op_name(op: Any) -> str:
+    """``c10d_functional.all_reduce`` (DTensor) and ``c10d.allreduce_`` (fourfold, through c10d) -> all_reduce."""
+    name = str(op).rpartition(".")[2].strip("_")
+    return {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+            "all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather"}.get(name, name)
+
+
+def _traced(v: _Variant, n_blocks: int) -> tuple[list[Counts], Counts]:
+    """fourfold's collectives in the probed step, per block (the block index in the layer's name) and in all."""
+    blocks: list[Counts] = [{} for _ in range(n_blocks)]
+    step: Counts = {}
+    for s in v.tracer.spans if v.tracer is not None else []:
+        key = (s.args["phase"], s.name.removeprefix("tp."))
+        step[key] = step.get(key, 0) + 1
+        index = next((int(part) for part in s.args["site"].split(".") if part.isdigit()), None)
+        if index is not None:
+            blocks[index][key] = blocks[index].get(key, 0) + 1
+    return blocks, step
+
+
+def _checks(variants: list[_Variant], rank: int, p: int) -> list[dict[str, Any]]:
+    """Every variant's step-1 loss and gradients (this rank's piece) against single's; raises on a mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    from fourfold.parallel.tensor import REPLICATED, shard
+
+    ref = variants[0].probe
+    worst = torch.zeros(len(variants), 2, dtype=torch.float64)  # (variants, [loss, grads]): relative error
+    where: list[str] = []  # per variant, this rank's worst parameter
+    for i, v in enumerate(variants):
+        worst[i, 0] = abs(v.probe["loss"] - ref["loss"]) / abs(ref["loss"])
+        errors = {}
+        for name, g in v.probe["grads"].items():
+            want = shard(ref["grads"][name], v.layouts.get(name, REPLICATED), rank, p)
+            errors[name] = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        name = max(errors, key=errors.__getitem__)
+        worst[i, 1] = errors[name]
+        where.append(name)
+    every = [torch.empty_like(worst) for _ in range(p)]
+    dist.all_gather(every, worst)
+    names: list[list[str]] = [[] for _ in range(p)]
+    dist.all_gather_object(names, where)  # each rank's worst parameter per variant
+    stacked = torch.stack(every)  # (p, variants, 2)
+    out = []
+    for i, v in enumerate(variants):
+        r = int(stacked[:, i, 1].argmax())
+        out.append({"variant": v.name, "loss": v.probe["loss"], "loss_rel_diff": stacked[:, i, 0].max().item(),
+                    "grad_rel_diff": stacked[r, i, 1].item(), "grad_worst_rank": r,
+                    "grad_worst_param": names[r][i],
+                    "ok": stacked[:, i, 0].max().item() <= LOSS_RTOL and stacked[r, i, 1].item() <= GRAD_RTOL})
+    bad = [c for c in out if not c["ok"]]
+    if bad:
+        raise RuntimeError(f"losses and gradients must match single's on step 1 (rtol {LOSS_RTOL:g} and "
+                           f"{GRAD_RTOL:g}), got " + ", ".join(f"{c['variant']}: loss {c['loss_rel_diff']:.3g}, "
+                                                             f"grad {c['grad_rel_diff']:.3g}" for c in bad)
+                           + ". A shard cut differently from its layout, or a missing all-reduce.")
+    return out
+
+
+def _memory(v: _Variant, single: _Variant) -> dict[str, Any]:
+    """This rank's parameter bytes, split as sharded or replicated, and the full bytes of the sharded ones."""
+    from torch.distributed.tensor import DTensor
+
+    from fourfold.parallel.tensor import parameter_bytes
+
+    full = dict(single.model.named_parameters(remove_duplicate=False))  # a tied head's name too
+    if v.tracer is not None:  # fourfold
+        sharded, replicated = parameter_bytes(v.model)
+    else:
+        sharded = replicated = 0
+        for name, q in v.model.named_parameters():
+            n = (q.to_local() if isinstance(q, DTensor) else q).nbytes
+            sharded, replicated = (sharded + n, replicated) if name in v.layouts else (sharded, replicated + n)
+    full_sharded = sum({id(full[n]): full[n].nbytes for n in v.layouts if v.layouts[n].dim is not None}.values())
+    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated,
+            "full_sharded": full_sharded, "sharded_fraction": sharded / full_sharded if full_sharded else None}
+
+
+def _run(ns: argparse.Namespace) -> None:
+    """One rank: every workload, every variant interleaved; rank 0 reports."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fourfold import launch
+
+    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    p, main_rank = ctx.world_size, ctx.rank == 0
+    say = (lambda *a: print("[bench tp]", *a, flush=True)) if main_rank else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
+            "be noisy; re-run when it is quiet")
+    mesh = init_device_mesh("cpu", (p,))
+    say(f"tp={p}, variants {', '.join(ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
+    workloads = []
+    for name in ns.models:
+        w = _workload("gpt", ns, 0, 1) if name == "gpt" else _mlp(ns)  # rank 0 of 1: the whole batch
+        workloads.append(_measure(w, ns, mesh, ctx.rank, p, say))
+        if main_rank:
+            print(_table(workloads[-1], p), flush=True)
+    if main_rank:
+        _report(ns, p, workloads, time.monotonic() - started, load_before)
+    dist.barrier()
+    ctx.close()
+
+
+def _measure(w: Workload, ns: argparse.Namespace, mesh: Any, rank: int, p: int,
+             say: Callable[..., None]) -> dict[str, Any]:
+    """Build every variant, run the rounds, gather the figures; the workload's result (the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    names = [v for v in ns.variants if w.name == "gpt" or not v.endswith("-full")]
+    variants = [_build(v, w, mesh, ns.lr, rank) for v in names]
+    single = variants[0]
+    params = sum(q.numel() for q in single.model.parameters())
+    n_blocks = ns.gpt_layers if w.name == "gpt" else ns.mlp_blocks
+    say(f"{w.describe}: {params / 1e6:.2f} M parameters ({format_bytes(params * 4)} float32)")
+    elapsed = torch.zeros(len(variants), ns.rounds, dtype=torch.float64)  # (variants, rounds)
+    for it in range(ns.warmup + ns.rounds):
+        x, y = w.shard(it)  # the same batch for every variant and every rank this round
+        for j in [(it + m) % len(variants) for m in range(len(variants))]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():  # CommDebugMode's full backward hooks warn that x needs no grad
+                warnings.simplefilter("ignore")
+                _step(variants[j], x, y, probe=it == 0)
+            if it >= ns.warmup:
+                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
+        for v in variants:
+            if v.tracer is not None:
+                v.tracer.enabled = False  # timed steps run uninstrumented, as DTensor's do
+    checks = _checks(variants, rank, p)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    rows = []
+    for j, v in enumerate(variants):
+        theory_blocks, theory_step = plan_theory(v.plan, n_blocks, data_input=w.name == "mlp")
+        traced_blocks, traced_step = _traced(v, n_blocks)
+        times = elapsed[j].tolist()
+        rows.append({"variant": v.name, "plan": v.plan, "shards": SHARDS[v.plan],
+                     "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                     "times_s": times, "memory": _memory(v, single),
+                     "collectives": {"counted": _pairs(v.probe["counted"]), "theory": _pairs(theory_step),
+                                     "theory_per_block": [_pairs(b) for b in theory_blocks],
+                                     **({"tracer": _pairs(traced_step),
+                                         "tracer_per_block": [_pairs(b) for b in traced_blocks]}
+                                        if v.tracer is not None else {})}})
+    for r in rows:
+        twin = next((o for o in rows if o["variant"] == r["variant"].replace("fourfold", "dtensor")
+                     and o is not r), None)
+        r["x_dtensor"] = r["median_s"] / twin["median_s"] if twin else None
+        # the same ratio round by round (both ran in that round, back to back), then its median: less moved by
+        # load that comes and goes over the run than the ratio of the two medians
+        r["x_dtensor_paired"] = statistics.median(a / b for a, b in zip(r["times_s"], twin["times_s"], strict=True)) \
+            if twin else None
+        r["x_single"] = r["median_s"] / rows[0]["median_s"]
+    return {"model": w.name, "describe": w.describe, "parameters": params, "n_blocks": n_blocks, "rows": rows,
+            "check": checks}
+
+
+def _pairs(counts: Counts) -> list[list[Any]]:
+    """``{(phase, op): n}`` as JSON: ``[[phase, op, n], ...]``, sorted."""
+    return sorted([phase, op, n] for (phase, op), n in counts.items())
+
+
+def _fwd_bwd(pairs: list[list[Any]]) -> str:
+    """``[[phase, op, n], ...]`` -> ``"10+9"`` (forward + backward collectives)."""
+    return "+".join(str(sum(n for ph, _, n in pairs if ph == phase)) for phase in ("forward", "backward"))
+
+
+def _table(result: dict[str, Any], p: int) -> str:
+    def mb(n: float) -> str:
+        return f"{n / 2 ** 20:.2f}"
+
+    lines = [f"\n{result['describe']}, {result['parameters'] / 1e6:.2f} M parameters, tp={p}",
+             f"{'variant':<13} {'median':>9} {'min':>9} {'x dtensor':>9} {'paired':>6} {'x single':>8} {'MiB/rank':>8} "
+             f"{'sharded':>7} {'repl.':>6} {'shard*tp':>8} {'coll f+b':>8} {'tracer':>6} {'theory':>6} "
+             f"{'per block':>9}"]
+    for r in result["rows"]:
+        m, c = r["memory"], r["collectives"]
+        frac = "-" if m["sharded_fraction"] is None else f"{m['sharded_fraction'] * p:.3f}"
+        per_block = "-" if "tracer" not in c else "= theory" if c["tracer_per_block"] == c["theory_per_block"] \
+            else "DIFFERS"
+        lines.append(f"{r['variant']:<13} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+                     f"{'-' if r['x_dtensor'] is None else format(r['x_dtensor'], '.3f'):>9} "
+                     f"{'-' if r['x_dtensor_paired'] is None else format(r['x_dtensor_paired'], '.3f'):>6} "
+                     f"{r['x_single']:>8.3f} {mb(m['total']):>8} {mb(m['sharded']):>7} {mb(m['replicated']):>6} "
+                     f"{frac:>8} {_fwd_bwd(c['counted']):>8} "
+                     f"{_fwd_bwd(c['tracer']) if 'tracer' in c else '-':>6} {_fwd_bwd(c['theory']):>6} "
+                     f"{per_block:>9}")
+    for c in result["check"]:
+        lines.append(f"check, step 1: {c['variant']:<13} loss {c['loss']:.6f} (rel. diff {c['loss_rel_diff']:.2g}); "
+                     f"worst gradient {c['grad_rel_diff']:.2g} of max |g| on rank {c['grad_worst_rank']} "
+                     f"({c['grad_worst_param']}) "
+                     f"{'ok' if c['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _targets(workloads: list[dict[str, Any]], p: int) -> list[dict[str, Any]]:
+    """The project's targets, each with its value and whether it is met."""
+    out = []
+    for w in workloads:
+        for r in w["rows"]:
+            c, m = r["collectives"], r["memory"]
+            if r["variant"].startswith("fourfold"):
+                if r["x_dtensor"] is not None and p == 2:
+                    out.append({"target": f"{w['model']} {r['variant']}: step time <= {TARGET_RATIO}x dtensor-"
+                                f"{r['plan']}", "value": r["x_dtensor"], "limit": TARGET_RATIO,
+                                "met": r["x_dtensor"] <= TARGET_RATIO, "paired": r["x_dtensor_paired"]})
+                out.append({"target": f"{w['model']} {r['variant']}: collectives per block and step (tracer) = "
+                            "theory", "value": _fwd_bwd(c["tracer"]), "limit": _fwd_bwd(c["theory"]),
+                            "met": c["tracer_per_block"] == c["theory_per_block"] and c["tracer"] == c["theory"]})
+            if r["plan"] != "none":
+                out.append({"target": f"{w['model']} {r['variant']}: sharded parameter bytes per rank = 1/tp of "
+                            "the full ones", "value": m["sharded_fraction"], "limit": 1 / p,
+                            "met": m["sharded"] * p == m["full_sharded"]})
+    return out
+
+
+def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], elapsed: float,
+            load_before: tuple[float, float, float]) -> None:
+    """Rank 0: the targets, bench.json and bench.png."""
+    from fourfold.files import write_text_atomic
+
+    verdicts = _targets(workloads, p)
+    print("\ntargets:")
+    for t in verdicts:
+        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else t["value"]
+        limit = f"{t['limit']:.3f}" if isinstance(t["limit"], float) else t["limit"]
+        miss = "" if t["met"] or not isinstance(t["value"], float) else f" ({t['value'] / t['limit'] - 1:+.1%})"
+        paired = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else ""
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){miss}{paired}")
+    load_after = os.getloadavg()
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
+    result = {"command": ns.command, "argv": sys.argv,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "elapsed_s": elapsed, "machine": _machine(p), "load_before": load_before, "load_after": load_after,
+              "settings": {"tp": p, "variants": ns.variants, "rounds": ns.rounds, "warmup": ns.warmup,
+                           "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
+                           "timing": "slowest rank per step (forward+backward+optimizer), median over rounds"},
+              "workloads": workloads, "targets": verdicts}
+    out = Path(ns.out)
+    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        _chart(workloads, p, out / "bench.png")
+        print(f"wrote {out / 'bench.png'}", flush=True)
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+
+
+def _chart(workloads: list[dict[str, Any]], p: int, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fourfold.files import atomic_path
+
+    fig = Figure(figsize=(3 + 3.5 * len(workloads), 4.5))
+    for i, w in enumerate(workloads):
+        ax = fig.add_subplot(1, len(workloads), i + 1)
+        names = [r["variant"] for r in w["rows"]]
+        ms = [r["median_s"] * 1e3 for r in w["rows"]]
+        whiskers = [[m - r["min_s"] * 1e3 for m, r in zip(ms, w["rows"], strict=True)],
+                    [r["max_s"] * 1e3 - m for m, r in zip(ms, w["rows"], strict=True)]]
+        colors = ["0.6" if n == "single" else "C0" if n.startswith("fourfold") else "C1" for n in names]
+        bars = ax.bar(names, ms, color=colors, yerr=whiskers, capsize=3)
+        ax.bar_label(bars, [f"{r['x_dtensor']:.2f}x" if r["x_dtensor"] else "" for r in w["rows"]], fontsize=8)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.set(ylabel="median step time (ms; bars: min..max)",
+               title=f"{w['model']}: {w['parameters'] / 1e6:.2f} M params, tp={p}")
+        ax.title.set_fontsize(9)
+    fig.suptitle("tensor-parallel step, gloo on CPU: grey single, blue fourfold (label: x DTensor), orange DTensor",
+                 fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
