@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: fourfold bench allreduce [--nproc G] [--sizes ...] [--algorithms ...] [--iters N] "
               "[--out DIR]\n\nbenchmarks:\n  allreduce  every all-reduce algorithm side by side, and the cost "
               "model of auto\n  dp         a training step: fourfold DataParallel vs DDP vs no sync\n"
-              "  tp         a training step: fourfold tensor parallelism vs DTensor vs unsharded\n\n"
-              "Run `fourfold bench allreduce --help` (or dp --help, tp --help) for its flags.")
+              "  tp         a training step: fourfold tensor parallelism vs DTensor vs unsharded\n"
+              "  pp         a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining\n\n"
+              "Run `fourfold bench allreduce --help` (or dp --help, tp --help, pp --help) for its flags.")
         return 0
     if argv[0] == "dp":
         from fourfold.bench_dp import main as dp_main
@@ -139,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         from fourfold.bench_tp import main as tp_main
 
         return tp_main(argv[1:])
+    if argv[0] == "pp":
+        from fourfold.bench_pp import main as pp_main
+
+        return pp_main(argv[1:])
     if argv[0] != "allreduce":
-        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp, tp.", file=sys.stderr)
+        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp, tp, pp.", file=sys.stderr)
         return 2
     parser = _parser()
     ns = parser.parse_args(argv[1:])

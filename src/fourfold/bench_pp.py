@@ -1,0 +1,575 @@
+"""``fourfold bench pp``: fourfold's pipeline runtime against PyTorch's ``torch.distributed.pipelining``, GPipe
+and 1F1B, on the same model split, the same batch, the same micro-batches and the same ranks, side by side.
+
+    fourfold bench pp --nproc 2                  # TinyGPT (3.3 M, untied), m = 8, 4 variants, ~2 minutes
+    fourfold bench pp --nproc 4 --rounds 10      # pp = 4 (4 ranks: on fewer cores, read the bubble only)
+    python benchmarks/pipeline.py --nproc 2      # the same code
+
+``--nproc`` ranks form one pipeline (pp = nproc, one stage per rank). The model is an *untied* TinyGPT
+(``GPTConfig(tie_weights=False)``): torch's manual ``PipelineStage`` has no notion of a weight shared by two
+stages, so a tied head would make the two frameworks compute different things. The cut is fourfold's
+:func:`~fourfold.parallel.split.plan` (parameter balance); both frameworks run the very same
+:class:`~fourfold.parallel.split.Stage` modules, built by :func:`~fourfold.parallel.split.split_model` at that
+cut. Variants (``--variants``), FRAMEWORK-SCHEDULE:
+
+* ``fourfold-gpipe`` / ``fourfold-1f1b``: :func:`~fourfold.parallel.pipeline.build_pipeline` with
+  ``make_schedule(name, pp, m)``; the loss is ``lm_loss / m`` on the last stage.
+* ``torch-gpipe`` / ``torch-1f1b``: ``PipelineStage(stage, rank, pp, cpu)`` driven by ``ScheduleGPipe`` /
+  ``Schedule1F1B(stage, m, loss_fn=lm_loss)`` (``scale_grads``: gradients / m), ``return_outputs=False``
+  (fourfold keeps no outputs either).
+
+Method (as ``fourfold bench dp``). Every variant holds its own copy of the model (one seed) and its own SGD.
+Round k draws one batch, the same on every rank, and runs one training step (pipeline step and optimizer) of
+every variant, the order rotating each round; ``--warmup`` rounds first, not timed. In the first, every
+variant's loss and gradients (each rank: its stage's) are checked against the first variant's, a float32
+tolerance. A barrier precedes every timed step; a step takes as long as its slowest rank; the figure is the
+median over ``--rounds``.
+
+The bubble of a fourfold variant comes from its :class:`~fourfold.trace.Tracer` spans, per timed step: the
+step's window runs from the first span on any rank to the last compute span on any rank (one clock: the
+ranks share a machine and ``perf_counter``); rank r's bubble is 1 - (its F and B time) / window, the
+definition of :func:`~fourfold.parallel.schedule.simulate`'s. Beside it: the runtime's own
+``StepResult.bubble_by_rank`` (time blocked in receives / the rank's own step, which leaves out a rank's idle
+tail once its last action is done), the textbook (p-1)/(m+p-1), and ``simulate`` with the measured median F
+and B times (mean over ranks) and ``comm`` = the one-way time of one activation message (header + payload,
+ping-pong between ranks 0 and 1 before the rounds, both idle), then again with ``comm`` = the mean time a
+transfer took *in the run* (from the later of "sender posted it" and "receiver waits for it" to "received",
+matched across ranks in the trace): the gap between the two simulations is what message latency under
+load costs. Peak activation memory per rank is ``StepResult.peak_activation_bytes_by_rank``.
+Rank 0 prints the tables and the project's targets and writes OUT/bench.json, OUT/bench.png and a measured
+timeline per fourfold variant (OUT/timeline-SCHEDULE.png, the last timed step).
+
+A benchmark, not a test: it prints figures and refuses nothing but bad flags and results that disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+from fourfold.bench_dp import GRAD_RTOL
+
+__all__ = ["BUBBLE_POINTS", "MEMORY_SLACK", "TARGET_RATIO", "VARIANTS", "main"]
+
+VARIANTS = ("fourfold-gpipe", "torch-gpipe", "fourfold-1f1b", "torch-1f1b")
+TARGET_RATIO = 1.05
+"""The limit on a fourfold variant's median step time / torch's with the same schedule, at pp = 2."""
+BUBBLE_POINTS = 0.05
+"""How far (absolute) the measured bubble may lie from (p-1)/(m+p-1)."""
+MEMORY_SLACK = 0.10
+"""1F1B's peak activation bytes on each rank must be <= (p/m) * GPipe's * (1 + MEMORY_SLACK)."""
+LOSS_RTOL = 1e-5  # float32: |loss - the reference's| <= 1e-5 * |reference|
+_SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_model"),
+          ("gpt-heads", 4, "TinyGPT n_head"), ("gpt-seq-len", 128, "TinyGPT seq_len"),
+          ("gpt-batch", 16, "batch in sequences, every rank the same"),
+          ("microbatches", 8, "micro-batches per step, m"))
+_HEADER_INTS = 14  # what fourfold's runtime sends before each activation: the ping-pong sends it too
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fourfold.config import make_parser
+
+    p = make_parser("fourfold bench pp", "Time a training step of fourfold's pipeline runtime and PyTorch's "
+                    "torch.distributed.pipelining (GPipe and 1F1B) side by side on --nproc ranks (pp); "
+                    "measure the bubble and the activation memory.")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine: pp, >= 2 (default: 2)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks losses and "
+                   "gradients (default: 3)")
+    for flag, default, what in _SIZES:
+        p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
+    p.add_argument("--out", default="runs/bench-pp", help="where bench.json and the PNGs go (overwritten; "
+                   "default: runs/bench-pp)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    return p
+
+
+def _check(ns: argparse.Namespace) -> argparse.Namespace:
+    """Turn the flags into values (``ns.variants``: names, ``ns.config``: the GPTConfig) or raise ValueError."""
+    from fourfold.models import GPTConfig
+
+    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
+    if not ns.variants or any(v not in VARIANTS for v in ns.variants) or len(set(ns.variants)) != len(ns.variants):
+        raise ValueError(f"variants must be distinct names among {', '.join(VARIANTS)}, got {ns.variants}. "
+                         "E.g. --variants fourfold-1f1b,torch-1f1b.")
+    if ns.nproc < 2:
+        raise ValueError(f"nproc must be >= 2 (a pipeline of one stage has nothing to overlap), got {ns.nproc}. "
+                         "Pass --nproc 2.")
+    if min(ns.rounds, ns.warmup) < 1:
+        raise ValueError(f"rounds and warmup must be >= 1 (step 1, untimed, checks every variant against the "
+                         f"first), got rounds={ns.rounds}, warmup={ns.warmup}.")
+    small = {flag: getattr(ns, flag.replace("-", "_")) for flag, _, _ in _SIZES}
+    if any(n < 1 for n in small.values()):
+        raise ValueError(f"sizes must be >= 1, got {', '.join(f'--{f} {n}' for f, n in small.items() if n < 1)}.")
+    if ns.gpt_batch % ns.microbatches:
+        fix = ns.microbatches * max(1, ns.gpt_batch // ns.microbatches)
+        raise ValueError(f"gpt-batch must split into microbatches={ns.microbatches} equal micro-batches, got "
+                         f"gpt-batch {ns.gpt_batch}. Pass --gpt-batch {fix}.")
+    if ns.gpt_layers + 2 < ns.nproc:
+        raise ValueError(f"pp must be at most the model's blocks (embed, {ns.gpt_layers} layers, head), got "
+                         f"nproc {ns.nproc}. Pass --gpt-layers {ns.nproc - 2} or more.")
+    ns.config = GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads,
+                          d_model=ns.gpt_d_model, tie_weights=False)
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fourfold bench pp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = _parse(argv)
+    if "RANK" not in os.environ:  # the parent: start the ranks, each running this again
+        return _launch(argv, ns)
+    _run(ns)
+    return 0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    try:
+        return _check(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))  # exits
+
+
+def _launch(argv: list[str], ns: argparse.Namespace) -> int:
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    command = ns.command or shlex.join(["fourfold", "bench", "pp", *argv])
+    print(f"fourfold bench pp: starting {ns.nproc} ranks ...", flush=True)
+    # the last --command wins in argparse, so ours overrides one the user passed
+    return launch_workers("fourfold.bench_pp", [*without_section_flags(argv, "launch"), f"--command={command}"],
+                          LaunchConfig(nproc=ns.nproc))
+
+
+@dataclass(eq=False)
+class _Variant:
+    """One variant: its stage of its own model copy, how to run one pipeline step, its optimizer."""
+
+    name: str
+    framework: str            # fourfold | torch
+    schedule: str             # gpipe | 1f1b
+    params: list[Any]         # this rank's parameters, in the Stage's order (the same for every variant)
+    run: Callable[[Any, Any], float | None]  # (x, y) -> the batch's mean loss where this rank knows it
+    optimizer: Any
+    tracer: Any = None        # fourfold's
+    results: dict[int, Any] = field(default_factory=dict)  # fourfold: round -> StepResult
+
+
+def _build(name: str, ns: argparse.Namespace, boundaries: list[int], rank: int, p: int) -> _Variant:
+    """``name``'s copy of the model, cut at ``boundaries``: this rank's stage, ready to step."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from fourfold.models import TinyGPT
+    from fourfold.models.gpt import lm_loss
+    from fourfold.parallel.pipeline import build_pipeline
+    from fourfold.parallel.schedule import make_schedule
+    from fourfold.parallel.split import split_model
+    from fourfold.trace import Tracer
+
+    framework, _, schedule = name.partition("-")
+    m = ns.microbatches
+    if framework == "fourfold":
+        tracer = Tracer(rank)
+        pipe = build_pipeline(TinyGPT(ns.config, seed=0), make_schedule(schedule, p, m), boundaries=boundaries,
+                              tracer=tracer, timeout_s=ns.timeout)
+        v = _Variant(name, framework, schedule, pipe.parameters(), lambda x, y: None, None, tracer)
+
+        def run_fourfold(x: Any, y: Any) -> float:
+            result = pipe.step(x, y)
+            v.results[tracer.step or 0] = result
+            return result.loss
+
+        v.run = run_fourfold
+    else:
+        stage = split_model(TinyGPT(ns.config, seed=0), p, boundaries=boundaries)[rank]
+        pipe_stage = PipelineStage(stage, rank, p, torch.device("cpu"))
+        driver = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe_stage, m, loss_fn=lm_loss)
+        first, last = rank == 0, rank == p - 1
+
+        def run_torch(x: Any, y: Any) -> float | None:
+            losses: list[Any] = []
+            driver.step(*([x] if first else []), target=y if last else None, losses=losses if last else None,
+                        return_outputs=False)
+            return sum(loss.item() for loss in losses) / m if last else None  # equal micro-batches: their mean
+
+        v = _Variant(name, framework, schedule, list(stage.parameters()), run_torch, None)
+    v.optimizer = torch.optim.SGD(v.params, lr=ns.lr)
+    return v
+
+
+def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
+    """One-way time of a fourfold-style message (header, then a float32 payload of ``shape``), ranks 0 <-> 1."""
+    import torch
+    import torch.distributed as dist
+
+    header, payload, times = torch.zeros(_HEADER_INTS, dtype=torch.int64), torch.zeros(shape), []
+    for _ in range(reps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank < 2:
+            for sender in (0, 1):  # 0 -> 1, then back
+                for t in (header, payload):
+                    work = (dist.isend if rank == sender else dist.irecv)(t, 1 - rank)
+                    assert work is not None  # point-to-point on the default group always hands back a Work
+                    work.wait()
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[3:])
+
+
+def _run(ns: argparse.Namespace) -> None:
+    """One rank: build every variant, run the rounds interleaved, check step 1; rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from fourfold import launch
+    from fourfold.data import BatchLoader, load_corpus
+    from fourfold.models import TinyGPT
+    from fourfold.parallel.split import plan
+
+    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    p, rank = ctx.world_size, ctx.rank
+    say = (lambda *a: print("[bench pp]", *a, flush=True)) if rank == 0 else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: load {load_before[0]:.1f} on {os.cpu_count()} cores: other work is running and the figures "
+            "will be noisy; re-run when it is quiet")
+    cfg = ns.config
+    model = TinyGPT(cfg, seed=0)
+    starts = plan(model, p)
+    blocks = ["embed", *(f"blocks.{i}" for i in range(cfg.n_layer)), "head"]
+    cut = " | ".join(", ".join(blocks[a:b]) for a, b in zip(starts, (*starts[1:], len(blocks)), strict=True))
+    params = sum(q.numel() for q in model.parameters())
+    del model
+    mb = ns.gpt_batch // ns.microbatches
+    comm_s = _pingpong(rank, (mb, cfg.seq_len, cfg.d_model))
+    say(f"pp={p}, m={ns.microbatches}, TinyGPT L={cfg.n_layer} C={cfg.d_model} H={cfg.n_head} T={cfg.seq_len} "
+        f"untied, {params / 1e6:.2f} M parameters, batch {ns.gpt_batch} ({mb} per micro-batch); stages: {cut}")
+    say(f"one activation message ({format_bytes(mb * cfg.seq_len * cfg.d_model * 4)} + header), one way: "
+        f"{_fmt_time(comm_s)}; {ns.warmup} warm-up + {ns.rounds} rounds of {', '.join(ns.variants)}")
+    loader = BatchLoader(load_corpus(), ns.gpt_batch, cfg.seq_len, seed=0)  # one dp rank: the same batch everywhere
+    variants = [_build(name, ns, list(starts[1:]), rank, p) for name in ns.variants]
+    elapsed = torch.zeros(len(variants), ns.rounds, dtype=torch.float64)  # (variants, rounds)
+    probe: dict[str, tuple[float | None, list[Any]]] = {}
+    checks: list[dict[str, Any]] = []
+    dist.barrier()
+    for v in variants:
+        if v.tracer is not None:
+            v.tracer.start()
+    for it in range(ns.warmup + ns.rounds):
+        x, y = loader.global_batch(it)  # the same batch for every variant and every rank this round
+        for j in [(it + k) % len(variants) for k in range(len(variants))]:
+            v = variants[j]
+            if v.tracer is not None:
+                v.tracer.set_step(it)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = v.run(x, y)
+            if it == 0:
+                probe[v.name] = (loss, [q.grad.detach().clone() for q in v.params])
+            v.optimizer.step()
+            v.optimizer.zero_grad(set_to_none=True)
+            if it >= ns.warmup:
+                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
+        if it == 0:
+            checks = _checks(variants, probe, p)
+            for c in checks:
+                say(f"check, step 1: {c['variant']} vs {c['reference']}: loss {c['loss']:.7f} vs "
+                    f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}), worst gradient "
+                    f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    timed = range(ns.warmup, ns.warmup + ns.rounds)
+    rows = [_row(v, elapsed[j].tolist(), timed, p, ns.microbatches, comm_s) for j, v in enumerate(variants)]
+    _ratios(rows)
+    result = {"pp": p, "microbatches": ns.microbatches, "batch": ns.gpt_batch, "parameters": params,
+              "stages": cut, "boundaries": list(starts[1:]), "comm_one_way_s": comm_s, "rows": rows,
+              "check": checks}
+    _timelines(variants, ns.warmup + ns.rounds - 1, Path(ns.out), rank)
+    if rank == 0:
+        print(_table(result), flush=True)
+        _report(ns, result, time.monotonic() - started, load_before)
+    dist.barrier()
+    ctx.close()
+
+
+def _checks(variants: list[_Variant], probe: dict[str, tuple[float | None, list[Any]]], p: int) -> list[dict]:
+    """Every variant's step-1 loss and gradients against the first variant's; raises on a mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    ref = variants[0].name
+    mine = torch.zeros(len(variants), 2, dtype=torch.float64)  # (variants, [loss (last rank) or 0, grad error])
+    for i, v in enumerate(variants):
+        loss, grads = probe[v.name]
+        mine[i, 0] = loss if loss is not None and dist.get_rank() == p - 1 else 0.0
+        mine[i, 1] = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                         for g, r in zip(grads, probe[ref][1], strict=True))
+    every = [torch.empty_like(mine) for _ in range(p)]
+    dist.all_gather(every, mine)
+    stacked = torch.stack(every)  # (p, variants, 2): the losses come from the last rank
+    losses = stacked[p - 1, :, 0].tolist()
+    out = []
+    for i, v in enumerate(variants[1:], start=1):
+        loss_diff = abs(losses[i] - losses[0]) / abs(losses[0])
+        grad_diff = stacked[:, i, 1].max().item()
+        out.append({"variant": v.name, "reference": ref, "loss": losses[i], "reference_loss": losses[0],
+                    "loss_rel_diff": loss_diff, "grad_rel_diff": grad_diff,
+                    "ok": loss_diff <= LOSS_RTOL and grad_diff <= GRAD_RTOL})
+    bad = [c for c in out if not c["ok"]]
+    if bad:
+        raise RuntimeError(f"losses and gradients must match {ref}'s on step 1 (rtol {LOSS_RTOL:g} and "
+                           f"{GRAD_RTOL:g}), got " + ", ".join(f"{c['variant']}: loss {c['loss_rel_diff']:.3g}, "
+                                                             f"grad {c['grad_rel_diff']:.3g}" for c in bad)
+                           + ". The variants cut the model differently, or a micro-batch was scaled twice.")
+    return out
+
+
+def _row(v: _Variant, times: list[float], timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
+    """A variant's figures: step time (slowest rank, over rounds); for fourfold the bubble and the memory."""
+    row = {"variant": v.name, "framework": v.framework, "schedule": v.schedule, "median_s": statistics.median(times),
+           "min_s": min(times), "max_s": max(times), "times_s": times}
+    if v.framework == "fourfold":
+        last = v.results[timed[-1]]
+        row["bubble"] = _bubble(v, timed, p, m, comm_s)
+        row["memory"] = {"peak_activation_bytes_by_rank": list(last.peak_activation_bytes_by_rank),
+                         "peak_in_flight_by_rank": list(last.peak_in_flight_by_rank)}
+    return row
+
+
+def _bubble(v: _Variant, timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
+    """Measured (trace), the runtime's own, simulated and textbook bubbles of a fourfold variant. A collective."""
+    import torch.distributed as dist
+
+    from fourfold.parallel.schedule import make_schedule, simulate, theory_bubble
+
+    origin = v.tracer.origin_ns  # perf_counter_ns is one clock for every process of a machine: times compare
+    mine = [(s.rank, s.kind, s.name, s.args.get("what"), s.args.get("stage"), s.microbatch, s.step,
+             s.start_ns + origin, s.end_ns + origin) for s in v.tracer.spans if s.step in timed]
+    every: list[Any] = [None] * p
+    dist.all_gather_object(every, mine)
+    spans = [s for got in every for s in got]
+    busy = [[0] * len(timed) for _ in range(p)]  # (p, rounds): F and B time, ns
+    first, last = [min(s[7] for s in spans if s[6] == it) for it in timed], [0] * len(timed)
+    costs: dict[tuple[int, str], list[int]] = {}
+    sent: dict[tuple[Any, ...], int] = {}
+    for rank, kind, name, what, stage, i, it, t0, t1 in spans:
+        if kind == "compute":
+            busy[rank][it - timed[0]] += t1 - t0
+            last[it - timed[0]] = max(last[it - timed[0]], t1)
+            costs.setdefault((rank, name), []).append(t1 - t0)
+        elif name == "send":
+            sent[(what, stage, i, it)] = t1
+    # in situ: from the later of "sent" and "receiver waiting" to "received", for every transfer of the run
+    latency = [t1 - max(t0, sent[(what, stage + (1 if what == "gradient" else -1), i, it)])
+               for _, kind, name, what, stage, i, it, t0, t1 in spans if kind == "comm" and name == "recv"]
+    window = [b - a for a, b in zip(first, last, strict=True)]  # the step, first span to last compute, any rank
+    by_round = [[1 - busy[r][k] / window[k] for k in range(len(timed))] for r in range(p)]
+    f_s = [statistics.median(costs[(r, "F")]) / 1e9 for r in range(p)]
+    b_s = [statistics.median(costs[(r, "B")]) / 1e9 for r in range(p)]
+    in_situ = statistics.mean(latency) / 1e9 if latency else 0.0  # the mean: a few slow ones stretch the step
+    schedule = make_schedule(v.schedule, p, m)
+    sim = simulate(schedule, f=statistics.mean(f_s), b=statistics.mean(b_s), w=0.0, comm=comm_s)
+    sim_in_situ = simulate(schedule, f=statistics.mean(f_s), b=statistics.mean(b_s), w=0.0, comm=in_situ)
+    return {"theory": theory_bubble(v.schedule, p, m),
+            "measured": statistics.median(statistics.mean(col) for col in zip(*by_round, strict=True)),
+            "measured_by_rank": [statistics.median(row) for row in by_round],
+            # ranks computing at once, on average: at os.cpu_count() < pp the cores, not the schedule, set this
+            "concurrency": statistics.median(sum(busy[r][k] for r in range(p)) / window[k] for k in range(len(timed))),
+            "runtime_wait_by_rank": [statistics.median(v.results[it].bubble_by_rank[r] for it in timed)
+                                     for r in range(p)],
+            "runtime_wait": statistics.median(statistics.mean(v.results[it].bubble_by_rank) for it in timed),
+            "simulated": sim.bubble, "simulated_by_rank": list(sim.bubble_by_rank),
+            "simulated_makespan_s": sim.makespan, "comm_in_situ_s": in_situ,
+            "comm_in_situ_median_s": statistics.median(latency) / 1e9 if latency else 0.0,
+            "simulated_in_situ": sim_in_situ.bubble, "simulated_in_situ_makespan_s": sim_in_situ.makespan,
+            "window_median_s": statistics.median(window) / 1e9, "f_s_by_rank": f_s, "b_s_by_rank": b_s}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """x torch: the ratio of medians to torch's with the same schedule; paired: the median of per-round ratios."""
+    for r in rows:
+        twin = next((o for o in rows if o["framework"] == "torch" and o["schedule"] == r["schedule"]), None)
+        r["x_torch"] = r["x_torch_paired"] = None
+        if twin is not None and r["framework"] == "fourfold":
+            r["x_torch"] = r["median_s"] / twin["median_s"]
+            # both ran in the same round, back to back: less moved by load that comes and goes than the medians
+            r["x_torch_paired"] = statistics.median(a / b for a, b in zip(r["times_s"], twin["times_s"], strict=True))
+
+
+def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The project's targets, each with its value, its limit and whether it is met."""
+    p, m, out = result["pp"], result["microbatches"], []
+    rows = {r["variant"]: r for r in result["rows"]}
+    for r in rows.values():
+        if r["x_torch"] is not None and p == 2:
+            out.append({"target": f"pp=2 m={m} {r['variant']}: step time <= {TARGET_RATIO}x torch-{r['schedule']}",
+                        "value": r["x_torch"], "limit": TARGET_RATIO, "met": r["x_torch"] <= TARGET_RATIO,
+                        "paired": r["x_torch_paired"]})
+        if "bubble" in r:
+            b = r["bubble"]
+            out.append({"target": f"pp={p} {r['variant']}: measured bubble within {BUBBLE_POINTS * 100:g} points "
+                        f"of (p-1)/(m+p-1) = {b['theory']:.1%}", "value": b["measured"],
+                        "limit": [b["theory"] - BUBBLE_POINTS, b["theory"] + BUBBLE_POINTS],
+                        "met": abs(b["measured"] - b["theory"]) <= BUBBLE_POINTS})
+    if "fourfold-gpipe" in rows and "fourfold-1f1b" in rows:
+        gpipe = rows["fourfold-gpipe"]["memory"]["peak_activation_bytes_by_rank"]
+        one = rows["fourfold-1f1b"]["memory"]["peak_activation_bytes_by_rank"]
+        for rank, (g, o) in enumerate(zip(gpipe, one, strict=True)):
+            limit = p / m * g * (1 + MEMORY_SLACK)
+            out.append({"target": f"pp={p} rank {rank}: 1F1B peak activation bytes <= (p/m) x GPipe's + "
+                        f"{MEMORY_SLACK:.0%}", "value": o, "limit": limit, "met": o <= limit,
+                        "fraction_of_gpipe": o / g})
+    return out
+
+
+def _table(result: dict[str, Any]) -> str:
+    p = result["pp"]
+    lines = [f"\npp={p}, m={result['microbatches']}, batch {result['batch']}, stages: {result['stages']}",
+             f"{'variant':<15} {'median':>9} {'min':>9} {'x torch':>7} {'paired':>6} {'bubble':>7} {'theory':>7} "
+             f"{'simul.':>7} {'by rank (trace)':>16} {'waits':>6} {'by rank (waits)':>16} {'peak act. MiB/rank':>20}"]
+
+    def ranks(xs: list[float], spec: str) -> str:
+        return " ".join(format(x, spec) for x in xs)
+
+    for r in result["rows"]:
+        b, mem = r.get("bubble"), r.get("memory")
+        lines.append(
+            f"{r['variant']:<15} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+            f"{'-' if r['x_torch'] is None else format(r['x_torch'], '.3f'):>7} "
+            f"{'-' if r['x_torch_paired'] is None else format(r['x_torch_paired'], '.3f'):>6} "
+            + (f"{b['measured']:>7.1%} {b['theory']:>7.1%} {b['simulated']:>7.1%} "
+               f"{ranks(b['measured_by_rank'], '.3f'):>16} {b['runtime_wait']:>6.1%} "
+               f"{ranks(b['runtime_wait_by_rank'], '.3f'):>16} "
+               f"{ranks([n / 2 ** 20 for n in mem['peak_activation_bytes_by_rank']], '.2f'):>20}" if b else
+               f"{'-':>7} {'-':>7} {'-':>7} {'-':>16} {'-':>6} {'-':>16} {'-':>20}"))
+    for r in result["rows"]:
+        if "bubble" in r:
+            b = r["bubble"]
+            lines.append(f"{r['variant']}: median F {ranks([f * 1e3 for f in b['f_s_by_rank']], '.2f')} ms, B "
+                         f"{ranks([x * 1e3 for x in b['b_s_by_rank']], '.2f')} ms by rank; step window "
+                         f"{_fmt_time(b['window_median_s'])}, simulated {_fmt_time(b['simulated_makespan_s'])}; "
+                         f"a transfer in the run takes {_fmt_time(b['comm_in_situ_s'])} (mean; median "
+                         f"{_fmt_time(b['comm_in_situ_median_s'])}), simulated with the mean: bubble "
+                         f"{b['simulated_in_situ']:.1%}, {_fmt_time(b['simulated_in_situ_makespan_s'])}; ranks "
+                         f"computing at once: {b['concurrency']:.2f} on average")
+    cores = os.cpu_count() or 1
+    if p > cores:
+        lines.append(f"note: {p} ranks on {cores} cores: at most {cores} compute at once, so every rank idles at "
+                     f"least {1 - cores / p:.0%} of the step whatever the schedule, and compute spans stretch while "
+                     "ranks share a core: the trace's bubble measures the cores here; compare the schedules by "
+                     "'simul.' (their order, with the measured costs)")
+    for c in result["check"]:
+        lines.append(f"check, step 1: {c['variant']:<15} loss {c['loss']:.7f} vs {c['reference']} "
+                     f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}); worst gradient "
+                     f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
+            load_before: tuple[float, float, float]) -> None:
+    """Rank 0: the targets, bench.json and bench.png."""
+    from fourfold.files import write_text_atomic
+
+    verdicts = _targets(result)
+    print("\ntargets:")
+    for t in verdicts:
+        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else f"{t['value']:,}"
+        limit = (f"{t['limit'][0]:.3f}..{t['limit'][1]:.3f}" if isinstance(t["limit"], list)
+                 else f"{t['limit']:.3f}" if t["limit"] < 100 else f"{t['limit']:,.0f}")
+        extra = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else \
+            f"; {t['fraction_of_gpipe']:.3f} of GPipe's" if "fraction_of_gpipe" in t else ""
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){extra}")
+    load_after = os.getloadavg()
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
+    out = Path(ns.out)
+    write_text_atomic(out / "bench.json", json.dumps({
+        "command": ns.command, "argv": sys.argv,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "elapsed_s": elapsed,
+        "machine": _machine(result["pp"]), "load_before": load_before, "load_after": load_after,
+        "settings": {"model": dataclasses.asdict(ns.config), "variants": ns.variants, "rounds": ns.rounds,
+                     "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
+                     "timing": "slowest rank per step (pipeline step + optimizer), median over rounds"},
+        **result, "targets": verdicts}, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        _chart(result, out / "bench.png")
+    except ImportError:
+        print("charts skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    else:
+        print(f"wrote {out / 'bench.png'}", flush=True)
+
+
+def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> None:
+    """The measured timeline of one step of each fourfold variant (a collective; rank 0 draws)."""
+    from fourfold.trace import Tracer, gather_spans
+
+    for v in variants:
+        if v.tracer is None:
+            continue
+        one = Tracer(rank)  # only this step's spans travel
+        one.spans = [s for s in v.tracer.spans if s.step == step]
+        spans = gather_spans(one)
+        if spans is None:
+            continue
+        try:
+            from fourfold.visualize import timeline
+
+            path = out / f"timeline-{v.schedule}.png"
+            timeline(spans, path, title=f"fourfold {v.schedule}, pp={len(spans)}: measured step {step}",
+                     color_by="microbatch")
+            print(f"wrote {path}", flush=True)
+        except ImportError:
+            pass  # said once by _report
+
+
+def _chart(result: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fourfold.files import atomic_path
+
+    rows, p = result["rows"], result["pp"]
+    fig = Figure(figsize=(10, 4.5))
+    ax = fig.add_subplot(1, 2, 1)
+    ms = [r["median_s"] * 1e3 for r in rows]
+    bars = ax.bar([r["variant"] for r in rows], ms, color=["C0" if r["framework"] == "fourfold" else "C1"
+                                                           for r in rows],
+                  yerr=[[m - r["min_s"] * 1e3 for m, r in zip(ms, rows, strict=True)],
+                        [r["max_s"] * 1e3 - m for m, r in zip(ms, rows, strict=True)]], capsize=3)
+    ax.bar_label(bars, [f"{r['x_torch']:.2f}x" if r["x_torch"] else "" for r in rows], fontsize=8)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.set(ylabel="median step time (ms; bars: min..max)", title=f"step, pp={p}, m={result['microbatches']}")
+    ax = fig.add_subplot(1, 2, 2)
+    ours = [r for r in rows if "bubble" in r]
+    kinds = (("measured", "measured (trace)"), ("simulated", "simulate(f, b, comm)"), ("theory", "(p-1)/(m+p-1)"))
+    for k, (key, label) in enumerate(kinds):
+        ax.bar([i + (k - 1) * 0.27 for i in range(len(ours))], [r["bubble"][key] * 100 for r in ours], 0.27,
+               label=label)
+    ax.set_xticks(range(len(ours)), [r["variant"] for r in ours], fontsize=8)
+    ax.set(ylabel="bubble (% of the step, mean over ranks)", title="fourfold's bubble")
+    ax.legend(fontsize=8)
+    fig.suptitle("pipeline step, gloo on CPU: blue fourfold (label: x torch), orange torch.distributed.pipelining",
+                 fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
