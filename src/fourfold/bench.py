@@ -75,6 +75,19 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return (sy - b * sx) / sw, b
 
 
+def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
+    """The parent side of ``fourfold bench NAME``: start ``nproc`` ranks through torchrun's launcher, each
+    running ``python -m fourfold.bench_NAME`` with the same flags and the user's command (for bench.json)."""
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    command = command or shlex.join(["fourfold", "bench", bench, *argv])
+    print(f"fourfold bench {bench}: starting {nproc} ranks ...", flush=True)
+    # the last --command wins in argparse, so ours overrides one the user passed
+    return launch_workers(f"fourfold.bench_{bench}", [*without_section_flags(argv, "launch"), f"--command={command}"],
+                          LaunchConfig(nproc=nproc))
+
+
 def _parser() -> argparse.ArgumentParser:
     from fourfold.config import make_parser
 

@@ -32,7 +32,6 @@ import datetime
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -148,15 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # a rank started by the launcher
         _run(ns)
         return 0
-    from fourfold.config import LaunchConfig, without_section_flags
-    from fourfold.elastic import launch_workers
+    from fourfold.bench import launch_ranks
 
-    rest = [a for a in without_section_flags(argv, "launch") if not a.startswith("--command=")]
-    if "--command" in rest:  # ours replaces the user's
-        del rest[rest.index("--command"):rest.index("--command") + 2]
-    command = ns.command or shlex.join(["fourfold", "bench", "dp", *argv])
-    print(f"fourfold bench dp: starting {ns.nproc} ranks ...", flush=True)
-    return launch_workers("fourfold.bench_dp", [*rest, f"--command={command}"], LaunchConfig(nproc=ns.nproc))
+    return launch_ranks("dp", argv, ns.nproc, ns.command)
 
 
 class Workload(NamedTuple):

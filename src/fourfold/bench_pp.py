@@ -49,7 +49,6 @@ import dataclasses
 import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -147,14 +146,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _launch(argv: list[str], ns: argparse.Namespace) -> int:
-    from fourfold.config import LaunchConfig, without_section_flags
-    from fourfold.elastic import launch_workers
+    from fourfold.bench import launch_ranks
 
-    command = ns.command or shlex.join(["fourfold", "bench", "pp", *argv])
-    print(f"fourfold bench pp: starting {ns.nproc} ranks ...", flush=True)
-    # the last --command wins in argparse, so ours overrides one the user passed
-    return launch_workers("fourfold.bench_pp", [*without_section_flags(argv, "launch"), f"--command={command}"],
-                          LaunchConfig(nproc=ns.nproc))
+    return launch_ranks("pp", argv, ns.nproc, ns.command)
 
 
 @dataclass(eq=False)

@@ -45,7 +45,6 @@ import contextlib
 import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -169,15 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # a rank started by the launcher
         _run(ns)
         return 0
-    from fourfold.config import LaunchConfig, without_section_flags
-    from fourfold.elastic import launch_workers
+    from fourfold.bench import launch_ranks
 
-    rest = [a for a in without_section_flags(argv, "launch") if not a.startswith("--command=")]
-    if "--command" in rest:  # ours replaces the user's
-        del rest[rest.index("--command"):rest.index("--command") + 2]
-    command = ns.command or shlex.join(["fourfold", "bench", "tp", *argv])
-    print(f"fourfold bench tp: starting {ns.nproc} ranks ...", flush=True)
-    return launch_workers("fourfold.bench_tp", [*rest, f"--command={command}"], LaunchConfig(nproc=ns.nproc))
+    return launch_ranks("tp", argv, ns.nproc, ns.command)
 
 
 def _mlp(ns: argparse.Namespace) -> Workload:
