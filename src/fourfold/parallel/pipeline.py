@@ -41,6 +41,11 @@ Activation sends are known complete when the gradient for that micro-batch comes
 then); gradient sends at the end of the step (gloo reports a send complete only when waited on, so their
 buffers live until then).
 
+Receives are posted early: each step posts the header ``irecv`` of every message this rank will receive before
+its first action, and after every send and receive posts the payload ``irecv`` of each header that has come.
+With gloo a send only announces a message; its data leaves once the receiver has posted the matching receive,
+so a receive posted when its action starts costs a round trip (and thread wake-ups) per message.
+
 Measured per step: ``wait`` spans (blocked on a receive or on the last sends) over the step's time is the
 bubble; the bytes of tensors autograd saved, summed per micro-batch (a ``saved_tensors_hooks`` count of
 distinct storages, parameters excluded, plus the stage output kept as backward's root) and held from F until
@@ -112,6 +117,17 @@ class _Held:
     call_grads: list[torch.Tensor | None] = field(default_factory=list)  # ... and its output gradient from B
 
 
+@dataclass
+class _Recv:
+    """A receive posted before its action: the header's buffer and work, then the payload's once it is posted."""
+
+    action: Action  # the action that will use it (named by its errors)
+    header: torch.Tensor
+    header_work: Any
+    payload: torch.Tensor | None = None
+    payload_work: Any = None
+
+
 class _Call(NamedTuple):
     """One call of a module that owns parameters, recorded in F: what W needs to compute its weight gradient."""
 
@@ -125,6 +141,7 @@ class _StepState:
     held: dict[tuple[int, int], _Held] = field(default_factory=dict)
     sends: dict[tuple[int, int, int], tuple[list[Any], list[torch.Tensor], str, int]] = field(default_factory=dict)
     mailbox: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # messages to this rank
+    recvs: dict[tuple[int, int, int], _Recv] = field(default_factory=dict)  # posted, not yet used
     loss: torch.Tensor | None = None
     wait_ns: int = 0
     compute_ns: int = 0
@@ -251,6 +268,7 @@ class Pipeline:
         self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
         self._param_storage = {p.untyped_storage().data_ptr() for ps in self._params.values() for p in ps}
         start = time.perf_counter_ns()
+        self._post_recvs()
         for action in self.actions:
             if action.op == "F":
                 self._forward(action, xs, ys, m)
@@ -262,6 +280,7 @@ class Pipeline:
         for key in list(s.sends):
             self._complete_send(key, "step end")
         self._trace_wait(t0, time.perf_counter_ns(), None, None, "sends")
+        assert not s.recvs, f"rank {self.rank}: receives posted but never used: {sorted(s.recvs)}"
         self._sync_tied()
         end = time.perf_counter_ns()
         return self._result(start, end)
@@ -421,6 +440,7 @@ class Pipeline:
         self._s.messages += 2
         self._record("comm", "send", t0, time.perf_counter_ns(), bytes=nbytes, microbatch=i, peer=dst,
                      stage=a.stage, what=what)
+        self._prefetch()
 
     def _complete_send(self, key: tuple[int, int, int], label: str) -> None:
         entry = self._s.sends.pop(key, None)
@@ -428,6 +448,52 @@ class Pipeline:
             works, _, what, dst = entry
             for work in works:
                 self._wait(work, label, f"send the {what} of {key[1]}{'FB'[key[0]]}{key[2]} to", dst)
+
+    def _post_recvs(self) -> None:
+        """Post the header receive of every message this rank receives in this step, in action order."""
+        last = self.schedule.stages - 1
+        for a in self.actions:
+            if a.op == "F" and a.stage > 0:
+                kind, from_stage = _ACTIVATION, a.stage - 1
+            elif a.op == "B" and a.stage < last:
+                kind, from_stage = _GRADIENT, a.stage + 1
+            else:
+                continue
+            src = self._owner(from_stage)
+            if src == self.rank:  # from the mailbox
+                continue
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, src, group=self.group, tag=self._tag(kind, from_stage, a.microbatch))
+            self._s.recvs[(kind, from_stage, a.microbatch)] = _Recv(a, header, work)
+
+    def _prefetch(self) -> None:
+        """Post the payload receive of every header that has come (and can be checked now); never blocks."""
+        for key, r in self._s.recvs.items():
+            if r.payload_work is None and r.header_work.is_completed() and self._expect(r.action) is not False:
+                self._post_payload(key, r)
+
+    def _expect(self, a: Action) -> TensorSpec | None | bool:
+        """What ``a`` expects to receive: None for anything; False while not yet known (its F has not run)."""
+        if a.op == "F":
+            return self._stage[a.stage].in_spec
+        held = self._s.held.get((a.stage, a.microbatch))
+        return False if held is None else TensorSpec(tuple(held.output.shape), held.output.dtype)
+
+    def _post_payload(self, key: tuple[int, int, int], r: _Recv) -> None:
+        """Check a come header against what its action expects; post the receive of exactly what it announces."""
+        kind, from_stage, i = key
+        what, a, src = ("activation", "gradient")[kind], r.action, self._owner(from_stage)
+        self._wait(r.header_work, str(a), f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
+        h = r.header.tolist()
+        if h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] > _MAX_DIMS:
+            raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
+                                f"{from_stage}{'FB'[kind]}{i}, got {h}. Are both ranks running the same schedule?")
+        shape, dtype = tuple(h[6:6 + h[5]]), _DTYPES[h[4]]
+        expect = self._expect(a)
+        assert not isinstance(expect, bool), f"{a}: the expected gradient is known once its F has run"
+        self._check(a, what, from_stage, src, expect, shape, dtype)
+        r.payload = torch.empty(shape, dtype=dtype, device=self.device)
+        r.payload_work = dist.irecv(r.payload, src, group=self.group, tag=self._tag(kind, from_stage, i) + 1)
 
     def _recv(self, a: Action, kind: int, from_stage: int, expect: TensorSpec | None) -> torch.Tensor:
         what = ("activation", "gradient")[kind]
@@ -437,24 +503,19 @@ class Pipeline:
             tensor = self._s.mailbox.pop(key)
             self._check(a, what, from_stage, src, expect, tensor.shape, tensor.dtype)
             return tensor
-        tag = self._tag(kind, from_stage, i)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        r = self._s.recvs.pop(key)  # posted at the step's start
         awaited = f"receive the {what} of {from_stage}{'FB'[kind]}{i} from"
         t0 = time.perf_counter_ns()
-        self._wait(dist.irecv(header, src, group=self.group, tag=tag), str(a), awaited, src)
-        h = header.tolist()
-        if h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] > _MAX_DIMS:
-            raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
-                                f"{from_stage}{'FB'[kind]}{i}, got {h}. Are both ranks running the same schedule?")
-        shape, dtype = tuple(h[6:6 + h[5]]), _DTYPES[h[4]]
-        self._check(a, what, from_stage, src, expect, shape, dtype)
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(buf, src, group=self.group, tag=tag + 1), str(a), awaited, src)
+        if r.payload_work is None:
+            self._post_payload(key, r)  # waits for the header
+        assert r.payload is not None
+        self._wait(r.payload_work, str(a), awaited, src)
         t1 = time.perf_counter_ns()
         self._trace_wait(t0, t1, i, src, what)
-        self._record("comm", "recv", t0, t1, recv_bytes=header.nbytes + buf.nbytes, microbatch=i, peer=src,
+        self._record("comm", "recv", t0, t1, recv_bytes=r.header.nbytes + r.payload.nbytes, microbatch=i, peer=src,
                      stage=a.stage, what=what)
-        return buf
+        self._prefetch()
+        return r.payload
 
     def _check(self, a: Action, what: str, from_stage: int, src: int, expect: TensorSpec | None,
                shape: Sequence[int], dtype: torch.dtype) -> None:
