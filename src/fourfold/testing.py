@@ -89,8 +89,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     for name, value in (("timeout_s", timeout_s), ("dist_timeout_s", dist_timeout_s)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 seconds, got {value!r}.")
-    try:  # pickled once, here: a lambda or a local function is refused before any process starts
-        payload = pickle.dumps((fn, args, kwargs))
+    payload = (fn, args, kwargs)  # multiprocessing pickles it to each rank
+    try:  # checked here: a lambda or a local function is refused before any process starts
+        pickle.dumps(payload)
     except Exception as exc:
         raise TypeError(f"fn, args and kwargs must be picklable, got fn={fn!r}: {exc}. Define fn at module "
                         "level and pass plain values (tensors are copied).") from exc
@@ -133,7 +134,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _rank_main(rank: int, world_size: int, payload: bytes, env: dict[str, str], tmp: str, backend: str,
+def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[str, str], tmp: str, backend: str,
                dist_timeout_s: float, conn: Connection, alive: Connection) -> None:
     """The body of one rank's process."""
     threading.Thread(target=_exit_with_parent, args=(alive,), daemon=True).start()
@@ -150,12 +151,12 @@ def _rank_main(rank: int, world_size: int, payload: bytes, env: dict[str, str], 
     ctx = None
     try:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch is imported already: the variable is late
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = payload
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
         ctx = launch.init("cpu", timeout_s=dist_timeout_s, store=store, rank=rank, world_size=world_size,
                           backend=backend)
         result = fn(ctx, *args, **kwargs)
-        try:  # plain pickle copies tensors by value; shared-memory handles would die with this process
+        try:  # plain pickle copies tensors by value; multiprocessing's would share memory that dies with us
             message = pickle.dumps(("ok", result))
         except Exception as exc:
             raise TypeError(f"fn must return a picklable value, got {type(result).__name__}: {exc}") from exc
@@ -249,6 +250,8 @@ def _poll(proc: Any, conn: Connection, tmp: str, rank: int, woke: float) -> tupl
     alive = proc.is_alive()  # checked first: once a rank is dead, everything it sent is readable
     if conn.poll():
         try:
+            # Bytes our own child pickled, over a pipe only this call and that child hold (not a file or a
+            # socket): plain pickle so tensors come by value (see _rank_main).
             return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             pass  # the pipe closed without a (whole) message: the rank died

@@ -147,6 +147,12 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     return tuple(reversed(starts))
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for an accelerator's queued work (any kind: CUDA, XPU, ...); nothing to wait for on the CPU."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
+
+
 def _time_costs(blocks: list[nn.Module], example: torch.Tensor, repeats: int = 3) -> list[float]:
     """Median forward time of each block on the activation the blocks before it produce from ``example``."""
     times: list[list[float]] = [[] for _ in blocks]
@@ -154,12 +160,10 @@ def _time_costs(blocks: list[nn.Module], example: torch.Tensor, repeats: int = 3
         for _ in range(repeats + 1):  # the first pass warms up allocators and kernels
             x = example
             for i, block in enumerate(blocks):
-                if x.device.type == "cuda":  # time the work, not its launch
-                    torch.cuda.synchronize(x.device)
+                _sync(x.device)  # time the work, not its launch
                 start = time.perf_counter()
                 x = block(x)
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
+                _sync(x.device)
                 times[i].append(time.perf_counter() - start)
     return [sorted(t[1:])[len(t[1:]) // 2] for t in times]
 
