@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -31,8 +32,11 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from fourfold.files import write_text_atomic
 
 __all__ = ["fit_line", "format_bytes", "main", "parse_size"]
 
@@ -86,6 +90,32 @@ def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = 
     # the last --command wins in argparse, so ours overrides one the user passed
     return launch_workers(f"fourfold.bench_{bench}", [*without_section_flags(argv, "launch"), f"--command={command}"],
                           LaunchConfig(nproc=nproc))
+
+
+def start_rank(tag: str, timeout_s: float) -> tuple[Any, Callable[..., None], float, tuple[float, float, float]]:
+    """A benchmark rank's start: join the group; a ``say`` that prints on rank 0 only; the clock; the load
+    average, with a warning when other work is running (figures taken then are noisy)."""
+    from fourfold import launch
+
+    ctx = launch.init("cpu", timeout_s=timeout_s)
+    say = (lambda *a: print(tag, *a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
+            "be noisy; re-run when it is quiet")
+    return ctx, say, started, load_before
+
+
+def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:
+    """Rank 0's outputs: ``out/bench.json`` (atomically) and ``chart(out/bench.png)`` when matplotlib is there."""
+    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        chart(out / "bench.png")
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    else:
+        print(f"wrote {out / 'bench.png'}", flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,16 +217,10 @@ def _run(ns: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fourfold import launch
     from fourfold.comm import Communicator, allreduce, auto
 
-    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    ctx, say, started, load_before = start_rank("[bench]", ns.timeout)
     g, main_rank = ctx.world_size, ctx.rank == 0
-    say = (lambda *a: print("[bench]", *a, flush=True)) if main_rank else (lambda *a: None)
-    started, load_before = time.monotonic(), os.getloadavg()
-    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: the 1-minute load average is {load_before[0]:.1f} on {os.cpu_count()} cores: if other work "
-            f"is still running, figures will be noisy (check `top`; re-run when it is quiet)")
     say(f"G={g}, sizes {', '.join(format_bytes(s) for s in ns.sizes)}, algorithms {', '.join(ns.algorithms)}")
 
     # phase 1: alpha, beta from a ping-pong between ranks 0 and 1; gamma from add_ on rank 0
@@ -340,7 +364,6 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: switch points, auto vs best, targets; bench.json and bench.png."""
     from fourfold.comm import auto
-    from fourfold.files import write_text_atomic
 
     switches = auto.switch_points(4, g, model)
     text = ", ".join(f"{b} from {format_bytes(n * 4)}" for n, _, b in switches) or "none"
@@ -387,15 +410,7 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
                                                                for n, a, b in switches],
               "results": rows, "auto_vs_best": best_rows,
               "targets": [{"target": w, "value": v, "limit": lim, "met": v <= lim} for w, v, lim in verdicts]}
-    import json
-
-    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
-    try:
-        _chart(rows, g, model, out / "bench.png")
-        print(f"wrote {out / 'bench.png'}", flush=True)
-    except ImportError:
-        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    write_report(out, result, elapsed, lambda path: _chart(rows, g, model, path))
 
 
 def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import statistics
@@ -41,7 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+from fourfold.bench import (  # bench imports torch lazily too
+    _fmt_time,
+    _machine,
+    format_bytes,
+    launch_ranks,
+    start_rank,
+    write_report,
+)
 
 __all__ = ["TARGETS", "main", "parse_variant"]
 
@@ -147,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # a rank started by the launcher
         _run(ns)
         return 0
-    from fourfold.bench import launch_ranks
-
     return launch_ranks("dp", argv, ns.nproc, ns.command)
 
 
@@ -268,15 +272,9 @@ def _run(ns: argparse.Namespace) -> None:
     """One rank: every workload, every variant interleaved; rank 0 reports."""
     import torch.distributed as dist
 
-    from fourfold import launch
 
-    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    ctx, say, started, load_before = start_rank("[bench dp]", ns.timeout)
     g, main_rank = ctx.world_size, ctx.rank == 0
-    say = (lambda *a: print("[bench dp]", *a, flush=True)) if main_rank else (lambda *a: None)
-    started, load_before = time.monotonic(), os.getloadavg()
-    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
-            "be noisy; re-run when it is quiet")
     say(f"G={g}, variants {', '.join(v.name for v in ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
     for name in ns.models:
@@ -415,7 +413,6 @@ def _table(result: dict[str, Any]) -> str:
 def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-    from fourfold.files import write_text_atomic
 
     verdicts = []
     for model, variant, limit in TARGETS:
@@ -440,14 +437,7 @@ def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], ela
                            "dtype": "float32", "timing": "slowest rank per step, median over rounds; other "
                            "columns: median over ranks and rounds"},
               "workloads": workloads, "targets": verdicts}
-    out = Path(ns.out)
-    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
-    try:
-        _chart(workloads, g, out / "bench.png")
-        print(f"wrote {out / 'bench.png'}", flush=True)
-    except ImportError:
-        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    write_report(Path(ns.out), result, elapsed, lambda path: _chart(workloads, g, path))
 
 
 def _chart(workloads: list[dict[str, Any]], g: int, path: Path) -> None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -57,7 +56,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+from fourfold.bench import (  # bench imports torch lazily too
+    _fmt_time,
+    _machine,
+    format_bytes,
+    launch_ranks,
+    start_rank,
+    write_report,
+)
 from fourfold.bench_dp import GRAD_RTOL
 
 __all__ = ["BUBBLE_POINTS", "MEMORY_SLACK", "TARGET_RATIO", "VARIANTS", "main"]
@@ -146,8 +152,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _launch(argv: list[str], ns: argparse.Namespace) -> int:
-    from fourfold.bench import launch_ranks
-
     return launch_ranks("pp", argv, ns.nproc, ns.command)
 
 
@@ -232,18 +236,12 @@ def _run(ns: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fourfold import launch
     from fourfold.data import BatchLoader, load_corpus
     from fourfold.models import TinyGPT
     from fourfold.parallel.split import plan
 
-    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    ctx, say, started, load_before = start_rank("[bench pp]", ns.timeout)
     p, rank = ctx.world_size, ctx.rank
-    say = (lambda *a: print("[bench pp]", *a, flush=True)) if rank == 0 else (lambda *a: None)
-    started, load_before = time.monotonic(), os.getloadavg()
-    if load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: load {load_before[0]:.1f} on {os.cpu_count()} cores: other work is running and the figures "
-            "will be noisy; re-run when it is quiet")
     cfg = ns.config
     model = TinyGPT(cfg, seed=0)
     starts = plan(model, p)
@@ -478,7 +476,6 @@ def _table(result: dict[str, Any]) -> str:
 def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-    from fourfold.files import write_text_atomic
 
     verdicts = _targets(result)
     print("\ntargets:")
@@ -492,21 +489,14 @@ def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
     out = Path(ns.out)
-    write_text_atomic(out / "bench.json", json.dumps({
+    write_report(out, {
         "command": ns.command, "argv": sys.argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "elapsed_s": elapsed,
         "machine": _machine(result["pp"]), "load_before": load_before, "load_after": load_after,
         "settings": {"model": dataclasses.asdict(ns.config), "variants": ns.variants, "rounds": ns.rounds,
                      "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                      "timing": "slowest rank per step (pipeline step + optimizer), median over rounds"},
-        **result, "targets": verdicts}, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
-    try:
-        _chart(result, out / "bench.png")
-    except ImportError:
-        print("charts skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
-    else:
-        print(f"wrote {out / 'bench.png'}", flush=True)
+        **result, "targets": verdicts}, elapsed, lambda path: _chart(result, path))
 
 
 def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> None:

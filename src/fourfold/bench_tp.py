@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -54,7 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fourfold.bench import _fmt_time, _machine, format_bytes  # bench imports torch lazily too
+from fourfold.bench import (  # bench imports torch lazily too
+    _fmt_time,
+    _machine,
+    format_bytes,
+    launch_ranks,
+    start_rank,
+    write_report,
+)
 from fourfold.bench_dp import GRAD_RTOL, Workload, _workload
 
 __all__ = ["TARGET_RATIO", "VARIANTS", "main", "plan_theory"]
@@ -168,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # a rank started by the launcher
         _run(ns)
         return 0
-    from fourfold.bench import launch_ranks
-
     return launch_ranks("tp", argv, ns.nproc, ns.command)
 
 
@@ -403,15 +407,9 @@ def _run(ns: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fourfold import launch
 
-    ctx = launch.init("cpu", timeout_s=ns.timeout)
+    ctx, say, started, load_before = start_rank("[bench tp]", ns.timeout)
     p, main_rank = ctx.world_size, ctx.rank == 0
-    say = (lambda *a: print("[bench tp]", *a, flush=True)) if main_rank else (lambda *a: None)
-    started, load_before = time.monotonic(), os.getloadavg()
-    if main_rank and load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
-            "be noisy; re-run when it is quiet")
     mesh = init_device_mesh("cpu", (p,))
     say(f"tp={p}, variants {', '.join(ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
@@ -542,7 +540,6 @@ def _targets(workloads: list[dict[str, Any]], p: int) -> list[dict[str, Any]]:
 def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-    from fourfold.files import write_text_atomic
 
     verdicts = _targets(workloads, p)
     print("\ntargets:")
@@ -561,14 +558,7 @@ def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], ela
                            "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                            "timing": "slowest rank per step (forward+backward+optimizer), median over rounds"},
               "workloads": workloads, "targets": verdicts}
-    out = Path(ns.out)
-    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
-    try:
-        _chart(workloads, p, out / "bench.png")
-        print(f"wrote {out / 'bench.png'}", flush=True)
-    except ImportError:
-        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    write_report(Path(ns.out), result, elapsed, lambda path: _chart(workloads, p, path))
 
 
 def _chart(workloads: list[dict[str, Any]], p: int, path: Path) -> None:
