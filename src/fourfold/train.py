@@ -167,7 +167,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     # A pipeline runs m backwards per step, so its data-parallel sync is the per-parameter one after them all.
     dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout) \
         if pipe is None else None
-    comm = Communicator(ranks.dp_group, timeout_s=t.timeout)
+    comm = Communicator(ranks.dp_group, timeout_s=t.timeout) if pipe is not None else None
     result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:

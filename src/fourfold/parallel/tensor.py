@@ -138,10 +138,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> ColumnParallelLinear:
         """This rank's columns of ``linear``: the sharded layer computes the same function."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        _copy_shards(layer, linear)
-        return layer
+        return _from_linear(cls, linear, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
@@ -187,10 +184,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> RowParallelLinear:
         """This rank's rows of A (columns of ``linear.weight``); the bias is copied whole."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        _copy_shards(layer, linear)
-        return layer
+        return _from_linear(cls, linear, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
@@ -262,6 +256,15 @@ class VocabParallelEmbedding(nn.Module):
 
 _SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+
+
+@torch.no_grad()
+def _from_linear(cls: type[Sharded], linear: nn.Linear, group: Group, **kw: Any) -> Any:
+    """A column- or row-parallel layer shaped like ``linear``, holding this rank's slice of its weights."""
+    layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,  # type: ignore[call-arg]
+                device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+    _copy_shards(layer, linear)
+    return layer
 
 
 @torch.no_grad()
