@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from fourfold.bench import main
+from fourfold.bench.allreduce import main
 
 if __name__ == "__main__":
     sys.exit(main(["allreduce", *sys.argv[1:], f"--command={shlex.join(['python', *sys.argv])}"]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from fourfold.bench_dp import main
+from fourfold.bench.dp import main
 
 if __name__ == "__main__":
     sys.exit(main([*sys.argv[1:], f"--command={shlex.join(['python', *sys.argv])}"]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from fourfold.bench_tp import main
+from fourfold.bench.tp import main
 
 if __name__ == "__main__":
     sys.exit(main([*sys.argv[1:], f"--command={shlex.join(['python', *sys.argv])}"]))

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from fourfold.bench import fit_line, main, parse_size
+from fourfold.bench import main
+from fourfold.bench.harness import fit_line, parse_size
 from fourfold.comm import Communicator, allreduce, auto, ring, tree
 from fourfold.testing import run_ranks
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from fourfold.bench_dp import main, parse_variant
+from fourfold.bench.dp import main, parse_variant
 
 
 def test_parse_variant():

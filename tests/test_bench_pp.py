@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from fourfold.bench_pp import VARIANTS, main
+from fourfold.bench.pp import VARIANTS, main
 
 
 @pytest.mark.parametrize("argv, words", [

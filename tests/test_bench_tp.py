@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from fourfold.bench_tp import main, plan_theory
+from fourfold.bench.tp import main, plan_theory
 
 
 def test_plan_theory():

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import ALGORITHMS, CommError, Communicator, allreduce, ring
+from fourfold.observe.trace import Tracer
 from fourfold.testing import run_ranks
-from fourfold.trace import Tracer
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 MAX_G = 8  # the exact-sum inputs below are scaled so that up to MAX_G of them sum without overflow or rounding

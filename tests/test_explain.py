@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fourfold.explain import masks_label
+from fourfold.cli.explain import masks_label
 
 
 def test_masks_label_names_the_contributing_ranks():
@@ -34,7 +34,7 @@ def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
 
 
 def test_explain_refuses_native_and_bad_world(capsys):
-    from fourfold.explain import main
+    from fourfold.cli.explain import main
 
     with pytest.raises(SystemExit):
         main(["native", "--world", "2"])

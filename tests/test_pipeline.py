@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from fourfold.models import GPTConfig, TinyGPT
+from fourfold.observe.trace import Tracer
 from fourfold.parallel.model import MultiDeviceModel, model_parallel
-from fourfold.parallel.pipeline import Pipeline, build_pipeline
+from fourfold.parallel.pipeline.runtime import Pipeline, build_pipeline
+from fourfold.parallel.pipeline.split import partition, plan, split_model
 from fourfold.parallel.schedule import make_schedule, peak_in_flight
-from fourfold.parallel.split import partition, plan, split_model
 from fourfold.testing import RankError, run_ranks
-from fourfold.trace import Tracer
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 BIG = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)  # memory and bubble, m = 8
@@ -260,7 +260,7 @@ def test_zero_bubble_weight_gradients_per_module_or_walked_again():
 @pytest.mark.timeout(150)
 def test_timeline_picture(tmp_path):
     pytest.importorskip("matplotlib")
-    from fourfold.visualize import timeline
+    from fourfold.observe.visualize import timeline
 
     spans = {r: res[("trace", "zb")] for r, res in enumerate(_spawn(2))}
     timeline(spans, tmp_path / "zb.png", color_by="microbatch")
@@ -385,7 +385,7 @@ def test_models_that_disagree_fail_named():
                   "rank 0"):
         assert words in first, f"{words!r} not in {first!r}"
     # the sender sent what its own model traced; it learns from its next receive, which fails as rank 1 exits
-    assert "also failed: rank 0: fourfold.comm.p2p.CommError: rank 0: 0B0: receive the gradient of 1B0 from " \
+    assert "also failed: rank 0: fourfold.comm.wait.CommError: rank 0: 0B0: receive the gradient of 1B0 from " \
            "rank 1" in text, text
     assert time.monotonic() - start < 20
 

@@ -329,7 +329,7 @@ def test_peak_in_flight():
 
 def test_schedule_command_prints_and_draws(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from fourfold.schedule_cli import main
+    from fourfold.cli.schedule import main
 
     png = tmp_path / "1f1b.png"
     assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--out", str(png)]) == 0
@@ -347,7 +347,7 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
 
 
 def test_schedule_command_refuses_what_cannot_run(capsys):
-    from fourfold.schedule_cli import main
+    from fourfold.cli.schedule import main
 
     with pytest.raises(SystemExit):
         main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"])

@@ -1,4 +1,4 @@
-"""fourfold.parallel.tensor: sharded layers and TinyGPT over tp ranks equal the unsharded reference.
+"""fourfold.parallel.tensor.layers: sharded layers and TinyGPT over tp ranks equal the unsharded reference.
 
 Spawns are the expensive part, so each is read by many tests (module-level caches):
 
@@ -32,18 +32,21 @@ from torch import nn
 
 from fourfold.mesh import Mesh
 from fourfold.models import GPTConfig, TinyGPT
+from fourfold.models.gpt_plan import (
+    check_tinygpt_tp,
+    collective_theory,
+    collectives_per_step,
+    parallelize_tinygpt,
+)
+from fourfold.observe.trace import Tracer
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     Layout,
     RowParallelLinear,
     VocabParallelEmbedding,
-    check_tinygpt_tp,
-    collective_theory,
-    collectives_per_step,
     gather_state_dict,
     load_full_state_dict,
-    parallelize_tinygpt,
     parameter_bytes,
     shard,
     shard_layouts,
@@ -52,7 +55,6 @@ from fourfold.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from fourfold.testing import run_ranks
-from fourfold.trace import Tracer
 
 F64 = torch.float64
 B, T, IN, OUT = 3, 8, 8, 12  # every size divisible by tp = 1, 2, 4

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fourfold.chrome_trace import chrome_trace, write_chrome_trace
-from fourfold.trace import KINDS, Span, Tracer, gather_spans, load_jsonl
+from fourfold.observe.chrome_trace import chrome_trace, write_chrome_trace
+from fourfold.observe.trace import KINDS, Span, Tracer, gather_spans, load_jsonl
 
 
 def _span(rank: int, kind: str, start_us: float, end_us: float, name: str = "x", **kw) -> Span:
@@ -241,7 +241,7 @@ def test_gather_spans_without_a_process_group_returns_this_rank() -> None:
 @pytest.mark.parametrize("color_by", ["kind", "microbatch"])
 def test_timeline_writes_a_png(tmp_path, color_by) -> None:
     pytest.importorskip("matplotlib")
-    from fourfold.visualize import timeline
+    from fourfold.observe.visualize import timeline
 
     path = tmp_path / f"timeline-{color_by}.png"
     timeline(_two_ranks(), path, title="two ranks", color_by=color_by)
@@ -252,7 +252,7 @@ def test_timeline_writes_a_png(tmp_path, color_by) -> None:
 
 def test_timeline_refuses_bad_input(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from fourfold.visualize import timeline
+    from fourfold.observe.visualize import timeline
 
     with pytest.raises(ValueError, match="color_by must be 'kind', 'microbatch' or 'name', got 'rank'"):
         timeline(_two_ranks(), tmp_path / "t.png", color_by="rank")  # type: ignore[arg-type]
@@ -261,7 +261,7 @@ def test_timeline_refuses_bad_input(tmp_path) -> None:
 
 
 def test_hidden_fraction_counts_comm_under_compute_but_not_under_a_wait() -> None:
-    from fourfold.trace import hidden_fraction
+    from fourfold.observe.trace import hidden_fraction
 
     spans = [
         _span(0, "compute", 0, 100),    # backward, 0..100

@@ -88,11 +88,17 @@ class TrainConfig:
     trace: bool = field(default=True, metadata=_help("record per-rank spans and write trace.json"))
     save: bool = field(default=True, metadata=_help("save the final weights to OUT/model.pt"))
     progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
+    verify: int = field(default=0, metadata=_help(
+        "after the run, re-run its first K steps in one process (rank 0) and print the largest loss and "
+        "parameter differences per step (0: off)"))
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+        if self.verify < 0 or self.verify > self.steps:
+            raise ValueError(f"verify must be between 0 and steps, got verify={self.verify}, steps={self.steps}. "
+                             f"Pass --verify {min(max(self.verify, 0), self.steps)}.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
         if self.bucket_mb <= 0:

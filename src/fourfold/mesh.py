@@ -117,8 +117,8 @@ class Mesh:
     def build(self, timeout_s: float | None = None) -> RankMesh:
         """Create the dp, tp and pp process groups (collective: every rank must call it, in the same order).
 
-        A group of size 1 is a real group too, so code calls collectives on it uniformly (fourfold's own
-        collectives return at once on a group of one).
+        An axis of size 1 gets no group (None): nothing communicates along it, and creating one would cost a
+        store round trip per rank for nothing. The engine applies no strategy along such an axis.
         """
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build() needs the default process group: call fourfold.launch.init() first.")
@@ -126,29 +126,36 @@ class Mesh:
         self.check_world(world)
         rank = dist.get_rank()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        mine: dict[str, dist.ProcessGroup] = {}
+        mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES)
         for axis in AXES:
+            if getattr(self, axis) == 1:
+                continue
             for ranks in self.groups(axis):
                 # new_group is collective over the whole world, so every rank creates every group.
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
-                    assert group is not None  # every rank is a member of its own groups
                     mine[axis] = group
         return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"])
 
 
 @dataclass(frozen=True)
 class RankMesh:
-    """One rank's view of the mesh: its coordinates and the process groups it belongs to."""
+    """One rank's view of the mesh: its coordinates and the process groups it belongs to (None along an axis
+    of size 1)."""
 
     mesh: Mesh
     rank: int
     coord: Coord
-    dp_group: dist.ProcessGroup
-    tp_group: dist.ProcessGroup
-    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
 
-    def group(self, axis: Axis) -> dist.ProcessGroup:
+    @classmethod
+    def single(cls) -> RankMesh:
+        """One process, no groups: what the engine runs on for the single-process reference."""
+        return cls(Mesh(), 0, Coord(0, 0, 0), None, None, None)
+
+    def group(self, axis: Axis) -> dist.ProcessGroup | None:
         return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[axis]
 
     def peers(self, axis: Axis) -> list[int]:

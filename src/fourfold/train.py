@@ -36,25 +36,17 @@ from tqdm import tqdm
 
 from fourfold import launch
 from fourfold.checkpoint import save_checkpoint
-from fourfold.chrome_trace import write_chrome_trace
-from fourfold.comm import Communicator
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
+from fourfold.engine import Engine, bytes_by_axis, parallelize
 from fourfold.files import write_text_atomic
-from fourfold.mesh import Mesh, RankMesh
+from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT
-from fourfold.parallel.data import DataParallel, sync_gradients
-from fourfold.parallel.model import model_parallel
-from fourfold.parallel.pipeline import Pipeline, build_pipeline
+from fourfold.models.gpt_plan import check_tinygpt_tp
+from fourfold.observe.chrome_trace import write_chrome_trace
+from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
+from fourfold.observe.visualize import rank_labels
 from fourfold.parallel.schedule import make_schedule
-from fourfold.parallel.tensor import (
-    check_tinygpt_tp,
-    gather_state_dict,
-    parallelize_tinygpt,
-    parameter_bytes,
-    sync_replicated_grads,
-)
-from fourfold.trace import Tracer, gather_spans, hidden_fraction
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
@@ -73,6 +65,7 @@ class TrainResult:
     num_parameters: int = 0
     out: Path | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step
 
     def summary(self) -> str:
         m = self.mesh
@@ -114,9 +107,6 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> None:
     t = cfg.train
-    if mesh.tp > 1:
-        raise ValueError(f"tensor and pipeline parallelism together are not supported yet, got tp={mesh.tp}, "
-                         f"pp={mesh.pp}. Pass --tp 1 or --pp 1.")
     m = 1 if t.strategy == "model" else t.microbatches
     virtual = t.virtual if t.schedule == "interleaved" and t.strategy == "pipeline" else 1
     if t.strategy == "pipeline":
@@ -154,20 +144,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     ranks = mesh.build(t.timeout)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
-    model: torch.nn.Module = TinyGPT(cfg.model, seed=t.seed, dtype=DTYPES[t.dtype], device=ctx.device)
-    num_parameters = model.num_parameters()  # type: ignore[operator]
-    if mesh.tp > 1:  # each rank keeps its shard of every big matmul; same forward(idx, targets) -> (logits, loss)
-        assert isinstance(model, TinyGPT)
-        model = parallelize_tinygpt(model, ranks.tp_group, sequence_parallel=t.sequence_parallel, tracer=tracer)
+    model = build_model(cfg, ctx.device)
+    num_parameters = model.num_parameters()
+    engine = parallelize(model, ranks, **engine_options(cfg), tracer=tracer, timeout_s=t.timeout)
     corpus = load_corpus(t.data)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
-    pipe = _pipeline(cfg, model, ranks, tracer) if mesh.pp > 1 else None
-    params = pipe.parameters() if pipe is not None else list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    # A pipeline runs m backwards per step, so its data-parallel sync is the per-parameter one after them all.
-    dp = DataParallel(model, ranks.dp_group, t.allreduce, t.bucket_mb, tracer=tracer, timeout_s=t.timeout) \
-        if pipe is None else None
-    comm = Communicator(ranks.dp_group, timeout_s=t.timeout) if pipe is not None else None
+    optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     if ctx.is_main:
@@ -175,8 +157,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
-               "parameter_bytes_rank0": parameter_bytes(model)._asdict() if pipe is None else
-               {"stage": sum(q.numel() * q.element_size() for q in params)}}
+               "parameter_bytes_rank0": engine.counters()["parameter_bytes"]}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
     metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
     bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
@@ -189,34 +170,24 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             first_span = len(tracer.spans)
             start = time.perf_counter()
             x, y = loader.shard(step - 1)
-            x, y = x.to(ctx.device), y.to(ctx.device)
-            extra: dict[str, Any] = {}
-            if pipe is not None:  # F/B/W of every micro-batch, in the schedule's order, spans recorded inside
-                res = pipe.step(x, y)
-                sync_gradients(params, ranks.dp_group, tracer, t.allreduce, comm, check=step == 1)
-                loss = torch.tensor(res.loss, dtype=torch.float64)
-                extra = {"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
-                         "peak_activation_bytes_by_rank": list(res.peak_activation_bytes_by_rank),
-                         "peak_in_flight_by_rank": list(res.peak_in_flight_by_rank)}
-            else:
-                assert dp is not None
-                with tracer.span("compute", "forward"):
-                    _, loss = dp(x, y)
-                with tracer.span("compute", "backward"):
-                    loss.backward()  # bucket all-reduces start inside, as gradients become ready
-                dp.finish()  # idempotent: backward's last gradient hook has normally done it
-                if mesh.tp > 1:
-                    sync_replicated_grads(model, ranks.tp_group, tracer=tracer)  # sequence parallelism only
+            loss = engine.step(x.to(ctx.device), y.to(ctx.device))
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            global_loss = _global_mean(loss.detach(), ranks.dp_group, tracer)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)  # time the step, not the launch of its kernels
+            global_loss = loss.item()  # the loss all-reduce ran during the optimiser step
+            _synchronize(ctx.device)  # time the step, not the launch of its kernels
             elapsed = time.perf_counter() - start
+            spans = tracer.spans[first_span:]
             row = _metrics_row(step, global_loss, elapsed, tokens_per_step, tracer.totals(first_span), t.lr)
-            row["comm_hidden_fraction"] = hidden_fraction(tracer.spans[first_span:])
-            row.update(extra)
+            row["comm_hidden_fraction"] = hidden_fraction(spans)
+            row["bytes_by_axis"] = bytes_by_axis(spans)
+            if loss.pipeline is not None:
+                res = loss.pipeline
+                row.update({"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
+                            "peak_activation_bytes_by_rank": list(res.peak_activation_bytes_by_rank),
+                            "peak_in_flight_by_rank": list(res.peak_in_flight_by_rank)})
+            if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
+                result.snapshots.append(engine.state_dict())
             result.losses.append(global_loss)
             result.metrics.append(row)
             if metrics_file is not None:
@@ -228,28 +199,29 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
-    _write_outputs(cfg, ctx, model, tracer, out, result, ranks, pipe)
+    _write_outputs(cfg, ctx, engine, tracer, out, result)
     return result
 
 
-def _pipeline(cfg: Config, model: torch.nn.Module, ranks: RankMesh, tracer: Tracer) -> Pipeline:
-    """This rank's stages of ``model``: --strategy model (one micro-batch) or --schedule over micro-batches."""
+def build_model(cfg: Config, device: torch.device | str = "cpu") -> TinyGPT:
+    """The run's model, as every rank and the one-process reference build it (same config, same seed)."""
+    return TinyGPT(cfg.model, seed=cfg.train.seed, dtype=DTYPES[cfg.train.dtype], device=device)
+
+
+def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """The layout flags as :func:`fourfold.parallelize` takes them."""
     t = cfg.train
-    if t.strategy == "model":
-        return model_parallel(model, ranks.pp_group, tracer=tracer, timeout_s=t.timeout)
-    virtual = t.virtual if t.schedule == "interleaved" else 1
-    schedule = make_schedule(t.schedule, ranks.mesh.pp, t.microbatches, virtual)
-    return build_pipeline(model, schedule, ranks.pp_group, tracer=tracer, timeout_s=t.timeout)
+    return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
+            "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb}
 
 
-def _global_mean(loss: torch.Tensor, group: dist.ProcessGroup, tracer: Tracer) -> float:
-    """The mean loss over the global batch: every dp rank holds the mean over an equal share of it."""
-    value = loss.to(torch.float64).reshape(1)
-    size = dist.get_world_size(group)
-    if size > 1:
-        with tracer.span("comm", "loss_all_reduce", tensor_bytes=8):
-            dist.all_reduce(value, group=group)
-    return value.item() / size
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
 
 
 def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: dict[str, Any],
@@ -260,23 +232,17 @@ def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: di
             "comm_messages": totals.get("messages", 0)}
 
 
-def _write_outputs(cfg: Config, ctx: launch.DistContext, model: torch.nn.Module, tracer: Tracer, out: Path,
-                   result: TrainResult, ranks: RankMesh, pipe: Pipeline | None) -> None:
+def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer: Tracer, out: Path,
+                   result: TrainResult) -> None:
     if cfg.train.trace:
         if out.is_dir():  # on several machines OUT may exist only on rank 0's
             tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
         spans = gather_spans(tracer)
         if spans is not None:
-            write_chrome_trace(out / "trace.json", spans)
-    # A tensor-parallel model's state is gathered whole (a collective over the tp group), so model.pt is the same
-    # TinyGPT checkpoint whatever the layout.
-    if pipe is not None:
-        state = pipe.gather_state_dict()  # a collective over the pp group
-    elif ranks.mesh.tp > 1:
-        state = gather_state_dict(model, ranks.tp_group)
-    else:
-        state = model.state_dict()
-    result.state = {k: v.detach().cpu() for k, v in state.items()}
+            write_chrome_trace(out / "trace.json", spans, groups=rank_labels(engine.mesh))
+    # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
+    # model.pt is the same TinyGPT checkpoint whatever the layout.
+    result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     dist.barrier()

@@ -23,7 +23,6 @@ the integer types; world size 1 returns at once. Every algorithm leaves bitwise 
 
 from __future__ import annotations
 
-import datetime
 import difflib
 from collections.abc import Callable
 
@@ -31,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import auto, hierarchical, master, naive, ring, tree
-from fourfold.comm.p2p import CommError, CommStats, Communicator, Message, check_same
-from fourfold.trace import Tracer
+from fourfold.comm.p2p import CommStats, Communicator, Message, check_same
+from fourfold.comm.wait import CommError, bounded_wait
+from fourfold.observe.trace import Tracer
 
 __all__ = ["ALGORITHMS", "CommError", "CommStats", "Communicator", "Message", "allreduce"]
 
@@ -42,12 +42,8 @@ Algorithm = Callable[[Communicator, torch.Tensor], None]
 def _native(comm: Communicator, flat: torch.Tensor) -> None:
     """The backend's own all-reduce (gloo's ring/halving-doubling, NCCL's ring/tree): the baseline."""
     work = dist.all_reduce(flat, group=comm.group, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=comm.timeout_s))
-    except RuntimeError as e:
-        raise CommError(f"rank {comm.global_rank}: native all_reduce did not complete within {comm.timeout_s:g} "
-                        f"s. A peer is dead, stuck, or running a different collective. "
-                        f"[{str(e).splitlines()[0]}]") from e
+    bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op="native all_reduce", awaited="the group of",
+                 group_ranks=comm.global_ranks)
 
 
 ALGORITHMS: dict[str, Algorithm] = {

@@ -40,7 +40,6 @@ else :data:`DEFAULT`) and node size to the group, once, and keeps them on the co
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -55,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import hierarchical, ring, tree
-from fourfold.comm.p2p import CommError, Communicator
+from fourfold.comm.p2p import Communicator
+from fourfold.comm.wait import bounded_wait
 from fourfold.files import write_text_atomic
 
 __all__ = ["DEFAULT", "Cost", "CostModel", "allreduce", "attach", "candidates", "choose", "cost",
@@ -273,12 +273,8 @@ def attach(comm: Communicator, model: CostModel | None = None, device: torch.dev
                            device=device)
     if comm.size > 1:
         work = dist.broadcast(payload, comm.global_ranks[0], group=comm.group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=comm.timeout_s))
-        except RuntimeError as e:
-            raise CommError(f"rank {comm.global_rank}: auto: the cost-model broadcast from rank "
-                            f"{comm.global_ranks[0]} did not complete within {comm.timeout_s:g} s. "
-                            f"[{str(e).splitlines()[0]}]") from e
+        bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op="auto",
+                     awaited="the cost-model broadcast from", peer=comm.global_ranks[0])
     if error is not None:
         raise error
     alpha, beta, gamma, g = payload.tolist()

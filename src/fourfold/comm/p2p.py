@@ -17,7 +17,6 @@ than the message aborts the process (SIGABRT), which is why :func:`check_same` r
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,11 +24,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from fourfold.comm.wait import CommError, bounded_wait
+
 __all__ = ["CommError", "CommStats", "Communicator", "Message", "check_same"]
-
-
-class CommError(RuntimeError):
-    """A send or receive that did not complete within the timeout (peer dead, stuck, or out of step)."""
 
 
 class Message(NamedTuple):
@@ -120,14 +117,9 @@ class Communicator:
         for what, peer, work in works:
             remaining = max(deadline - time.monotonic(), 0.001)
             assert work is not None  # None only for a rank outside the group, which exchange never targets
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=remaining))
-            except RuntimeError as e:
-                raise CommError(
-                    f"rank {self.global_rank}: {algorithm} step {step}{f' ({phase})' if phase else ''}: "
-                    f"{what} rank {self.global_ranks[peer]} did not complete within {self.timeout_s:g} s. "
-                    f"The peer is dead, stuck, or running a different collective; its own error (if any) "
-                    f"says which. [{str(e).splitlines()[0]}]") from e
+            where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
+            bounded_wait(work, remaining, rank=self.global_rank, op=where, awaited=what,
+                         peer=self.global_ranks[peer])
         sent = sum(t.numel() * t.element_size() for _, t in sends)
         got = sum(t.numel() * t.element_size() for _, t in recvs)
         self.stats.sent_bytes += sent

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fourfold.loss import lm_loss
+
 __all__ = [
     "MLP",
     "Block",
@@ -63,11 +65,6 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout}. Pass e.g. dropout=0.1")
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all B*T positions: -1/(BT) sum_{b,t} log softmax(logits[b,t])[y[b,t]]."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class Embedding(nn.Module):
@@ -218,6 +215,13 @@ class TinyGPT(nn.Module):
     def layers(self) -> list[nn.Module]:
         """The model as a list of stages, ``[embed, *blocks, head]``; composing them gives forward's logits."""
         return [self.embed, *self.blocks, self.head]
+
+    def example_inputs(self) -> list[torch.Tensor]:
+        """Two inputs differing in batch and length, for the pipeline split to learn which dims may vary."""
+        device = next(self.parameters()).device
+        T = self.config.seq_len
+        return [torch.zeros(1, T, dtype=torch.long, device=device),
+                torch.zeros(2, max(T - 1, 1), dtype=torch.long, device=device)]
 
     def num_parameters(self) -> int:
         """Number of scalar parameters, counting a tied weight once."""

@@ -28,7 +28,6 @@ Two implementations, side by side:
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm import ALGORITHMS, CommError, CommStats, Communicator, allreduce
-from fourfold.trace import Tracer
+from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce
+from fourfold.comm.wait import bounded_wait
+from fourfold.observe.trace import Tracer
 
 __all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "sync_gradients"]
 
@@ -84,11 +84,16 @@ class Bucket:
 
 
 class DataParallel(nn.Module):
-    """Replicate ``module`` over ``group``; average gradients bucket by bucket, overlapped with backward."""
+    """Replicate ``module`` over ``group``; average gradients bucket by bucket, overlapped with backward.
+
+    ``auto_finish`` (standalone use, like DDP): the last bucket's launch waits for every bucket, so gradients
+    are averaged when backward returns. The engine passes False and calls :meth:`finish` itself: it owns the
+    end of backward (after the last micro-batch, before tied weights are summed across stages).
+    """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "native",
                  bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, auto_finish: bool = True) -> None:
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
@@ -106,6 +111,8 @@ class DataParallel(nn.Module):
         self._where = {id(p): (b, b.offsets[i]) for b in self.buckets for i, p in enumerate(b.params)}
         self._names = {id(p): n for n, p in named}
         self._sync = True
+        self.auto_finish = auto_finish
+        self._gate: set[int] | None = None  # pipelines: only these parameters' next gradients are final
         self._launched = 0
         self._finished = True
         self._checked = False
@@ -134,15 +141,27 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def _begin(self) -> None:
+        self.begin()
+
+    def begin(self, gated: bool = False) -> None:
+        """Start collecting this step's gradients (``forward`` calls it). ``gated``: several backwards
+        accumulate into each gradient (a pipeline's micro-batches), and a parameter's gradient is packed only
+        after :meth:`release` names it, on its next accumulation (the last micro-batch's B, or W)."""
         if not self._finished:
             self.finish()  # a backward whose gradients were never collected: settle it before starting over
         for b in self.buckets:
             b.ready.clear()
             b.handle = None
         self._launched, self._finished = 0, False
+        self._gate = set() if gated else None
+
+    def release(self, params: Iterable[nn.Parameter]) -> None:
+        """Gated steps: the next accumulation into these parameters' gradients is their last of the step."""
+        if self._gate is not None:
+            self._gate.update(id(p) for p in params)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync or self._finished:
+        if not self._sync or self._finished or (self._gate is not None and id(p) not in self._gate):
             return
         bucket, offset = self._where[id(p)]
         assert p.grad is not None  # the hook runs after accumulation
@@ -150,7 +169,7 @@ class DataParallel(nn.Module):
         torch.mul(p.grad.reshape(-1), 1.0 / self.size, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))
         self._launch_in_order()
-        if self._launched == len(self.buckets):
+        if self._launched == len(self.buckets) and self.auto_finish:
             self.finish()  # the last gradient of this backward: wait here, as backward ends
 
     def _launch_in_order(self) -> None:
@@ -211,12 +230,9 @@ class DataParallel(nn.Module):
         if isinstance(b.handle, Future):
             b.handle.result()  # the algorithm bounds its own waits and raises CommError naming the peer
             return
-        try:
-            b.handle.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            raise CommError(f"rank {dist.get_rank()}: native all-reduce of bucket {b.index} did not complete "
-                            f"within {self.timeout_s:g} s; a peer is dead, stuck, or skipped a backward. "
-                            f"[{str(e).splitlines()[0]}]") from e
+        bounded_wait(b.handle, self.timeout_s, rank=dist.get_rank(), op=f"native all-reduce of bucket {b.index}",
+                     awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
+                     hint="A peer is dead, stuck, or skipped a backward.")
 
 
 def _make_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:

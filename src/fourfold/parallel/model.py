@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.models.gpt import lm_loss
-from fourfold.parallel.pipeline import Pipeline, build_pipeline
+from fourfold.loss import lm_loss
+from fourfold.parallel.pipeline.runtime import Pipeline, build_pipeline
+from fourfold.parallel.pipeline.split import Balance, Stage, split_model, sum_tied_grads
 from fourfold.parallel.schedule import make_schedule
-from fourfold.parallel.split import Balance, Stage, split_model, sum_tied_grads
 
 __all__ = ["MultiDeviceModel", "model_parallel"]
 

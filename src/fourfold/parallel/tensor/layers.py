@@ -1,31 +1,20 @@
-"""Tensor parallelism: every big matmul's weight split over the p ranks of a ``group`` (Megatron-LM, Shoeybi
-et al. 2019), with the same numbers as one process. Notation: a linear layer is Y = XA + b with A = W^T, the
-(in, out) matrix (``nn.Linear`` stores W, (out, in)).
+"""Tensor-parallel layers: every big matmul's weight split over the p ranks of a ``group`` (Megatron-LM,
+Shoeybi et al. 2019), with the same numbers as one process. Notation: a linear layer is Y = XA + b with
+A = W^T, the (in, out) matrix (``nn.Linear`` stores W, (out, in)).
 
 * :class:`ColumnParallelLinear`: A = [A_1 ... A_p] split by output columns; rank i computes Y_i = X A_i + b_i.
 * :class:`RowParallelLinear`: A = [A_1; ...; A_p] split by input rows, X = [X_1 ... X_p]; Y = sum_i X_i A_i + b.
 * :class:`VocabParallelEmbedding`: the table's rows (the vocabulary) split; ids outside a rank's rows give zeros.
-* :func:`vocab_parallel_cross_entropy`: the loss over vocabulary-sharded logits, never gathering them.
 
-A column layer feeding a row layer (elementwise work such as GELU between) needs one all-reduce forward (g, after
-the row layer) and one backward (f, before the column layer): that is one transformer block half. Use it::
-
-    tp_model = parallelize_tinygpt(TinyGPT(config, seed=0), group, sequence_parallel=True)
-    logits, loss = tp_model(idx, targets)        # logits: this rank's vocabulary shard (B, T, V/p)
-    loss.backward()
-    sync_replicated_grads(tp_model, group)       # sequence parallelism only; a no-op without it
-    optimizer.step()
-    full = gather_state_dict(tp_model, group)    # loads into TinyGPT(config)
-
-or shard your own model's layers by name: ``tensor_parallel(model, {"fc1": "column", "fc2": "row"}, group)``.
-The collectives themselves live in :mod:`fourfold.parallel.tensor_comm`; TinyGPT's plan, whole state dicts and
-the collective theory in :mod:`fourfold.parallel.tensor_gpt` (re-exported here).
+A column layer feeding a row layer (elementwise work such as GELU between) needs one all-reduce forward (g,
+after the row layer) and one backward (f, before the column layer): that is one transformer block half. The
+collectives live in :mod:`~fourfold.parallel.tensor.comm`, the loss over sharded logits in
+:mod:`~fourfold.parallel.tensor.loss`, sharding a whole model by a plan in :mod:`~fourfold.parallel.tensor.plan`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -33,9 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fourfold.parallel.tensor_comm import (
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.tensor.comm import (
     Group,
-    all_reduce,
     copy_to_tp,
     gather_from_tp,
     gather_sequence,
@@ -43,18 +32,17 @@ from fourfold.parallel.tensor_comm import (
     reduce_scatter_sequence,
     split_to_tp,
 )
-from fourfold.trace import Tracer
 
 __all__ = [
+    "REPLICATED",
     "ColumnParallelLinear",
     "Layout",
     "RowParallelLinear",
+    "Sharded",
     "Style",
     "VocabParallelEmbedding",
     "shard",
-    "tensor_parallel",
     "unshard",
-    "vocab_parallel_cross_entropy",
 ]
 
 Style = Literal["column", "row", "vocab"]
@@ -254,7 +242,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
 
 
@@ -273,127 +261,3 @@ def _copy_shards(layer: Sharded, full: nn.Module) -> None:
         mine, theirs = getattr(layer, name), getattr(full, name, None)
         if mine is not None and theirs is not None:
             mine.copy_(shard(theirs, layout, layer.rank, layer.tp))
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group, tracer: Tracer | None,
-                site: str) -> torch.Tensor:
-        rank, _ = _tp(group)
-        kw: dict[str, Any] = {"tracer": tracer, "site": site}
-        z = logits.reshape(-1, logits.shape[-1])  # (N, V/p): this rank's columns of the logits
-        start = rank * z.shape[1]
-        y = targets.reshape(-1)  # (N,)
-        inside = (y >= start) & (y < start + z.shape[1])  # (N,) targets in this rank's columns
-        local = (y - start).masked_fill(~inside, 0)
-        # phase 1: the max over the whole row, so exp never overflows (it cancels in the loss)
-        m = all_reduce(z.max(dim=1).values, group, op=dist.ReduceOp.MAX, **kw)  # (N,)
-        e = torch.exp(z - m.unsqueeze(1))  # (N, V/p)
-        target = (z.gather(1, local.unsqueeze(1)).squeeze(1) - m).masked_fill(~inside, 0.0)  # (N,)
-        # phase 2: sum_v exp(z_v - m) and z_y - m, both sums over ranks, in one message
-        sums = all_reduce(torch.stack([e.sum(dim=1), target]), group, **kw)  # (2, N)
-        ctx.save_for_backward(e.div_(sums[0].unsqueeze(1)), local, inside)  # e is softmax_local now
-        ctx.shape = logits.shape
-        return (sums[0].log() - sums[1]).mean()  # mean_n [log sum_v exp(z_nv) - z_{n,y_n}]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        softmax, local, inside = ctx.saved_tensors
-        # d loss / d z = (softmax - onehot(y)) / N, restricted to this rank's columns: no communication
-        g = softmax.clone()
-        g.scatter_add_(1, local.unsqueeze(1), -inside.to(g.dtype).unsqueeze(1))
-        g.mul_(grad / softmax.shape[0])
-        return g.view(ctx.shape), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group: Group, *,
-                                 tracer: Tracer | None = None, site: str = "loss") -> torch.Tensor:
-    """mean_n [log sum_v exp(z_nv) - z_{n,y_n}] from this rank's logits z[..., i V/p : (i+1) V/p] alone.
-
-    Two all-reduces forward (the row maxima, then the two sums), none backward: equal to
-    ``F.cross_entropy(full_logits.reshape(-1, V), targets.reshape(-1))``. ``targets`` (...) are global ids.
-    """
-    if local_logits.shape[:-1] != targets.shape:
-        raise ValueError(f"targets must have the logits' shape without the last dim, got "
-                         f"{tuple(targets.shape)} and {tuple(local_logits.shape)}. Pass targets of shape "
-                         f"{tuple(local_logits.shape[:-1])}")
-    vocab = local_logits.shape[-1] * dist.get_world_size(group)
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(f"targets must be token ids in [0, {vocab}), got values in [{int(targets.min())}, "
-                         f"{int(targets.max())}]. Check the tokenizer's vocabulary size")
-    return _VocabParallelCrossEntropy.apply(local_logits, targets, group, tracer, site)
-
-
-def tensor_parallel(model: nn.Module, plan: Mapping[str, Style], group: Group, *,
-                    tracer: Tracer | None = None, sequence_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` in place: each module named in ``plan`` is replaced by its tensor-parallel version.
-
-    ``"column"``: nn.Linear -> :class:`ColumnParallelLinear` (output left split: feed it, through elementwise
-    work only, to a ``"row"`` layer, or to :func:`vocab_parallel_cross_entropy`); ``"row"``: nn.Linear ->
-    :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding ->
-    :class:`VocabParallelEmbedding`. A weight two modules share (a tied embedding and head, ``"vocab"`` and
-    ``"column"``: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is for models that
-    run their non-parallel parts on sequence shards themselves (as :func:`parallelize_tinygpt` does).
-    Returns ``model``.
-    """
-    # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
-    sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
-    for name, style in plan.items():
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
-            raise ValueError(f"plan names a module the model does not have, got {name!r}. Linear and Embedding "
-                             f"modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}") from None
-        kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
-        if style in ("column", "row") and type(module) is nn.Linear:
-            cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-            new: Sharded = cls.from_linear(module, group, **kw)
-        elif style == "vocab" and type(module) is nn.Embedding:
-            new = VocabParallelEmbedding.from_embedding(module, group, **kw)
-        elif style in ("column", "row", "vocab"):
-            want = "nn.Embedding" if style == "vocab" else "nn.Linear"
-            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
-                            f"Use 'column'/'row' for nn.Linear and 'vocab' for nn.Embedding")
-        else:
-            raise ValueError(f"plan styles must be 'column', 'row' or 'vocab', got {style!r} for {name!r}")
-        full, layout = module.weight, new.layouts()["weight"]
-        assert isinstance(full, torch.Tensor)
-        if id(full) in sharded:  # tied: reuse the first shard, if it was cut the same way
-            other, other_layout, weight, _ = sharded[id(full)]
-            if other_layout != layout:
-                raise ValueError(f"{other!r} and {name!r} share one weight, so the plan must split it the same "
-                                 f"way in both, got {other_layout} and {layout}. Shard a tied head as 'column'")
-            new.weight = weight
-        else:
-            sharded[id(full)] = (name, layout, new.weight, full)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in sharded:
-            raise ValueError(f"{name!r} is tied to {sharded[id(param)][0]!r}, which the plan shards, so it "
-                             f"would keep the full weight and train apart. Add {name.rpartition('.')[0]!r} to "
-                             "the plan")
-    return model
-
-
-# TinyGPT's plan and the whole-model helpers, importable from here too (they build on the layers above).
-from fourfold.parallel.tensor_gpt import (  # noqa: E402
-    ParameterBytes,
-    TensorParallelGPT,
-    check_tinygpt_tp,
-    collective_theory,
-    collectives_per_step,
-    gather_state_dict,
-    load_full_state_dict,
-    parallelize_tinygpt,
-    parameter_bytes,
-    shard_layouts,
-    sync_replicated_grads,
-)
-
-__all__ += [
-    "ParameterBytes", "TensorParallelGPT", "check_tinygpt_tp", "collective_theory", "collectives_per_step",
-    "gather_state_dict", "load_full_state_dict", "parallelize_tinygpt", "parameter_bytes", "shard_layouts",
-    "sync_replicated_grads",
-]

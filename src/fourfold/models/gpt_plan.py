@@ -1,14 +1,13 @@
-"""Tensor parallelism for TinyGPT, whole-model state dicts, parameter memory, and the collective theory.
+"""TinyGPT's tensor-parallel plan, beside the model: which matmuls split how, and the collectives that costs.
 
-Builds on the layers of :mod:`fourfold.parallel.tensor`: attention split by heads (fused q/k/v column-parallel,
+Builds on the layers of :mod:`fourfold.parallel.tensor.layers`: attention split by heads (fused q/k/v column-parallel,
 output projection row-parallel), the MLP column -> row, the vocabulary-parallel embedding tied to the head, the
 vocabulary-parallel loss, and Megatron-style sequence parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,113 +15,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from fourfold.models.gpt import CausalSelfAttention, Embedding, GPTConfig, TinyGPT
+from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor import (
-    _SHARDED,
-    REPLICATED,
     ColumnParallelLinear,
-    Layout,
+    Group,
     RowParallelLinear,
     Style,
     VocabParallelEmbedding,
-    _tp,
-    shard,
+    shard_layouts,
     tensor_parallel,
-    unshard,
     vocab_parallel_cross_entropy,
 )
-from fourfold.parallel.tensor_comm import (
-    Group,
-    all_reduce,
-)
-from fourfold.trace import Tracer
 
 __all__ = [
-    "ParameterBytes",
     "TensorParallelGPT",
     "check_tinygpt_tp",
     "collective_theory",
     "collectives_per_step",
-    "gather_state_dict",
-    "load_full_state_dict",
     "parallelize_tinygpt",
-    "parameter_bytes",
-    "shard_layouts",
-    "sync_replicated_grads",
 ]
-
-
-def shard_layouts(model: nn.Module) -> dict[str, Layout]:
-    """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
-    out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
-    for prefix, module in model.named_modules():
-        if isinstance(module, _SHARDED):
-            for name, layout in module.layouts().items():
-                key = f"{prefix}.{name}" if prefix else name
-                if key in out:
-                    out[key] = layout
-    return out
-
-
-@torch.no_grad()
-def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
-    """The full, unsharded state dict on every rank: what one process's model would hold. A collective.
-
-    Keys are ``model.state_dict()``'s, so a TinyGPT sharded by :func:`parallelize_tinygpt` gives a dict
-    ``TinyGPT(config).load_state_dict`` accepts. Apply the same :func:`unshard` to optimiser state by name.
-    """
-    p = dist.get_world_size(group)
-    layouts = shard_layouts(model)
-    done: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
-    out = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in done:
-            pieces = [t.detach()]
-            if layouts[key].dim is not None and p > 1:
-                pieces = [torch.empty_like(t.detach()) for _ in range(p)]
-                dist.all_gather(pieces, t.detach().contiguous(), group=group)
-            done[id(t)] = unshard(pieces, layouts[key])
-        out[key] = done[id(t)]
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], group: Group) -> None:
-    """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
-    rank, p = _tp(group)
-    layouts = shard_layouts(model)
-    for key, t in model.state_dict(keep_vars=True).items():
-        if key not in state:
-            raise ValueError(f"state must hold every key of the model's state dict, got no {key!r}. Save it "
-                             "with gather_state_dict")
-        piece = shard(state[key], layouts[key], rank, p)
-        if piece.shape != t.shape:
-            raise ValueError(f"state[{key!r}] must be the full tensor of this model's piece, got shape "
-                             f"{tuple(state[key].shape)}, which gives {tuple(piece.shape)} on rank {rank} for "
-                             f"{tuple(t.shape)}. Build the model from the checkpoint's config")
-        t.copy_(piece)
-
-
-class ParameterBytes(NamedTuple):
-    """Bytes of this rank's parameters: ``sharded`` (a 1/p piece of a full tensor) and ``replicated``."""
-
-    sharded: int
-    replicated: int
-
-    @property
-    def total(self) -> int:
-        return self.sharded + self.replicated
-
-
-def parameter_bytes(model: nn.Module) -> ParameterBytes:
-    """This rank's parameter memory, a tied weight once; every parameter of a plain model is replicated."""
-    layouts = shard_layouts(model)
-    sharded = replicated = 0
-    for name, param in model.named_parameters():
-        if layouts.get(name, REPLICATED).dim is None:
-            replicated += param.numel() * param.element_size()
-        else:
-            sharded += param.numel() * param.element_size()
-    return ParameterBytes(sharded, replicated)
 
 
 # --- TinyGPT ---------------------------------------------------------------------------------------------------
@@ -215,6 +126,19 @@ class TensorParallelGPT(nn.Module):
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of this rank's vocabulary shard of the logits (never gathered)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group, tracer=self.tracer)
+
+    def example_inputs(self) -> list[torch.Tensor]:
+        """Two inputs differing in batch and length (a multiple of tp with sequence parallelism), for the
+        pipeline split to learn which dims of a stage's input may vary."""
+        T, step = self.config.seq_len, (dist.get_world_size(self.group) if self.sequence_parallel else 1)
+        device = next(self.parameters()).device
+        shorter = T - step if T > step else T
+        return [torch.zeros(1, T, dtype=torch.long, device=device),
+                torch.zeros(2, shorter, dtype=torch.long, device=device)]
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(idx)  # (B, T, C), or (B, T/p, C) with sequence parallelism
@@ -254,31 +178,6 @@ def check_tinygpt_tp(config: GPTConfig, tp: int, *, sequence_parallel: bool = Fa
             fix = "Pad the vocabulary to" if what == "vocab_size" else f"Use {what} ="
             raise ValueError(f"{what} must be divisible by tp, got {n} and {tp}. {fix} {-(-n // tp) * tp} or a "
                              f"tp that divides {n}")
-
-
-def sync_replicated_grads(model: nn.Module, group: Group, *, tracer: Tracer | None = None) -> None:
-    """Sum over ``group`` the gradients of ``model.partial_grad_names``: one all-reduce per dtype.
-
-    Needed with sequence parallelism only (the list is empty otherwise): call it after the step's last
-    backward, before the optimiser (once per step: with gradient accumulation the sum of sums is the sum).
-    """
-    names = set(getattr(model, "partial_grad_names", ()))
-    if not names or dist.get_world_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if name in names:
-            if param.grad is None:
-                raise RuntimeError(f"{name!r} got no gradient on rank {dist.get_rank()}: call "
-                                   "sync_replicated_grads after backward")
-            by_dtype.setdefault(param.grad.dtype, []).append(param)
-    for params in by_dtype.values():
-        flat = torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
-        flat = all_reduce(flat, group, tracer=tracer, phase="grad_sync", site="grad_sync")
-        offset = 0
-        for q in params:
-            q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))  # type: ignore[union-attr]
-            offset += q.numel()
 
 
 def collective_theory(sequence_parallel: bool) -> dict[str, dict[tuple[str, str], int]]:

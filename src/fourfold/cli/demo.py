@@ -29,7 +29,7 @@ import torch
 from fourfold.config import Config, TrainConfig
 from fourfold.data import ByteTokenizer
 from fourfold.models.gpt import TinyGPT
-from fourfold.trace import load_jsonl
+from fourfold.observe.trace import load_jsonl
 from fourfold.train import DTYPES, TrainResult, train
 
 __all__ = ["main"]
@@ -79,7 +79,7 @@ def _summary(name: str, rows: list[dict], reference: list[dict]) -> str:
 
 def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
     try:
-        from fourfold.visualize import timeline
+        from fourfold.observe.visualize import timeline
     except ImportError:
         return
     spans = {r: [s for s in load_jsonl(out / f"trace-rank{r}.jsonl") if s.step == step] for r in range(ranks)}

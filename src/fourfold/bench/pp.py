@@ -56,15 +56,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fourfold.bench import (  # bench imports torch lazily too
-    _fmt_time,
-    _machine,
+from fourfold.bench.dp import GRAD_RTOL
+from fourfold.bench.harness import (  # the harness imports torch lazily too
+    fmt_time,
     format_bytes,
     launch_ranks,
+    machine,
     start_rank,
     write_report,
 )
-from fourfold.bench_dp import GRAD_RTOL
 
 __all__ = ["BUBBLE_POINTS", "MEMORY_SLACK", "TARGET_RATIO", "VARIANTS", "main"]
 
@@ -176,10 +176,10 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], rank: int, 
 
     from fourfold.models import TinyGPT
     from fourfold.models.gpt import lm_loss
-    from fourfold.parallel.pipeline import build_pipeline
+    from fourfold.observe.trace import Tracer
+    from fourfold.parallel.pipeline.runtime import build_pipeline
+    from fourfold.parallel.pipeline.split import split_model
     from fourfold.parallel.schedule import make_schedule
-    from fourfold.parallel.split import split_model
-    from fourfold.trace import Tracer
 
     framework, _, schedule = name.partition("-")
     m = ns.microbatches
@@ -238,7 +238,7 @@ def _run(ns: argparse.Namespace) -> None:
 
     from fourfold.data import BatchLoader, load_corpus
     from fourfold.models import TinyGPT
-    from fourfold.parallel.split import plan
+    from fourfold.parallel.pipeline.split import plan
 
     ctx, say, started, load_before = start_rank("[bench pp]", ns.timeout)
     p, rank = ctx.world_size, ctx.rank
@@ -254,7 +254,7 @@ def _run(ns: argparse.Namespace) -> None:
     say(f"pp={p}, m={ns.microbatches}, TinyGPT L={cfg.n_layer} C={cfg.d_model} H={cfg.n_head} T={cfg.seq_len} "
         f"untied, {params / 1e6:.2f} M parameters, batch {ns.gpt_batch} ({mb} per micro-batch); stages: {cut}")
     say(f"one activation message ({format_bytes(mb * cfg.seq_len * cfg.d_model * 4)} + header), one way: "
-        f"{_fmt_time(comm_s)}; {ns.warmup} warm-up + {ns.rounds} rounds of {', '.join(ns.variants)}")
+        f"{fmt_time(comm_s)}; {ns.warmup} warm-up + {ns.rounds} rounds of {', '.join(ns.variants)}")
     loader = BatchLoader(load_corpus(), ns.gpt_batch, cfg.seq_len, seed=0)  # one dp rank: the same batch everywhere
     variants = [_build(name, ns, list(starts[1:]), rank, p) for name in ns.variants]
     elapsed = torch.zeros(len(variants), ns.rounds, dtype=torch.float64)  # (variants, rounds)
@@ -442,7 +442,7 @@ def _table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         b, mem = r.get("bubble"), r.get("memory")
         lines.append(
-            f"{r['variant']:<15} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+            f"{r['variant']:<15} {fmt_time(r['median_s']):>9} {fmt_time(r['min_s']):>9} "
             f"{'-' if r['x_torch'] is None else format(r['x_torch'], '.3f'):>7} "
             f"{'-' if r['x_torch_paired'] is None else format(r['x_torch_paired'], '.3f'):>6} "
             + (f"{b['measured']:>7.1%} {b['theory']:>7.1%} {b['simulated']:>7.1%} "
@@ -455,10 +455,10 @@ def _table(result: dict[str, Any]) -> str:
             b = r["bubble"]
             lines.append(f"{r['variant']}: median F {ranks([f * 1e3 for f in b['f_s_by_rank']], '.2f')} ms, B "
                          f"{ranks([x * 1e3 for x in b['b_s_by_rank']], '.2f')} ms by rank; step window "
-                         f"{_fmt_time(b['window_median_s'])}, simulated {_fmt_time(b['simulated_makespan_s'])}; "
-                         f"a transfer in the run takes {_fmt_time(b['comm_in_situ_s'])} (mean; median "
-                         f"{_fmt_time(b['comm_in_situ_median_s'])}), simulated with the mean: bubble "
-                         f"{b['simulated_in_situ']:.1%}, {_fmt_time(b['simulated_in_situ_makespan_s'])}; ranks "
+                         f"{fmt_time(b['window_median_s'])}, simulated {fmt_time(b['simulated_makespan_s'])}; "
+                         f"a transfer in the run takes {fmt_time(b['comm_in_situ_s'])} (mean; median "
+                         f"{fmt_time(b['comm_in_situ_median_s'])}), simulated with the mean: bubble "
+                         f"{b['simulated_in_situ']:.1%}, {fmt_time(b['simulated_in_situ_makespan_s'])}; ranks "
                          f"computing at once: {b['concurrency']:.2f} on average")
     cores = os.cpu_count() or 1
     if p > cores:
@@ -492,7 +492,7 @@ def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
     write_report(out, {
         "command": ns.command, "argv": sys.argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "elapsed_s": elapsed,
-        "machine": _machine(result["pp"]), "load_before": load_before, "load_after": load_after,
+        "machine": machine(result["pp"]), "load_before": load_before, "load_after": load_after,
         "settings": {"model": dataclasses.asdict(ns.config), "variants": ns.variants, "rounds": ns.rounds,
                      "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                      "timing": "slowest rank per step (pipeline step + optimizer), median over rounds"},
@@ -501,7 +501,7 @@ def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
 
 def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> None:
     """The measured timeline of one step of each fourfold variant (a collective; rank 0 draws)."""
-    from fourfold.trace import Tracer, gather_spans
+    from fourfold.observe.trace import Tracer, gather_spans
 
     for v in variants:
         if v.tracer is None:
@@ -512,7 +512,7 @@ def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> Non
         if spans is None:
             continue
         try:
-            from fourfold.visualize import timeline
+            from fourfold.observe.visualize import timeline
 
             path = out / f"timeline-{v.schedule}.png"
             timeline(spans, path, title=f"fourfold {v.schedule}, pp={len(spans)}: measured step {step}",

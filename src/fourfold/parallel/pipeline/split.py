@@ -3,7 +3,7 @@
 ::
 
     from fourfold.models import GPTConfig, TinyGPT
-    from fourfold.parallel.split import split_model
+    from fourfold.parallel.pipeline.split import split_model
 
     stages = split_model(TinyGPT(GPTConfig(n_layer=4)), 2)              # balanced by parameter count
     [s.names for s in stages]        # [('embed', 'blocks.0', 'blocks.1'), ('blocks.2', 'blocks.3', 'head')]
@@ -215,15 +215,13 @@ def _trace(named: list[tuple[str, nn.Module]], examples: list[torch.Tensor]) -> 
 
 def _examples(model: nn.Module | Sequence[nn.Module], named: list[tuple[str, nn.Module]],
               example: torch.Tensor | None) -> list[torch.Tensor] | None:
-    """Two inputs that differ in every dim the model lets vary: the batch, and a TinyGPT's length."""
+    """Two inputs that differ in every dim the model lets vary: ``example`` and a batch of two of it, or the
+    model's own ``example_inputs()``."""
     if example is not None:
         return [example, torch.cat([example, example])]
-    config = getattr(model, "config", None)
-    seq_len = getattr(config, "seq_len", None)
-    if isinstance(seq_len, int) and callable(getattr(model, "layers", None)):
-        device = next((p.device for _, m in named for p in m.parameters()), torch.device("cpu"))
-        return [torch.zeros(1, seq_len, dtype=torch.long, device=device),
-                torch.zeros(2, max(seq_len - 1, 1), dtype=torch.long, device=device)]
+    examples = getattr(model, "example_inputs", None)
+    if callable(examples):  # the model says which inputs show its free dims (TinyGPT: batch and length)
+        return list(examples())
     return None
 
 

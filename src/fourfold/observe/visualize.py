@@ -2,8 +2,8 @@
 
 ::
 
-    from fourfold.trace import load_jsonl
-    from fourfold.visualize import timeline
+    from fourfold.observe.trace import load_jsonl
+    from fourfold.observe.visualize import timeline
 
     spans = {r: load_jsonl(f"out/trace-rank{r}.jsonl") for r in range(4)}
     timeline(spans, "timeline.png", color_by="microbatch")
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fourfold.files import atomic_path
-from fourfold.trace import KINDS, Span
+from fourfold.observe.trace import KINDS, Span
 
 __all__ = ["KIND_COLORS", "timeline"]
 
@@ -38,16 +38,31 @@ def _matplotlib() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError("fourfold.visualize needs matplotlib, got none installed. "
+        raise ImportError("fourfold.observe.visualize needs matplotlib, got none installed. "
                           "Install the extra: pip install 'fourfold[viz]'.") from e
     return Figure, FigureCanvasAgg
 
 
+def rank_labels(mesh: Any) -> dict[int, str]:
+    """Each rank's place on a :class:`~fourfold.mesh.Mesh`, for timelines and traces: ``"stage 1 dp 0 tp 1"``
+    (axes of size 1 left out; ``rank N`` alone on one process)."""
+    labels = {}
+    for rank in range(mesh.world_size):
+        c = mesh.coord(rank)
+        parts = [f"{name} {index}" for name, index, size in
+                 (("stage", c.pp, mesh.pp), ("dp", c.dp, mesh.dp), ("tp", c.tp, mesh.tp)) if size > 1]
+        labels[rank] = " ".join(parts)
+    return labels
+
+
 def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLike[str], title: str | None = None,
-             color_by: Literal["kind", "microbatch", "name"] = "kind") -> None:
+             color_by: Literal["kind", "microbatch", "name"] = "kind", labels: Mapping[int, str] | None = None
+             ) -> None:
     """Draw every rank's spans as boxes on a shared time axis (ms since ``Tracer.start``) and write a PNG.
 
-    Rank 0 is the top row. ``color_by="kind"`` colours compute / comm / wait; ``"microbatch"`` colours compute
+    Rank 0 is the top row; with ``labels`` (:func:`rank_labels`) each row also names the rank's pipeline
+    stage and dp/tp coordinates, and rows are ordered by that label, so a stage's ranks sit together.
+    ``color_by="kind"`` colours compute / comm / wait; ``"microbatch"`` colours compute
     by micro-batch (labelled inside boxes wide enough: ``F3`` for a span named ``F`` on micro-batch 3, else ``3``)
     and keeps comm and wait in their kind colours; ``"name"`` colours compute by span name (forward, backward,
     optimizer, ...).
@@ -58,7 +73,7 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
         raise ValueError("spans_by_rank must hold at least one rank, got an empty mapping. "
                          "Trace with an enabled Tracer and pass gather_spans(tracer).")
     Figure, FigureCanvasAgg = _matplotlib()
-    ranks = sorted(spans_by_rank)
+    ranks = sorted(spans_by_rank, key=lambda r: _label_key(labels, r))
     every = [s for r in ranks for s in spans_by_rank[r]]
     t0 = min((s.start_ns for s in every), default=0) / 1e6  # the window the spans shown cover
     t1 = max((s.end_ns / 1e6 for s in every), default=1.0)
@@ -92,7 +107,8 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
             ax.broken_barh(xw, (y, h), facecolors=color, edgecolors="white", linewidth=0.4,
                            zorder=2 if kind == "compute" else 3)
 
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    names = [f"rank {r}" + (f"\n{labels[r]}" if labels and labels.get(r) else "") for r in ranks]
+    ax.set_yticks(range(len(ranks)), names, fontsize=8 if labels else None)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_xlabel("time (ms)" if t0 == 0 else f"time (ms) from {t0:,.1f} ms after the tracer started")
@@ -112,6 +128,12 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
                    fontsize=8)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
+
+
+def _label_key(labels: Mapping[int, str] | None, rank: int) -> tuple[int, ...]:
+    """``"stage 1 dp 0 tp 1"`` -> (1, 0, 1, rank): numbers in label order, so stages group and sort."""
+    words = (labels or {}).get(rank, "").split()
+    return (*(int(w) for w in words[1::2] if w.isdigit()), rank)
 
 
 def _compute_color(s: Span, color_by: str) -> tuple[str, str]:

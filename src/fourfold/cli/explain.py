@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.elastic import launch_workers
 
     worker_argv = [args.algorithm, "--per-segment", str(args.per_segment)]
-    return launch_workers("fourfold.explain", worker_argv, LaunchConfig(nproc=args.world))
+    return launch_workers("fourfold.cli.explain", worker_argv, LaunchConfig(nproc=args.world))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from fourfold.trace import Tracer
+from fourfold.observe.trace import Tracer
 
 __all__ = [
     "Phase",

@@ -12,15 +12,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fourfold.files import write_text_atomic
-from fourfold.trace import KINDS, Span
+from fourfold.observe.trace import KINDS, Span
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
 
-def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]]) -> dict[str, Any]:
+def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]], groups: Mapping[int, str] | None = None
+                 ) -> dict[str, Any]:
     """One Chrome/Perfetto trace (Trace Event Format, JSON object form) of every rank's spans.
 
-    One process per rank, named ``rank N``; inside it one thread per kind (compute, comm, wait) so that
+    One process per rank, named ``rank N`` (``rank N: stage 1 dp 0 tp 1`` with ``groups``, ordered by it); inside it one thread per kind (compute, comm, wait) so that
     compute overlapping communication shows as two rows. Spans of one kind that overlap without nesting
     (two async messages in flight) get extra rows (``comm 2``, ...), since a thread's slices must nest.
     Complete events (``"ph": "X"``) carry ``ts``/``dur`` in microseconds.
@@ -32,6 +33,7 @@ def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]]) -> dict[str, Any]:
     every = [s for spans in spans_by_rank.values() for s in spans]
     shift = -min(0, min((s.start_ns for s in every), default=0))  # spans before start(): keep ts >= 0
     next_tid = 1
+    order = sorted(spans_by_rank, key=lambda r: (_numbers((groups or {}).get(r, "")), r))
     for rank in sorted(spans_by_rank):
         pid = rank + 1
         lanes = {kind: _lanes([s for s in spans_by_rank[rank] if s.kind == kind]) for kind in KINDS}
@@ -44,8 +46,9 @@ def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]]) -> dict[str, Any]:
                 events.append(_meta("thread_sort_index", pid, next_tid, sort_index=10 * k + lane))
                 next_tid += 1
         first = tids["compute", 0]
-        events.append(_meta("process_name", pid, first, name=f"rank {rank}"))
-        events.append(_meta("process_sort_index", pid, first, sort_index=rank))
+        label = (groups or {}).get(rank)
+        events.append(_meta("process_name", pid, first, name=f"rank {rank}: {label}" if label else f"rank {rank}"))
+        events.append(_meta("process_sort_index", pid, first, sort_index=order.index(rank)))
         for kind in KINDS:
             for lane, spans in enumerate(lanes[kind]):
                 for s in spans:
@@ -55,6 +58,10 @@ def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]]) -> dict[str, Any]:
                     slices.append(_complete(s, pid, tids[kind, lane], shift))
     slices.sort(key=lambda e: (e["pid"], e["ts"], -e["dur"]))
     return {"traceEvents": events + slices, "displayTimeUnit": "ms"}
+
+
+def _numbers(label: str) -> tuple[int, ...]:
+    return tuple(int(w) for w in label.split() if w.isdigit())
 
 
 def _meta(what: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
@@ -95,6 +102,7 @@ def _lanes(spans: Sequence[Span]) -> list[list[Span]]:
     return rows
 
 
-def write_chrome_trace(path: str | os.PathLike[str], spans_by_rank: Mapping[int, Sequence[Span]]) -> None:
+def write_chrome_trace(path: str | os.PathLike[str], spans_by_rank: Mapping[int, Sequence[Span]],
+                       groups: Mapping[int, str] | None = None) -> None:
     """Write :func:`chrome_trace` as JSON (atomically: a temp file, then ``os.replace``)."""
-    write_text_atomic(path, json.dumps(chrome_trace(spans_by_rank), separators=(",", ":")))
+    write_text_atomic(path, json.dumps(chrome_trace(spans_by_rank, groups), separators=(",", ":")))

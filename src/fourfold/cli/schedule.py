@@ -90,7 +90,10 @@ def _num(x: float) -> str:
 def draw(timelines: list[Timeline], path: str | Path) -> None:
     """One panel per schedule, stacked on a shared time axis; written atomically as a PNG."""
     from fourfold.files import atomic_path
-    from fourfold.visualize import _MICROBATCH_COLORS, _matplotlib  # one palette with traced timelines
+    from fourfold.observe.visualize import (  # one palette with traced timelines
+        _MICROBATCH_COLORS,
+        _matplotlib,
+    )
 
     Figure, FigureCanvasAgg = _matplotlib()  # first: its ImportError says how to install matplotlib
     from matplotlib.patches import Patch, Rectangle

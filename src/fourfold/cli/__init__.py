@@ -14,10 +14,10 @@ __all__ = ["main"]
 
 COMMANDS = {
     "train": ("fourfold.train", "train TinyGPT on the built-in corpus, on one process or --nproc N"),
-    "demo": ("fourfold.demo", "a short run that trains, then prints and draws what happened"),
-    "explain": ("fourfold.explain", "draw an all-reduce step by step from a real run: fourfold explain ring"),
+    "demo": ("fourfold.cli.demo", "a short run that trains, then prints and draws what happened"),
+    "explain": ("fourfold.cli.explain", "draw an all-reduce step by step from a real run: fourfold explain ring"),
     "bench": ("fourfold.bench", "time the all-reduce algorithms side by side: fourfold bench allreduce --nproc 2"),
-    "schedule": ("fourfold.schedule_cli", "print and draw a pipeline schedule, its bubble and memory: "
+    "schedule": ("fourfold.cli.schedule", "print and draw a pipeline schedule, its bubble and memory: "
                  "fourfold schedule --schedule 1f1b"),
 }
 

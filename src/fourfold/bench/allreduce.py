@@ -5,7 +5,7 @@
     python benchmarks/allreduce.py --nproc 2                # the same code
 
 The parent starts ``--nproc`` ranks through torchrun's launcher (:func:`fourfold.elastic.launch_workers`), each
-running ``python -m fourfold.bench allreduce ...``. On the ranks:
+running ``python -m fourfold.bench.allreduce ...``. On the ranks:
 
 1. ping-pong between ranks 0 and 1 over 4 B..16 MB through :class:`~fourfold.comm.Communicator` (the path every
    algorithm takes); one-way time t(n) = α + βn fitted by least squares on relative error (so 4 B counts as
@@ -24,98 +24,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
-import re
-import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fourfold.files import write_text_atomic
+from fourfold.bench.harness import (
+    fit_line,
+    fmt_time,
+    format_bytes,
+    launch_ranks,
+    machine,
+    parse_size,
+    start_rank,
+    write_report,
+)
 
-__all__ = ["fit_line", "format_bytes", "main", "parse_size"]
+__all__ = ["fit_line", "main", "parse_size"]
 
 DEFAULT_SIZES = "4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB"
 CANDIDATES = ("ring", "tree", "hierarchical")  # what auto may pick: "auto vs best" compares with these
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _PINGPONG = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-
-
-def parse_size(text: str) -> int:
-    """``"64KB"`` -> 65536 (KB = 1024 B, as NCCL-tests counts); a multiple of 4 bytes (float32), >= 4."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size must be a number with an optional unit B, KB, MB or GB, got {text!r}. "
-                         f"E.g. --sizes 4KB,1MB.")
-    n = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if n < 4 or n % 4:
-        raise ValueError(f"size must be a positive multiple of 4 bytes (float32 elements), got {text!r} = {n} B.")
-    return n
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_time(s: float) -> str:
-    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """``(a, b)`` minimising sum(((y - a - b*x) / y)^2): least squares on relative error."""
-    pts = [(x, y, 1.0 / (y * y)) for x, y in zip(xs, ys, strict=True)]
-    sw, sx, sy = sum(w for _, _, w in pts), sum(w * x for x, _, w in pts), sum(w * y for _, y, w in pts)
-    sxx, sxy = sum(w * x * x for x, _, w in pts), sum(w * x * y for x, y, w in pts)
-    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    return (sy - b * sx) / sw, b
-
-
-def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
-    """The parent side of ``fourfold bench NAME``: start ``nproc`` ranks through torchrun's launcher, each
-    running ``python -m fourfold.bench_NAME`` with the same flags and the user's command (for bench.json)."""
-    from fourfold.config import LaunchConfig, without_section_flags
-    from fourfold.elastic import launch_workers
-
-    command = command or shlex.join(["fourfold", "bench", bench, *argv])
-    print(f"fourfold bench {bench}: starting {nproc} ranks ...", flush=True)
-    # the last --command wins in argparse, so ours overrides one the user passed
-    return launch_workers(f"fourfold.bench_{bench}", [*without_section_flags(argv, "launch"), f"--command={command}"],
-                          LaunchConfig(nproc=nproc))
-
-
-def start_rank(tag: str, timeout_s: float) -> tuple[Any, Callable[..., None], float, tuple[float, float, float]]:
-    """A benchmark rank's start: join the group; a ``say`` that prints on rank 0 only; the clock; the load
-    average, with a warning when other work is running (figures taken then are noisy)."""
-    from fourfold import launch
-
-    ctx = launch.init("cpu", timeout_s=timeout_s)
-    say = (lambda *a: print(tag, *a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
-    started, load_before = time.monotonic(), os.getloadavg()
-    if load_before[0] > 0.5 * (os.cpu_count() or 1):
-        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
-            "be noisy; re-run when it is quiet")
-    return ctx, say, started, load_before
-
-
-def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:
-    """Rank 0's outputs: ``out/bench.json`` (atomically) and ``chart(out/bench.png)`` when matplotlib is there."""
-    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
-    try:
-        chart(out / "bench.png")
-    except ImportError:
-        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
-    else:
-        print(f"wrote {out / 'bench.png'}", flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,31 +98,8 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench allreduce ...``: launch the ranks (parent) or run the benchmark (a rank)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fourfold bench allreduce [--nproc G] [--sizes ...] [--algorithms ...] [--iters N] "
-              "[--out DIR]\n\nbenchmarks:\n  allreduce  every all-reduce algorithm side by side, and the cost "
-              "model of auto\n  dp         a training step: fourfold DataParallel vs DDP vs no sync\n"
-              "  tp         a training step: fourfold tensor parallelism vs DTensor vs unsharded\n"
-              "  pp         a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining\n\n"
-              "Run `fourfold bench allreduce --help` (or dp --help, tp --help, pp --help) for its flags.")
-        return 0
-    if argv[0] == "dp":
-        from fourfold.bench_dp import main as dp_main
-
-        return dp_main(argv[1:])
-    if argv[0] == "tp":
-        from fourfold.bench_tp import main as tp_main
-
-        return tp_main(argv[1:])
-    if argv[0] == "pp":
-        from fourfold.bench_pp import main as pp_main
-
-        return pp_main(argv[1:])
-    if argv[0] != "allreduce":
-        print(f"fourfold bench: unknown benchmark {argv[0]!r}. Benchmarks: allreduce, dp, tp, pp.", file=sys.stderr)
-        return 2
     parser = _parser()
-    ns = parser.parse_args(argv[1:])
+    ns = parser.parse_args(argv)
     try:
         _check(ns)
     except ValueError as e:
@@ -199,17 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # a rank started by the launcher
         _run(ns)
         return 0
-    from fourfold.config import LaunchConfig, without_section_flags
-    from fourfold.elastic import launch_workers
-
-    command = ns.command or shlex.join(["fourfold", "bench", *argv])
-    rest = without_section_flags(argv[1:], "launch")
-    if "--command" in rest:  # ours replaces the user's (the "--command=..." form is dropped below)
-        del rest[rest.index("--command"):rest.index("--command") + 2]
-    rest = [a for a in rest if not a.startswith("--command=")]
-    print(f"fourfold bench: starting {ns.nproc} ranks ...", flush=True)
-    return launch_workers("fourfold.bench", ["allreduce", *rest, f"--command={command}"],
-                          LaunchConfig(nproc=ns.nproc))
+    return launch_ranks("allreduce", argv, ns.nproc, ns.command)
 
 
 def _run(ns: argparse.Namespace) -> None:
@@ -254,7 +152,7 @@ def _run(ns: argparse.Namespace) -> None:
         alpha, beta = fit_line([n for n, _ in pingpong], [s for _, s in pingpong])
         gamma = fit_line([n for n, _ in reduce_times], [s for _, s in reduce_times])[1]
         info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "machine": _machine(g), "pingpong": pingpong, "reduce": reduce_times,
+                "machine": machine(g), "pingpong": pingpong, "reduce": reduce_times,
                 "fit": "one-way ping-pong t = alpha + beta*n, least squares on relative error; gamma: add_ slope"}
         if alpha < 0:
             say(f"warning: the fit gave alpha = {alpha * 1e6:.1f} us < 0 (noise); using 0")
@@ -309,14 +207,6 @@ def _run(ns: argparse.Namespace) -> None:
     ctx.close()
 
 
-def _machine(g: int) -> dict[str, Any]:
-    import torch
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "backend": "gloo", "world_size": g, "transport": "tcp over loopback"}
-
-
 def _theory(name: str, numel: int, g: int) -> list[int] | None:
     from fourfold.comm import hierarchical, master, naive, ring, tree
 
@@ -351,12 +241,12 @@ def _table(rows: list[dict], header: bool) -> str:
         name = f"auto->{r['runs']}" if r["algorithm"] == "auto" else r["algorithm"]
         counted, theory = r["sent_bytes_counted"], r["sent_bytes_theory"]
         ok = "" if counted is None or theory is None or counted == theory else " !"
-        lines.append(f"{format_bytes(r['bytes']):>8} {name:<13} {_fmt_time(r['median_s']):>9} "
-                     f"{_fmt_time(r['min_s']):>9} {r['busbw_GBps']:>10.3f} "
+        lines.append(f"{format_bytes(r['bytes']):>8} {name:<13} {fmt_time(r['median_s']):>9} "
+                     f"{fmt_time(r['min_s']):>9} {r['busbw_GBps']:>10.3f} "
                      f"{'-' if r['vs_native'] is None else format(r['vs_native'], '.2f'):>8} "
                      f"{'-' if counted is None else format_bytes(max(counted)):>10} "
                      f"{'-' if theory is None else format_bytes(max(theory)):>10}{ok} "
-                     f"{'-' if r['predicted_s'] is None else _fmt_time(r['predicted_s']):>9}")
+                     f"{'-' if r['predicted_s'] is None else fmt_time(r['predicted_s']):>9}")
     return "\n".join(lines)
 
 
@@ -383,10 +273,10 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
                               "best": best["algorithm"], "best_s": best["median_s"], "ratio": ratio,
                               "pick_ratio": pick_ratio, "best_overall": overall["algorithm"],
                               "best_overall_s": overall["median_s"]})
-            print(f"  {format_bytes(nbytes):>8}: auto->{pick} {_fmt_time(here['auto']['median_s'])} = {ratio:.2f}x "
-                  f"the best candidate, {best['algorithm']} {_fmt_time(best['median_s'])}"
+            print(f"  {format_bytes(nbytes):>8}: auto->{pick} {fmt_time(here['auto']['median_s'])} = {ratio:.2f}x "
+                  f"the best candidate, {best['algorithm']} {fmt_time(best['median_s'])}"
                   + ("" if pick_ratio is None else f" ({pick}'s own row: {pick_ratio:.2f}x)")
-                  + f"; best of all {overall['algorithm']} {_fmt_time(overall['median_s'])}")
+                  + f"; best of all {overall['algorithm']} {fmt_time(overall['median_s'])}")
             verdicts.append((f"auto within 10% of the best candidate at {format_bytes(nbytes)}", ratio, 1.10))
         ring_r, native_r, tree_r = here.get("ring"), here.get("native"), here.get("tree")
         if g == 2 and ring_r and native_r:
@@ -403,7 +293,7 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
         print(f"  {'met   ' if met else 'MISSED'} {what}: {value:.2f}x" + ("" if met else f" ({value / limit - 1:+.0%})"))
     out = Path(ns.out)
     result = {"command": ns.command, "argv": sys.argv, "date": model.info.get("date"), "elapsed_s": elapsed,
-              "machine": _machine(g), "load_before": load_before, "load_after": os.getloadavg(),
+              "machine": machine(g), "load_before": load_before, "load_after": os.getloadavg(),
               "settings": {"sizes": ns.sizes, "algorithms": ns.algorithms, "iters": ns.iters, "warmup": ns.warmup,
                            "dtype": "float32", "timing": "slowest rank per call, median over iters"},
               "cost_model": model.to_dict(), "switch_points": [{"bytes": n * 4, "from": a, "to": b}

@@ -53,15 +53,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fourfold.bench import (  # bench imports torch lazily too
-    _fmt_time,
-    _machine,
+from fourfold.bench.dp import GRAD_RTOL, Workload, _workload
+from fourfold.bench.harness import (  # the harness imports torch lazily too
+    fmt_time,
     format_bytes,
     launch_ranks,
+    machine,
     start_rank,
     write_report,
 )
-from fourfold.bench_dp import GRAD_RTOL, Workload, _workload
 
 __all__ = ["TARGET_RATIO", "VARIANTS", "main", "plan_theory"]
 
@@ -89,7 +89,7 @@ def plan_theory(plan: str, n_blocks: int, *, data_input: bool = False) -> tuple[
     (g) and one backward (f). ``data_input``: the first block's input is the data, whose gradient autograd never
     asks for, so that block's f never all-reduces.
     """
-    from fourfold.parallel.tensor import collective_theory, collectives_per_step
+    from fourfold.models.gpt_plan import collective_theory, collectives_per_step
 
     if plan == "none":
         return [{} for _ in range(n_blocks)], {}
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 def _check(ns: argparse.Namespace) -> argparse.Namespace:
     """Turn the flags into values (``ns.models``, ``ns.variants``: names) or raise ValueError."""
     from fourfold.models import GPTConfig
-    from fourfold.parallel.tensor import check_tinygpt_tp
+    from fourfold.models.gpt_plan import check_tinygpt_tp
 
     ns.models = [m.strip() for m in ns.models.split(",") if m.strip()]
     if not ns.models or any(m not in ("gpt", "mlp") for m in ns.models) or len(set(ns.models)) != len(ns.models):
@@ -228,8 +228,9 @@ def _build(name: str, w: Workload, mesh: Any, lr: float, rank: int) -> _Variant:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from fourfold.models.gpt import MLP
-    from fourfold.parallel.tensor import Layout, Style, parallelize_tinygpt, shard_layouts, tensor_parallel
-    from fourfold.trace import Tracer
+    from fourfold.models.gpt_plan import parallelize_tinygpt
+    from fourfold.observe.trace import Tracer
+    from fourfold.parallel.tensor import Layout, Style, shard_layouts, tensor_parallel
 
     framework, _, plan = name.partition("-")
     model = w.build()
@@ -268,8 +269,8 @@ def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from fourfold.models.gpt import CausalSelfAttention
+    from fourfold.models.gpt_plan import _Attention
     from fourfold.parallel.tensor import Layout, shard
-    from fourfold.parallel.tensor_gpt import _Attention
 
     class LocalHeads(nn.Module):
         """TinyGPT attention on this rank's H/p heads; DTensor shards its qkv and proj."""
@@ -501,7 +502,7 @@ def _table(result: dict[str, Any], p: int) -> str:
         frac = "-" if m["sharded_fraction"] is None else f"{m['sharded_fraction'] * p:.3f}"
         per_block = "-" if "tracer" not in c else "= theory" if c["tracer_per_block"] == c["theory_per_block"] \
             else "DIFFERS"
-        lines.append(f"{r['variant']:<13} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+        lines.append(f"{r['variant']:<13} {fmt_time(r['median_s']):>9} {fmt_time(r['min_s']):>9} "
                      f"{'-' if r['x_dtensor'] is None else format(r['x_dtensor'], '.3f'):>9} "
                      f"{'-' if r['x_dtensor_paired'] is None else format(r['x_dtensor_paired'], '.3f'):>6} "
                      f"{r['x_single']:>8.3f} {mb(m['total']):>8} {mb(m['sharded']):>7} {mb(m['replicated']):>6} "
@@ -553,7 +554,7 @@ def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], ela
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
     result = {"command": ns.command, "argv": sys.argv,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "elapsed_s": elapsed, "machine": _machine(p), "load_before": load_before, "load_after": load_after,
+              "elapsed_s": elapsed, "machine": machine(p), "load_before": load_before, "load_after": load_after,
               "settings": {"tp": p, "variants": ns.variants, "rounds": ns.rounds, "warmup": ns.warmup,
                            "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                            "timing": "slowest rank per step (forward+backward+optimizer), median over rounds"},

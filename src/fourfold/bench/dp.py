@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fourfold.bench import (  # bench imports torch lazily too
-    _fmt_time,
-    _machine,
+from fourfold.bench.harness import (  # the harness imports torch lazily too
+    fmt_time,
     format_bytes,
     launch_ranks,
+    machine,
     start_rank,
     write_report,
 )
@@ -219,8 +219,8 @@ def _replica(v: Variant, w: Workload, lr: float, rank: int, timeout_s: float) ->
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from fourfold.observe.trace import Tracer
     from fourfold.parallel.data import DataParallel
-    from fourfold.trace import Tracer
 
     inner = w.build()
     optimizer = torch.optim.SGD(inner.parameters(), lr=lr)
@@ -254,7 +254,7 @@ def _span_figures(spans: list[Any]) -> list[float]:
     comm is the time at least one bucket was in flight (the union of the comm spans: native buckets queue in
     the backend together, so their spans overlap and their sum would count the queueing twice).
     """
-    from fourfold.trace import hidden_fraction
+    from fourfold.observe.trace import hidden_fraction
 
     def total(kind: str, name: str | None = None) -> float:
         return sum(s.duration_s for s in spans if s.kind == kind and (name is None or s.name == name))
@@ -390,7 +390,7 @@ def _table(result: dict[str, Any]) -> str:
         return "-" if r["bucket_mb"] is None else f"{r['bucket_mb']:g} MB"
 
     def fourfold_only(r: dict[str, Any], key: str) -> str:
-        return "-" if r["kind"] in ("none", "ddp") else _fmt_time(r[key])
+        return "-" if r["kind"] in ("none", "ddp") else fmt_time(r[key])
 
     lines = [f"\n{result['describe']}, {result['parameters'] / 1e6:.2f} M parameters",
              f"{'variant':<11} {'bucket':>7} {'#b':>3} {'median':>9} {'min':>9} {'x ddp':>6} {'x none':>6} "
@@ -399,10 +399,10 @@ def _table(result: dict[str, Any]) -> str:
         over = r["over_none_s"]
         lines.append(
             f"{r['variant']:<11} {bucket(r):>7} "
-            f"{num(r['buckets'], 'd'):>3} {_fmt_time(r['median_s']):>9} {_fmt_time(r['min_s']):>9} "
+            f"{num(r['buckets'], 'd'):>3} {fmt_time(r['median_s']):>9} {fmt_time(r['min_s']):>9} "
             f"{num(r['x_ddp'], '.3f'):>6} {num(r['x_none'], '.3f'):>6} "
-            f"{'-' if over is None else format(over * 1e3, '+.1f') + ' ms':>9} {_fmt_time(r['forward_s']):>9} "
-            f"{_fmt_time(r['backward_s']):>9} {fourfold_only(r, 'comm_s'):>9} {fourfold_only(r, 'wait_s'):>9} "
+            f"{'-' if over is None else format(over * 1e3, '+.1f') + ' ms':>9} {fmt_time(r['forward_s']):>9} "
+            f"{fmt_time(r['backward_s']):>9} {fourfold_only(r, 'comm_s'):>9} {fourfold_only(r, 'wait_s'):>9} "
             f"{num(r['hidden_fraction'], '.2f'):>6}")
     for c in result["grad_check"]:
         lines.append(f"grad check, step 1: {c['variant']} vs {c['reference']}: max |diff| {c['max_abs_diff']:.3g} "
@@ -431,7 +431,7 @@ def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], ela
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
     result = {"command": ns.command, "argv": sys.argv,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "elapsed_s": elapsed, "machine": _machine(g), "load_before": load_before, "load_after": load_after,
+              "elapsed_s": elapsed, "machine": machine(g), "load_before": load_before, "load_after": load_after,
               "settings": {"variants": [v._asdict() for v in ns.variants], "bucket_mb": ns.bucket_mb,
                            "rounds": ns.rounds, "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})",
                            "dtype": "float32", "timing": "slowest rank per step, median over rounds; other "

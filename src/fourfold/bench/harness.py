@@ -1,0 +1,103 @@
+"""What every ``fourfold bench`` shares: launching the ranks, a rank's start, sizes and times as text, the
+least-squares fit, and the report (``bench.json`` + ``bench.png``). One file per benchmark builds on it:
+``allreduce``, ``dp``, ``tp``, ``pp`` (each runs its variants through the same engine users train with).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fourfold.files import write_text_atomic
+
+__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "start_rank", "write_report"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"64KB"`` -> 65536 (KB = 1024 B, as NCCL-tests counts); a multiple of 4 bytes (float32), >= 4."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size must be a number with an optional unit B, KB, MB or GB, got {text!r}. "
+                         f"E.g. --sizes 4KB,1MB.")
+    n = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if n < 4 or n % 4:
+        raise ValueError(f"size must be a positive multiple of 4 bytes (float32 elements), got {text!r} = {n} B.")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``(a, b)`` minimising sum(((y - a - b*x) / y)^2): least squares on relative error."""
+    pts = [(x, y, 1.0 / (y * y)) for x, y in zip(xs, ys, strict=True)]
+    sw, sx, sy = sum(w for _, _, w in pts), sum(w * x for x, _, w in pts), sum(w * y for _, y, w in pts)
+    sxx, sxy = sum(w * x * x for x, _, w in pts), sum(w * x * y for x, y, w in pts)
+    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return (sy - b * sx) / sw, b
+
+
+def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
+    """The parent side of ``fourfold bench NAME``: start ``nproc`` ranks through torchrun's launcher, each
+    running ``python -m fourfold.bench.NAME`` with the same flags and the user's command (for bench.json)."""
+    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.elastic import launch_workers
+
+    command = command or shlex.join(["fourfold", "bench", bench, *argv])
+    print(f"fourfold bench {bench}: starting {nproc} ranks ...", flush=True)
+    # the last --command wins in argparse, so ours overrides one the user passed
+    return launch_workers(f"fourfold.bench.{bench}", [*without_section_flags(argv, "launch"), f"--command={command}"],
+                          LaunchConfig(nproc=nproc))
+
+
+def start_rank(tag: str, timeout_s: float) -> tuple[Any, Callable[..., None], float, tuple[float, float, float]]:
+    """A benchmark rank's start: join the group; a ``say`` that prints on rank 0 only; the clock; the load
+    average, with a warning when other work is running (figures taken then are noisy)."""
+    from fourfold import launch
+
+    ctx = launch.init("cpu", timeout_s=timeout_s)
+    say = (lambda *a: print(tag, *a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
+    started, load_before = time.monotonic(), os.getloadavg()
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
+            "be noisy; re-run when it is quiet")
+    return ctx, say, started, load_before
+
+
+def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:
+    """Rank 0's outputs: ``out/bench.json`` (atomically) and ``chart(out/bench.png)`` when matplotlib is there."""
+    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+    try:
+        chart(out / "bench.png")
+    except ImportError:
+        print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
+    else:
+        print(f"wrote {out / 'bench.png'}", flush=True)
+
+
+def machine(g: int) -> dict[str, Any]:
+    """What the figures were measured on, for bench.json."""
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "backend": "gloo", "world_size": g, "transport": "tcp over loopback"}

@@ -1,0 +1,314 @@
+"""``fourfold.parallelize``: one entry point for every layout, and the one training step every command runs.
+
+    from fourfold import Mesh, launch, parallelize
+
+    ctx = launch.init()                                        # torchrun's environment, or one process
+    ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build()  # dp = world / (tp * pp)
+    engine = parallelize(TinyGPT(cfg, seed=0), ranks, schedule="1f1b", microbatches=4, sequence_parallel=True)
+    opt = torch.optim.AdamW(engine.parameters(), lr=3e-3)
+    for x, y in batches:                      # every rank: its data-parallel shard of the global batch
+        loss = engine.step(x, y)              # forward, backward, micro-batches, gradient sync
+        opt.step(); opt.zero_grad(set_to_none=True)
+        print(loss.item())                    # the global batch's mean loss (waited for only now)
+    full = engine.state_dict()                # the unsharded model's own names and shapes (a collective)
+
+The strategies are applied in one fixed order, each only along an axis of size > 1:
+
+1. **tensor** (``tp``): the model family's plan (TinyGPT's is :mod:`fourfold.models.gpt_plan`; or
+   ``tp_plan={module: "column" | "row" | "vocab"}``) shards every big matmul over the tp group. The sharded
+   model still computes the whole forward; its loss is the vocabulary-parallel one.
+2. **pipeline** (``pp``): the (sharded) model's blocks are cut into ``pp * virtual`` stages and this rank
+   keeps its own; the schedule (GPipe, 1F1B, interleaved, ZB-H1, or ``strategy="model"``: one micro-batch)
+   runs them over the pp group. Each stage's tensor-parallel collectives run inside its F/B/W.
+3. **data** (``dp``): this rank's parameters (its stages', its shards) are bucketed by
+   :class:`~fourfold.parallel.data.DataParallel` over the dp group; under a pipeline a bucket's all-reduce
+   starts when the last micro-batch's backward (or W) fills it, overlapping the rest of the schedule.
+
+The engine owns the end of backward: after the last backward it waits for the buckets, then (pipelines) sums
+tied copies across stages, then (sequence parallelism) sums partial gradients over tp. The loss all-reduce
+over dp starts then and is waited for only by :meth:`Loss.item`, after the optimiser step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fourfold.comm.wait import bounded_wait
+from fourfold.launch import DEFAULT_TIMEOUT_S
+from fourfold.loss import lm_loss
+from fourfold.mesh import Mesh, RankMesh
+from fourfold.observe.trace import Span, Tracer
+from fourfold.parallel.data import DataParallel
+from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
+from fourfold.parallel.pipeline.split import Balance
+from fourfold.parallel.schedule import make_schedule
+from fourfold.parallel.tensor import (
+    REPLICATED,
+    Layout,
+    shard_layouts,
+    sum_partial_grads,
+    tensor_parallel,
+    unshard,
+)
+
+__all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "parallelize"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+TensorPlan = Callable[..., nn.Module] | Mapping[str, str]
+"""A model family's tensor-parallel plan: ``fn(model, group, *, sequence_parallel, tracer) -> sharded model``,
+or ``{module name: "column" | "row" | "vocab"}`` for :func:`~fourfold.parallel.tensor.tensor_parallel`."""
+
+
+@dataclass
+class Loss:
+    """The step's loss: the mean over the global batch once :meth:`item` has waited for the dp all-reduce."""
+
+    value: torch.Tensor  # float64, (1,): this dp rank's mean (then the sum over dp ranks)
+    dp: int
+    work: Any = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    group_ranks: tuple[int, ...] = ()
+    pipeline: StepResult | None = None  # the pipeline's figures for this step (bubble, memory), if any
+
+    def item(self) -> float:
+        if self.work is not None:
+            bounded_wait(self.work, self.timeout_s, rank=dist.get_rank(), op="loss all-reduce",
+                         awaited="the data-parallel group of", group_ranks=self.group_ranks)
+            self.work = None
+        return self.value.item() / self.dp
+
+    def __float__(self) -> float:
+        return self.item()
+
+
+class Engine:
+    """One rank's share of a model under a layout; built by :func:`parallelize`. The loop drives :meth:`step`."""
+
+    def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
+                 loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
+                 tracer: Tracer, timeout_s: float) -> None:
+        self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
+        self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
+        self._partial_grads = partial_grads
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.ranks.mesh
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Loss:
+        """Forward and backward of this rank's shard of the global batch; gradients synchronised in ``p.grad``.
+
+        The loop branches here once: a pipeline runs its schedule's F/B/W over micro-batches; otherwise one
+        forward and one backward. Gradients accumulate: zero them after the optimiser step.
+        """
+        if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
+            result = self.pipeline.step(inputs, targets)
+            loss = torch.tensor([result.loss], dtype=torch.float64)
+        else:
+            result = None
+            with self.tracer.span("compute", "forward"):
+                out = self.dp(inputs) if self.dp is not None else self.model(inputs)
+                loss = self.loss_fn(out, targets)
+            with self.tracer.span("compute", "backward"):
+                loss.backward()  # bucket all-reduces start inside, as gradients become ready
+            if self.dp is not None:
+                self.dp.finish()  # the engine owns the end of backward
+            loss = loss.detach().to(torch.float64).reshape(1).cpu()
+        if self._partial_grads:  # sequence parallelism: replicated parameters saw T/tp positions each
+            sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
+        return self._reduce_loss(loss, result)
+
+    def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None) -> Loss:
+        group = self.ranks.dp_group
+        if self.mesh.dp == 1 or group is None:
+            return Loss(loss, 1, pipeline=result)
+        device = self._device()
+        value = loss.to(device)
+        start = self.tracer.now_ns()
+        work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
+        self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), bytes=8)
+        return Loss(value, self.mesh.dp, work, self.timeout_s, tuple(dist.get_process_group_ranks(group)), result)
+
+    def _device(self) -> torch.device:
+        first = next(iter(self.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    # --------------------------------------------------------------------------------- the model's view
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (its stages', its shards; a tied copy included), for the optimiser."""
+        if self.pipeline is not None:
+            return self.pipeline.parameters()
+        return list(self.model.parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's own names (shards are this rank's pieces)."""
+        if self.pipeline is not None:
+            yield from self.pipeline.named_parameters()
+        else:
+            yield from self.model.named_parameters()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's part of the model's state, under the model's names (tensor-parallel pieces as held)."""
+        return self.pipeline.state_dict() if self.pipeline is not None else self.model.state_dict()
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded state dict (CPU tensors, the model's names and key order), on every rank.
+
+        A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts). It loads into the
+        model as one process builds it.
+        """
+        local = self.local_state_dict()
+        tp_group, p = self.ranks.tp_group, self.mesh.tp
+        whole: dict[str, torch.Tensor] = {}
+        for key, t in local.items():
+            layout = self.layouts.get(key, REPLICATED)
+            if p > 1 and layout.dim is not None:
+                pieces = [torch.empty_like(t) for _ in range(p)]
+                dist.all_gather(pieces, t.contiguous(), group=tp_group)
+                t = unshard(pieces, layout)
+            whole[key] = t.detach().cpu()
+        if self.pipeline is None or self.mesh.pp == 1:
+            return whole
+        everyone: list[Any] = [None] * self.mesh.pp
+        dist.all_gather_object(everyone, (min(st.index for st in self.pipeline.stages), whole),
+                               group=self.ranks.pp_group)
+        merged = {k: v for _, part in sorted(everyone, key=lambda item: item[0]) for k, v in part.items()}
+        order = {k: i for i, k in enumerate(self._model_keys or merged)}  # interleaved stages: model order
+        return {k: merged[k] for k in sorted(merged, key=lambda k: order.get(k, len(order)))}
+
+    _model_keys: list[str] | None = None
+
+    def train(self, mode: bool = True) -> Engine:
+        (self.pipeline if self.pipeline is not None else self.model).train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # ------------------------------------------------------------------------------------------ figures
+
+    def counters(self) -> dict[str, Any]:
+        """This rank's parameter memory (sharded / replicated bytes) and bytes its data-parallel algorithm and
+        pipeline links have sent so far."""
+        pb = parameter_bytes_of(self.named_parameters(), self.layouts)
+        out: dict[str, Any] = {"parameter_bytes": pb}
+        if self.dp is not None:
+            out["dp_sent_bytes"] = self.dp.stats.sent_bytes
+        return out
+
+
+def parameter_bytes_of(named: Iterator[tuple[str, nn.Parameter]], layouts: Mapping[str, Layout]) -> dict[str, int]:
+    sharded = replicated = 0
+    for name, p in named:
+        n = p.numel() * p.element_size()
+        if layouts.get(name, REPLICATED).dim is None:
+            replicated += n
+        else:
+            sharded += n
+    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
+
+
+def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
+    """Bytes this rank handed to each axis's communication in ``spans`` (one step's, say).
+
+    ``tp``: the tensor-parallel collectives' payloads; ``pp``: activations, gradients and tied-weight
+    gradients sent between stages (headers included); ``dp``: what fourfold's all-reduce algorithms put on the
+    wire (``native`` counts none: the backend sends on its own) plus the 8-byte loss all-reduce.
+    """
+    out = {"dp": 0, "tp": 0, "pp": 0}
+    for s in spans:
+        if s.kind != "comm":
+            continue
+        if s.name.startswith("tp."):
+            out["tp"] += s.bytes
+        elif s.name in ("send", "tied_grads"):
+            out["pp"] += s.bytes
+        elif s.name.startswith("allreduce:") or s.name == "loss_all_reduce":
+            out["dp"] += s.bytes
+    return out
+
+
+def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_plan: TensorPlan | None = None,
+                sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
+                strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
+                bucket_mb: float = 25.0, loss_fn: LossFn | None = None, balance: Balance = "params",
+                boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
+    """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
+
+    ``mesh``: this rank's :class:`RankMesh` (``Mesh(...).build()``), a :class:`Mesh` (built here: a
+    collective), or None for one process. Every rank calls it alike, with a model built the same way (same
+    config, same seed). ``model`` is taken apart: use the engine, not the model, afterwards.
+    """
+    ranks = _rank_mesh(mesh, timeout_s)
+    m = ranks.mesh
+    tracer = tracer if tracer is not None else Tracer(ranks.rank, enabled=False)
+    if sequence_parallel and m.tp == 1:
+        raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
+                         "sequence_parallel.")
+    model_keys = list(model.state_dict().keys())
+    # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
+    if m.tp > 1:
+        model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
+    layouts = shard_layouts(model)
+    partial_names = set(getattr(model, "partial_grad_names", ()))
+    loss_fn = getattr(model, "loss_fn", None) or loss_fn or lm_loss
+    # 2. pipeline: cut the blocks into stages; keep this rank's.
+    pipe = None
+    if m.pp > 1:
+        m_count = 1 if strategy == "model" else microbatches
+        sched = make_schedule("naive" if strategy == "model" else schedule, m.pp, m_count,
+                              virtual if schedule == "interleaved" and strategy == "pipeline" else 1)
+        pipe = build_pipeline(model, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
+                              loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
+    # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
+    dp = None
+    if m.dp > 1:
+        held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
+        dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
+                          auto_finish=False)
+        if pipe is not None:
+            pipe.grad_sync = dp
+    named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
+    partial = [p for n, p in named.items() if n in partial_names]
+    engine = Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
+                    tracer=tracer, timeout_s=timeout_s)
+    engine._model_keys = model_keys
+    return engine
+
+
+def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:
+    if mesh is None:
+        return RankMesh.single()
+    if isinstance(mesh, Mesh):
+        if mesh.world_size == 1:
+            return RankMesh.single()
+        return mesh.build(timeout_s)
+    if isinstance(mesh, RankMesh):
+        return mesh
+    raise TypeError(f"mesh must be a RankMesh, a Mesh or None, got {type(mesh).__name__}. Pass "
+                    "Mesh.for_world(world_size, tp=..., pp=...).build().")
+
+
+def _apply_tensor(model: nn.Module, group: dist.ProcessGroup | None, plan: TensorPlan | None,
+                  sequence_parallel: bool, tracer: Tracer) -> nn.Module:
+    if plan is None:
+        from fourfold.models import tensor_plan  # the model family's own plan, kept beside the model
+
+        plan = tensor_plan(model)
+    if callable(plan):
+        return plan(model, group, sequence_parallel=sequence_parallel, tracer=tracer)
+    if sequence_parallel:
+        raise ValueError("sequence_parallel needs a model-family plan that runs its non-parallel parts on "
+                         "sequence shards, got a {module: style} mapping. Drop sequence_parallel.")
+    return tensor_parallel(model, dict(plan), group, tracer=tracer)  # type: ignore[arg-type]

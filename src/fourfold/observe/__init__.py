@@ -1,0 +1,2 @@
+"""What a run did, made visible: ``trace`` (spans per rank), ``chrome_trace`` (Perfetto's format), ``visualize``
+(every picture, matplotlib imported lazily)."""

@@ -1,0 +1,261 @@
+"""Messages between pipeline stages for one rank: activations forward, gradients back, tied weights' gradients.
+
+Messages. Sends are ``isend`` (never blocking: the schedules' model); receives ``irecv`` waited for at most
+``timeout_s``, or :class:`~fourfold.comm.CommError` names this rank, the action (``1F3``), the peer and what
+was awaited. Each message has its own tag (kind, stage, micro-batch), so ranks need not post them in the same
+order. Each is preceded by a 14-integer header (magic, kind, stage, micro-batch, dtype, ndim, dims): the
+receiver allocates exactly what comes, so a wrong size is never gloo's abort on a too-small buffer, and checks
+it against what its stage expects (the traced :class:`~fourfold.parallel.split.TensorSpec`, or the output's
+shape for a gradient) before the payload: a mismatch is a :class:`PipelineError` naming stage, micro-batch,
+expected and got. The sender checks its output against the same spec first; on a mismatch it still sends the
+header, so the receiver fails at once too. A header costs one small extra message per transfer.
+
+Activation sends are known complete when the gradient for that micro-batch comes back (so they are waited for
+then); gradient sends at the end of the step (gloo reports a send complete only when waited on, so their
+buffers live until then).
+
+Receives are posted early: each step posts the header ``irecv`` of every message this rank will receive before
+its first action, and after every send and receive posts the payload ``irecv`` of each header that has come.
+With gloo a send only announces a message; its data leaves once the receiver has posted the matching receive,
+so a receive posted when its action starts costs a round trip (and thread wake-ups) per message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fourfold.comm.wait import bounded_wait
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.pipeline.split import Stage, TensorSpec, sum_tied_grads
+from fourfold.parallel.schedule import Action, Schedule
+
+__all__ = ["ACTIVATION", "GRADIENT", "Links", "PipelineError", "describe"]
+
+_MAGIC = 0x46_46_50  # "FFP"
+_MAX_DIMS = 8
+_HEADER = 6 + _MAX_DIMS
+ACTIVATION, GRADIENT = 0, 1
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+           torch.int32, torch.int64, torch.bool)
+
+
+class PipelineError(RuntimeError):
+    """A stage got (or would send) a tensor its neighbour does not expect, or failed on a micro-batch."""
+
+
+@dataclass
+class _Recv:
+    """A receive posted before its action: the header's buffer and work, then the payload's once it is posted."""
+
+    action: Action  # the action that will use it (named by its errors)
+    header: torch.Tensor
+    header_work: Any
+    payload: torch.Tensor | None = None
+    payload_work: Any = None
+
+
+Expect = Callable[[Action], "TensorSpec | None | bool"]
+
+
+class Links:
+    """This rank's messages to and from the other stages of ``schedule`` over ``group``, one step at a time.
+
+    :meth:`begin` posts the header receive of every message the step will bring; :meth:`send` / :meth:`recv`
+    move one activation or gradient; :meth:`end` waits for the last sends. ``expect(action)`` says what a
+    received tensor must look like (None: anything; False: not known yet). Per step: ``sent_bytes``,
+    ``messages``, ``wait_ns`` (time blocked on receives and sends).
+    """
+
+    def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None, *, ranks: Sequence[int],
+                 device: torch.device, timeout_s: float, tracer: Tracer) -> None:
+        self.schedule, self.group, self.ranks = schedule, group, list(ranks)
+        self.rank, self.device, self.timeout_s, self.tracer = dist.get_rank(), device, timeout_s, tracer
+        self._expect_fn: Expect = lambda a: None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sends: dict[tuple[int, int, int], tuple[list[Any], list[torch.Tensor], str, int]] = {}
+        self.mailbox: dict[tuple[int, int, int], torch.Tensor] = {}  # messages from this rank to itself
+        self.recvs: dict[tuple[int, int, int], _Recv] = {}  # posted, not yet used
+        self.sent_bytes = self.messages = self.wait_ns = 0
+
+    def begin(self, actions: Sequence[Action], expect: Expect) -> None:
+        """Start a step: forget the last one's counters, post this step's header receives."""
+        self._reset()
+        self._expect_fn = expect
+        self._post_recvs(actions)
+
+    def end(self) -> None:
+        """Wait for every send still in flight (gloo reports a send complete only when waited on)."""
+        t0 = time.perf_counter_ns()
+        for key in list(self.sends):
+            self.complete_send(key, "step end")
+        self._trace_wait(t0, time.perf_counter_ns(), None, None, "sends")
+        assert not self.recvs, f"rank {self.rank}: receives posted but never used: {sorted(self.recvs)}"
+
+    def _wait(self, work: Any, label: str, awaited: str, peer: int) -> None:
+        bounded_wait(work, self.timeout_s, rank=self.rank, op=label, awaited=awaited, peer=peer,
+                     hint="The peer is dead, stuck, or running another schedule; its own error (if any) says which.")
+
+    def _record(self, kind: Any, name: str, t0: int, t1: int, **kwargs: Any) -> None:
+        origin = self.tracer.origin_ns
+        self.tracer.record(kind, name, t0 - origin, t1 - origin, **kwargs)
+
+    def _trace_wait(self, t0: int, t1: int, microbatch: int | None, peer: int | None, what: str) -> None:
+        self.wait_ns += t1 - t0
+        if t1 > t0:
+            self._record("wait", "wait", t0, t1, microbatch=microbatch, peer=peer, what=what)
+
+    def owner(self, stage: int) -> int:
+        return self.ranks[self.schedule.owner(stage)]
+
+    def _tag(self, kind: int, stage: int, microbatch: int) -> int:
+        return 2 * ((kind * self.schedule.stages + stage) * self.schedule.microbatches + microbatch)
+
+    def send(self, a: Action, kind: int, tensor: torch.Tensor, to_stage: int, expect: TensorSpec | None) -> None:
+        what = ("activation", "gradient")[kind]
+        dst, i = self.owner(to_stage), a.microbatch
+        tensor = tensor.detach().contiguous()
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise PipelineError(f"rank {self.rank}: {a}: a stage boundary must carry a tensor of at most "
+                                f"{_MAX_DIMS} dims and dtype in {[str(d) for d in _DTYPES]}, got {describe(tensor)}.")
+        header = torch.tensor([_MAGIC, kind, a.stage, i, _DTYPES.index(tensor.dtype), tensor.dim(),
+                               *tensor.shape, *[0] * (_MAX_DIMS - tensor.dim())], dtype=torch.int64,
+                              device=tensor.device)
+        key = (kind, a.stage, i)
+        if dst == self.rank:  # both stages on this rank (pp = 1): no message
+            self.mailbox[key] = tensor
+            return
+        t0 = time.perf_counter_ns()
+        tag = self._tag(kind, a.stage, i)
+        works = [dist.isend(header, dst, group=self.group, tag=tag)]
+        if expect is not None and not expect.matches(tensor.shape, tensor.dtype):
+            self._wait(works[0], str(a), f"send the {what} header to", dst)  # so the receiver fails at once too
+            raise PipelineError(
+                f"rank {self.rank}: {a}: stage {a.stage}'s {what} for micro-batch {i} is {describe(tensor)}, but "
+                f"stage {to_stage} expects {expect}. The stage's output changed shape since the split traced it.")
+        works.append(dist.isend(tensor, dst, group=self.group, tag=tag + 1))
+        nbytes = header.nbytes + tensor.nbytes
+        self.sends[key] = (works, [header, tensor], what, dst)
+        self.sent_bytes += nbytes
+        self.messages += 2
+        self._record("comm", "send", t0, time.perf_counter_ns(), bytes=nbytes, microbatch=i, peer=dst,
+                     stage=a.stage, what=what)
+        self.prefetch()
+
+    def complete_send(self, key: tuple[int, int, int], label: str) -> None:
+        entry = self.sends.pop(key, None)
+        if entry is not None:
+            works, _, what, dst = entry
+            for work in works:
+                self._wait(work, label, f"send the {what} of {key[1]}{'FB'[key[0]]}{key[2]} to", dst)
+
+    def _post_recvs(self, actions: Sequence[Action]) -> None:
+        """Post the header receive of every message this rank receives in this step, in action order."""
+        last = self.schedule.stages - 1
+        for a in actions:
+            if a.op == "F" and a.stage > 0:
+                kind, from_stage = ACTIVATION, a.stage - 1
+            elif a.op == "B" and a.stage < last:
+                kind, from_stage = GRADIENT, a.stage + 1
+            else:
+                continue
+            src = self.owner(from_stage)
+            if src == self.rank:  # from the mailbox
+                continue
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, src, group=self.group, tag=self._tag(kind, from_stage, a.microbatch))
+            self.recvs[(kind, from_stage, a.microbatch)] = _Recv(a, header, work)
+
+    def prefetch(self) -> None:
+        """Post the payload receive of every header that has come (and can be checked now); never blocks."""
+        for key, r in self.recvs.items():
+            if r.payload_work is None and r.header_work.is_completed() and self._expect_fn(r.action) is not False:
+                self._post_payload(key, r)
+
+    def _post_payload(self, key: tuple[int, int, int], r: _Recv) -> None:
+        """Check a come header against what its action expects; post the receive of exactly what it announces."""
+        kind, from_stage, i = key
+        what, a, src = ("activation", "gradient")[kind], r.action, self.owner(from_stage)
+        self._wait(r.header_work, str(a), f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
+        h = r.header.tolist()
+        if h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] > _MAX_DIMS:
+            raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
+                                f"{from_stage}{'FB'[kind]}{i}, got {h}. Are both ranks running the same schedule?")
+        shape, dtype = tuple(h[6:6 + h[5]]), _DTYPES[h[4]]
+        expect = self._expect_fn(a)
+        assert not isinstance(expect, bool), f"{a}: the expected gradient is known once its F has run"
+        self._check(a, what, from_stage, src, expect, shape, dtype)
+        r.payload = torch.empty(shape, dtype=dtype, device=self.device)
+        r.payload_work = dist.irecv(r.payload, src, group=self.group, tag=self._tag(kind, from_stage, i) + 1)
+
+    def recv(self, a: Action, kind: int, from_stage: int, expect: TensorSpec | None) -> torch.Tensor:
+        what = ("activation", "gradient")[kind]
+        src, i = self.owner(from_stage), a.microbatch
+        key = (kind, from_stage, i)
+        if src == self.rank:
+            tensor = self.mailbox.pop(key)
+            self._check(a, what, from_stage, src, expect, tensor.shape, tensor.dtype)
+            return tensor
+        r = self.recvs.pop(key)  # posted at the step's start
+        awaited = f"receive the {what} of {from_stage}{'FB'[kind]}{i} from"
+        t0 = time.perf_counter_ns()
+        if r.payload_work is None:
+            self._post_payload(key, r)  # waits for the header
+        assert r.payload is not None
+        self._wait(r.payload_work, str(a), awaited, src)
+        t1 = time.perf_counter_ns()
+        self._trace_wait(t0, t1, i, src, what)
+        self._record("comm", "recv", t0, t1, recv_bytes=r.header.nbytes + r.payload.nbytes, microbatch=i, peer=src,
+                     stage=a.stage, what=what)
+        self.prefetch()
+        return r.payload
+
+    def _check(self, a: Action, what: str, from_stage: int, src: int, expect: TensorSpec | None,
+               shape: Sequence[int], dtype: torch.dtype) -> None:
+        if expect is not None and not expect.matches(shape, dtype):
+            got = str(TensorSpec(tuple(shape), dtype))
+            raise PipelineError(
+                f"rank {self.rank}: {a}: stage {a.stage} expects the {what} of micro-batch {a.microbatch} from stage "
+                f"{from_stage} (rank {src}) to be {expect}, got {got}. The ranks built different models, or a "
+                "stage's output changed shape: build every rank's model from the same config and seed.")
+
+    def exchange_tied(self, stages: Sequence[Stage]) -> None:
+        """Exchange tied copies' gradients with the ranks holding the other copies; sum in stage order."""
+        remote: dict[tuple[int, int], torch.Tensor | None] = {}
+        works: list[tuple[Any, int, str]] = []
+        n = self.schedule.stages
+        base = 4 * n * self.schedule.microbatches  # after every activation and gradient tag
+        t0 = time.perf_counter_ns()
+        nbytes = 0
+        for st in stages:
+            named = dict(st.named_parameters())
+            for name, (tie, holders) in st.tied.items():
+                p = named[name]
+                grad = (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
+                for peer in sorted({self.owner(j) for j in holders} - {self.rank}):
+                    works.append((dist.isend(grad, peer, group=self.group, tag=base + tie * n + st.index),
+                                  peer, f"send the gradient of tied weight {tie} (stage {st.index}) to"))
+                    nbytes += grad.nbytes
+                for j in holders:
+                    if self.owner(j) != self.rank and (tie, j) not in remote:
+                        remote[(tie, j)] = buf = torch.empty_like(p)
+                        works.append((dist.irecv(buf, self.owner(j), group=self.group, tag=base + tie * n + j),
+                                      self.owner(j), f"receive the gradient of tied weight {tie} (stage {j}) from"))
+        for work, peer, awaited in works:
+            self._wait(work, "tied gradients", awaited, peer)
+        if works:
+            self.sent_bytes += nbytes
+            self.messages += sum(1 for _, _, awaited in works if awaited.startswith("send"))
+            self._record("comm", "tied_grads", t0, time.perf_counter_ns(), bytes=nbytes)
+        sum_tied_grads(stages, remote)
+
+
+def describe(t: torch.Tensor) -> str:
+    return str(TensorSpec(tuple(t.shape), t.dtype))

@@ -1,0 +1,202 @@
+"""Shard a whole model by a plan, and see it whole again: ``{module name: style}`` -> tensor-parallel layers in
+place; the :class:`~fourfold.parallel.tensor.layers.Layout` of every state-dict entry; the full state dict
+gathered from (or loaded into) the shards; parameter memory per rank; the partial gradients sequence
+parallelism leaves on replicated parameters.
+
+    tensor_parallel(model, {"fc1": "column", "fc2": "row"}, group)     # in place; returns model
+    full = gather_state_dict(model, group)                             # loads into the unsharded model
+
+Model families keep their own plans beside the model (TinyGPT's: :mod:`fourfold.models.gpt_plan`); this module
+knows no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.tensor.comm import Group, all_reduce
+from fourfold.parallel.tensor.layers import (
+    REPLICATED,
+    SHARDED,
+    ColumnParallelLinear,
+    Layout,
+    RowParallelLinear,
+    Sharded,
+    Style,
+    VocabParallelEmbedding,
+    shard,
+    unshard,
+)
+
+__all__ = [
+    "ParameterBytes",
+    "gather_state_dict",
+    "load_full_state_dict",
+    "parameter_bytes",
+    "shard_layouts",
+    "sum_partial_grads",
+    "sync_replicated_grads",
+    "tensor_parallel",
+]
+
+
+def tensor_parallel(model: nn.Module, plan: Mapping[str, Style], group: Group, *,
+                    tracer: Tracer | None = None, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place: each module named in ``plan`` is replaced by its tensor-parallel version.
+
+    ``"column"``: nn.Linear -> :class:`ColumnParallelLinear` (output left split: feed it, through elementwise
+    work only, to a ``"row"`` layer, or to :func:`vocab_parallel_cross_entropy`); ``"row"``: nn.Linear ->
+    :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding ->
+    :class:`VocabParallelEmbedding`. A weight two modules share (a tied embedding and head, ``"vocab"`` and
+    ``"column"``: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is for models that
+    run their non-parallel parts on sequence shards themselves (as :func:`parallelize_tinygpt` does).
+    Returns ``model``.
+    """
+    # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
+    sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
+    for name, style in plan.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+            raise ValueError(f"plan names a module the model does not have, got {name!r}. Linear and Embedding "
+                             f"modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}") from None
+        kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
+        if style in ("column", "row") and type(module) is nn.Linear:
+            cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+            new: Sharded = cls.from_linear(module, group, **kw)
+        elif style == "vocab" and type(module) is nn.Embedding:
+            new = VocabParallelEmbedding.from_embedding(module, group, **kw)
+        elif style in ("column", "row", "vocab"):
+            want = "nn.Embedding" if style == "vocab" else "nn.Linear"
+            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
+                            f"Use 'column'/'row' for nn.Linear and 'vocab' for nn.Embedding")
+        else:
+            raise ValueError(f"plan styles must be 'column', 'row' or 'vocab', got {style!r} for {name!r}")
+        full, layout = module.weight, new.layouts()["weight"]
+        assert isinstance(full, torch.Tensor)
+        if id(full) in sharded:  # tied: reuse the first shard, if it was cut the same way
+            other, other_layout, weight, _ = sharded[id(full)]
+            if other_layout != layout:
+                raise ValueError(f"{other!r} and {name!r} share one weight, so the plan must split it the same "
+                                 f"way in both, got {other_layout} and {layout}. Shard a tied head as 'column'")
+            new.weight = weight
+        else:
+            sharded[id(full)] = (name, layout, new.weight, full)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in sharded:
+            raise ValueError(f"{name!r} is tied to {sharded[id(param)][0]!r}, which the plan shards, so it "
+                             f"would keep the full weight and train apart. Add {name.rpartition('.')[0]!r} to "
+                             "the plan")
+    return model
+
+
+def shard_layouts(model: nn.Module) -> dict[str, Layout]:
+    """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
+    out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
+    for prefix, module in model.named_modules():
+        if isinstance(module, SHARDED):
+            for name, layout in module.layouts().items():
+                key = f"{prefix}.{name}" if prefix else name
+                if key in out:
+                    out[key] = layout
+    return out
+
+
+@torch.no_grad()
+def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict on every rank: what one process's model would hold. A collective.
+
+    Keys are ``model.state_dict()``'s, so a TinyGPT sharded by :func:`parallelize_tinygpt` gives a dict
+    ``TinyGPT(config).load_state_dict`` accepts. Apply the same :func:`unshard` to optimiser state by name.
+    """
+    p = dist.get_world_size(group)
+    layouts = shard_layouts(model)
+    done: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            pieces = [t.detach()]
+            if layouts[key].dim is not None and p > 1:
+                pieces = [torch.empty_like(t.detach()) for _ in range(p)]
+                dist.all_gather(pieces, t.detach().contiguous(), group=group)
+            done[id(t)] = unshard(pieces, layouts[key])
+        out[key] = done[id(t)]
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], group: Group) -> None:
+    """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    layouts = shard_layouts(model)
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key not in state:
+            raise ValueError(f"state must hold every key of the model's state dict, got no {key!r}. Save it "
+                             "with gather_state_dict")
+        piece = shard(state[key], layouts[key], rank, p)
+        if piece.shape != t.shape:
+            raise ValueError(f"state[{key!r}] must be the full tensor of this model's piece, got shape "
+                             f"{tuple(state[key].shape)}, which gives {tuple(piece.shape)} on rank {rank} for "
+                             f"{tuple(t.shape)}. Build the model from the checkpoint's config")
+        t.copy_(piece)
+
+
+class ParameterBytes(NamedTuple):
+    """Bytes of this rank's parameters: ``sharded`` (a 1/p piece of a full tensor) and ``replicated``."""
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def parameter_bytes(model: nn.Module) -> ParameterBytes:
+    """This rank's parameter memory, a tied weight once; every parameter of a plain model is replicated."""
+    layouts = shard_layouts(model)
+    sharded = replicated = 0
+    for name, param in model.named_parameters():
+        if layouts.get(name, REPLICATED).dim is None:
+            replicated += param.numel() * param.element_size()
+        else:
+            sharded += param.numel() * param.element_size()
+    return ParameterBytes(sharded, replicated)
+
+
+def sum_partial_grads(params: Iterable[nn.Parameter], group: Group, *, tracer: Tracer | None = None) -> None:
+    """Sum over ``group`` the gradients of ``params`` (replicated parameters that saw only this rank's sequence
+    shard under sequence parallelism): one all-reduce per dtype. Once per step, after the last backward (with
+    gradient accumulation the sum of sums is the sum)."""
+    if dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is None:
+            raise RuntimeError(f"a parameter of shape {tuple(param.shape)} got no gradient on rank "
+                               f"{dist.get_rank()}: sum partial gradients after backward")
+        by_dtype.setdefault(param.grad.dtype, []).append(param)
+    for group_params in by_dtype.values():
+        flat = torch.cat([q.grad.reshape(-1) for q in group_params])  # type: ignore[union-attr]
+        flat = all_reduce(flat, group, tracer=tracer, phase="grad_sync", site="grad_sync")
+        offset = 0
+        for q in group_params:
+            q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))  # type: ignore[union-attr]
+            offset += q.numel()
+
+
+def sync_replicated_grads(model: nn.Module, group: Group, *, tracer: Tracer | None = None) -> None:
+    """:func:`sum_partial_grads` of the parameters ``model.partial_grad_names`` lists (sequence parallelism
+    only; a no-op for a model without the attribute or with an empty list)."""
+    names = set(getattr(model, "partial_grad_names", ()))
+    if names:
+        sum_partial_grads([p for n, p in model.named_parameters() if n in names], group, tracer=tracer)
