@@ -134,7 +134,7 @@ class Engine:
         value = loss.to(device)
         start = self.tracer.now_ns()
         work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
-        self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), bytes=8)
+        self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), tensor_bytes=8)  # not counted
         return Loss(value, self.mesh.dp, work, self.timeout_s, tuple(dist.get_process_group_ranks(group)), result)
 
     def _device(self) -> torch.device:
@@ -223,7 +223,7 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
 
     ``tp``: the tensor-parallel collectives' payloads; ``pp``: activations, gradients and tied-weight
     gradients sent between stages (headers included); ``dp``: what fourfold's all-reduce algorithms put on the
-    wire (``native`` counts none: the backend sends on its own) plus the 8-byte loss all-reduce.
+    wire (``native`` counts none: the backend sends on its own).
     """
     out = {"dp": 0, "tp": 0, "pp": 0}
     for s in spans:
@@ -233,7 +233,7 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
             out["tp"] += s.bytes
         elif s.name in ("send", "tied_grads"):
             out["pp"] += s.bytes
-        elif s.name.startswith("allreduce:") or s.name == "loss_all_reduce":
+        elif s.name.startswith("allreduce:"):
             out["dp"] += s.bytes
     return out
 
