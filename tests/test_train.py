@@ -217,3 +217,50 @@ def test_tensor_pipeline_and_data_parallel_layouts_match_one_process(tmp_path, l
     assert max((state[k] - reference[k]).abs().max().item() for k in reference) < 1e-10
     saved = load_checkpoint(tmp_path / "many" / "model.pt")["model"]
     assert max((saved[k] - reference[k]).abs().max().item() for k in reference) < 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_3d_run_through_torchrun_equals_one_process_draws_its_stages_and_verifies(tmp_path):
+    """dp=2 x tp=2 x pp=2 with zero-bubble on 8 ranks through the CLI: the same numbers as one process, a
+    timeline grouped by stage, bytes per axis in metrics.jsonl, and --verify's own table saying so."""
+    common = ["--steps", "3", "--dtype", "float64", *SMALL, "--device", "cpu"]
+    one = tmp_path / "one"
+    assert train_mod.main([*common, "--out", str(one)]) == 0
+    three = tmp_path / "three"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2",
+           "--schedule", "zb", "--microbatches", "2", "--allreduce", "ring", "--verify", "2", *common,
+           "--out", str(three)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "on 8 rank(s) (dp=2 tp=2 pp=2)" in output and "rank 0 sent per step: dp " in output, output
+    assert "verify: OK, every difference within tolerance" in output and "tolerance 1e-10" in output, output
+    a, b = _losses(one), _losses(three)
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-10, (a, b)
+    w1, w3 = load_checkpoint(one / "model.pt")["model"], load_checkpoint(three / "model.pt")["model"]
+    assert list(w1) == list(w3) and max((w1[k] - w3[k]).abs().max().item() for k in w1) < 1e-10
+    rows = [json.loads(line) for line in (three / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bytes_by_axis"]["dp"] > 0 and r["bytes_by_axis"]["tp"] > 0 and r["bytes_by_axis"]["pp"] > 0
+               for r in rows), rows[0]["bytes_by_axis"]
+    names = {e["args"]["name"] for e in json.loads((three / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert "rank 0: stage 0 dp 0 tp 0" in names and "rank 7: stage 1 dp 1 tp 1" in names, names
+    assert (three / "timeline.png").stat().st_size > 10_000
+
+
+def test_verify_names_the_step_and_parameter_that_differ():
+    from fourfold.verify import compare, report
+
+    want = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    got = {"a": torch.zeros(2), "b": torch.tensor([0.0, 1e-3, 0.0])}
+    rows = compare([1.0, 2.0], [want, got], [1.0, 2.0], [want, want], "float64", lr=1e-3)
+    assert [r.ok for r in rows] == [True, False] and rows[1].worst == "b" and rows[1].param_diff == pytest.approx(1e-3)
+    text = report(rows, "float64")
+    assert "MISMATCH at step(s) [2]" in text and "b   <-- beyond tolerance" in text
+    rows = compare([1.0], [got], [1.0], [want], "float32", lr=1e-3)  # within Adam's 2*lr*step in float32
+    assert rows[0].ok and "2 * lr * step" in report(rows, "float32")
+    from fourfold.config import TrainConfig
+
+    with pytest.raises(ValueError, match="verify must be between 0 and steps"):
+        TrainConfig(steps=2, verify=3)

@@ -1,7 +1,34 @@
-"""fourfold: train PyTorch models on many devices with model, tensor, data and pipeline parallelism."""
+"""fourfold: train PyTorch models on many devices with model, tensor, data and pipeline parallelism.
+
+    from fourfold import Mesh, launch, parallelize
+
+    ctx = launch.init()                                           # torchrun's environment, or one process
+    engine = parallelize(model, Mesh.for_world(ctx.world_size, tp=2, pp=2).build(), schedule="1f1b")
+    loss = engine.step(x, y)                                      # then optimizer.step(), loss.item()
+
+The names load on first use, so ``fourfold --help`` and the pure modules (schedules) start without torch.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Engine", "Mesh", "__version__", "launch", "parallelize"]
+
+_LAZY = {"Engine": "fourfold.engine", "parallelize": "fourfold.engine", "Mesh": "fourfold.mesh",
+         "launch": "fourfold.launch"}
+
+if TYPE_CHECKING:
+    from fourfold import launch
+    from fourfold.engine import Engine, parallelize
+    from fourfold.mesh import Mesh
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fourfold' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    return module if name == "launch" else getattr(module, name)

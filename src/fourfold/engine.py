@@ -176,7 +176,7 @@ class Engine:
                 pieces = [torch.empty_like(t) for _ in range(p)]
                 dist.all_gather(pieces, t.contiguous(), group=tp_group)
                 t = unshard(pieces, layout)
-            whole[key] = t.detach().cpu()
+            whole[key] = t.detach().to("cpu", copy=True)  # a snapshot: never a view of a live parameter
         if self.pipeline is None or self.mesh.pp == 1:
             return whole
         everyone: list[Any] = [None] * self.mesh.pp

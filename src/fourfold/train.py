@@ -71,10 +71,15 @@ class TrainResult:
         m = self.mesh
         tps = statistics.median(r["tokens_per_s"] for r in self.metrics)
         ms = 1e3 * statistics.median(r["step_time_s"] for r in self.metrics)
+        axes = [f"{axis} {statistics.median(r['bytes_by_axis'][axis] for r in self.metrics) / 1024:,.1f} KB"
+                for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
+        sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
+        picture = ", timeline.png" if self.out is not None and (self.out / "timeline.png").exists() else ""
         return (f"trained TinyGPT ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
-                f"{self.losses[-1]:.4f}, median {tps:,.0f} tokens/s, {ms:.1f} ms/step\n"
-                f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev), model.pt")
+                f"{self.losses[-1]:.4f}, median {tps:,.0f} tokens/s, {ms:.1f} ms/step\n{sent}"
+                f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev){picture}, "
+                "model.pt")
 
 
 def preflight(cfg: Config, world_size: int) -> Mesh:
@@ -239,13 +244,30 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
             tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
         spans = gather_spans(tracer)
         if spans is not None:
-            write_chrome_trace(out / "trace.json", spans, groups=rank_labels(engine.mesh))
+            labels = rank_labels(engine.mesh)
+            write_chrome_trace(out / "trace.json", spans, groups=labels)
+            _draw_last_step(out / "timeline.png", spans, labels, engine.mesh.pp > 1)
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
     # model.pt is the same TinyGPT checkpoint whatever the layout.
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     dist.barrier()
+
+
+def _draw_last_step(path: Path, spans: dict[int, list[Any]], labels: dict[int, str], pipeline: bool) -> None:
+    """timeline.png: the last step on every rank, one row per rank, grouped by pipeline stage."""
+    try:
+        from fourfold.observe.visualize import timeline
+    except ImportError:
+        return
+    last = max((s.step for ss in spans.values() for s in ss if s.step is not None), default=None)
+    window = {r: [s for s in ss if s.step == last] for r, ss in spans.items()}
+    try:
+        timeline(window, path, title=f"step {last} on every rank", color_by="microbatch" if pipeline else "name",
+                 labels=labels)
+    except ImportError:  # matplotlib is optional (pip install 'fourfold[viz]')
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,8 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
-    if result.rank == 0:
-        print(result.summary(), flush=True)
+    if result.rank != 0:
+        return 0
+    print(result.summary(), flush=True)
+    if cfg.train.verify:  # after the run: the process group is gone, this is one process now
+        from fourfold.verify import verify
+
+        ok, text = verify(cfg, result.losses, result.snapshots)
+        print(text, flush=True)
+        return 0 if ok else 1
     return 0
 
 

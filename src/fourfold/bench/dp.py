@@ -9,8 +9,9 @@ Variants (``--variants``; ``NAME@MB`` gives that variant its own bucket size, ot
 
 * ``none``: every rank trains on its own shard and never syncs gradients, the lower bound on a step;
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=MB)``, the reference;
-* any fourfold algorithm (``native``, ``ring``, ``tree``, ``auto``, ...):
-  :class:`fourfold.parallel.data.DataParallel` ``(model, algorithm=NAME, bucket_mb=MB)``.
+* any fourfold algorithm (``native``, ``ring``, ``tree``, ``auto``, ...): the engine users train with,
+  ``fourfold.parallelize(model, Mesh(dp=G), allreduce=NAME, bucket_mb=MB)`` stepped by ``engine.step(x, y)``
+  (its :class:`~fourfold.parallel.data.DataParallel` buckets the gradients).
 
 Method. Every variant holds its own copy of the model (one seed, so every copy starts equal) and its own SGD
 optimizer. Round k draws one global batch (each rank takes its shard) and runs one training step (forward,
@@ -20,7 +21,10 @@ are compared with DDP's (a float32 tolerance). A barrier precedes every timed st
 its slowest rank; the figure is the median over ``--rounds``. The hidden fraction of a fourfold variant comes
 from its :class:`~fourfold.trace.Tracer` spans (forward and backward as compute, each bucket's all-reduce as
 comm, the wait in ``finish`` as wait) through :func:`fourfold.trace.hidden_fraction`: the median over steps
-and ranks. Rank 0 prints the table and the project's targets and writes OUT/bench.json and OUT/bench.png.
+and ranks. The engine calls ``finish`` once backward has returned, so a fourfold variant's backward leaves its
+last wait out (DDP's holds it), and it starts the step's 8-byte loss all-reduce there, waited for (as a
+training loop logging the loss does) after the optimizer. Rank 0 prints the table and the project's targets and
+writes OUT/bench.json and OUT/bench.png.
 
 A benchmark, not a test: it prints figures and refuses nothing but bad flags and gradients that disagree.
 """
@@ -31,7 +35,6 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -46,6 +49,7 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     launch_ranks,
     machine,
     start_rank,
+    timed_rounds,
     write_report,
 )
 
@@ -55,7 +59,7 @@ DEFAULT_VARIANTS = "none,ddp,native,ring,ddp@4,native@4,ring@4"
 TARGETS = (("gpt", "native", 1.05), ("gpt", "ring", 1.20))
 """(model, fourfold variant, limit on its median step time / DDP's at the same bucket size), at G=2."""
 GRAD_RTOL = 1e-5  # float32: |ours - ddp| <= 1e-5 * max|g_ddp| per parameter (~80 ulps of the largest entry)
-_COLUMNS = ("step", "forward", "backward", "optimizer", "comm", "wait", "hidden")  # per (round, rank)
+_COLUMNS = ("forward", "backward", "optimizer", "comm", "wait", "hidden")  # per (round, rank), from the spans
 
 
 class Variant(NamedTuple):
@@ -208,44 +212,48 @@ class _Replica:
     """One variant's model copy, wrapped as the variant wraps it, with its optimizer and tracer."""
 
     variant: Variant
-    inner: Any       # the bare model (its parameters carry the averaged gradients)
-    model: Any       # what forward is called on: the model itself, DDP(model) or DataParallel(model)
+    params: list[Any]  # what the optimizer steps; after ``run`` their gradients are the averaged ones
+    run: Callable[[Any, Any], Any]  # forward and backward of this rank's shard, the gradient sync inside
     optimizer: Any
     tracer: Any
-    dp: Any = None   # the DataParallel, for fourfold variants
+    engine: Any = None  # fourfold variants: the Engine (``engine.dp`` holds the buckets)
 
 
-def _replica(v: Variant, w: Workload, lr: float, rank: int, timeout_s: float) -> _Replica:
+def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -> _Replica:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from fourfold.engine import parallelize
     from fourfold.observe.trace import Tracer
-    from fourfold.parallel.data import DataParallel
 
-    inner = w.build()
-    optimizer = torch.optim.SGD(inner.parameters(), lr=lr)
-    tracer = Tracer(rank)
-    if v.kind == "none" or v.bucket_mb is None:
-        return _Replica(v, inner, inner, optimizer, tracer)
-    if v.kind == "ddp":
-        return _Replica(v, inner, DistributedDataParallel(inner, bucket_cap_mb=v.bucket_mb), optimizer, tracer)
-    dp = DataParallel(inner, None, v.kind, v.bucket_mb, tracer=tracer, timeout_s=timeout_s)
-    return _Replica(v, inner, dp, optimizer, tracer, dp)
+    model, tracer = w.build(), Tracer(ranks.rank)
+    if v.kind not in ("none", "ddp") and v.bucket_mb is not None:  # fourfold: the step `fourfold train` runs
+        engine = parallelize(model, ranks, allreduce=v.kind, bucket_mb=v.bucket_mb, loss_fn=w.loss,
+                             tracer=tracer, timeout_s=timeout_s)
+        params = engine.parameters()
+        return _Replica(v, params, engine.step, torch.optim.SGD(params, lr=lr), tracer, engine)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=v.bucket_mb) if v.kind == "ddp" else model
+
+    def run(x: Any, y: Any) -> None:  # the baselines' own step
+        with tracer.span("compute", "forward"):
+            loss = w.loss(wrapped(x), y)
+        with tracer.span("compute", "backward"):
+            loss.backward()  # DDP reduces its buckets in here, as gradients become ready
+
+    return _Replica(v, list(model.parameters()), run, torch.optim.SGD(model.parameters(), lr=lr), tracer)
 
 
-def _step(r: _Replica, w: Workload, x: Any, y: Any, grads: dict[str, list[Any]] | None = None) -> None:
-    """One training step; ``grads`` gets a copy of the averaged gradients (the check)."""
-    with r.tracer.span("compute", "forward"):
-        loss = w.loss(r.model(x), y)
-    with r.tracer.span("compute", "backward"):
-        loss.backward()  # DDP and DataParallel reduce their buckets in here, as gradients become ready
-    if r.dp is not None:
-        r.dp.finish()  # idempotent: backward's last gradient hook has normally done it
+def _step(r: _Replica, x: Any, y: Any, it: int, grads: dict[str, list[Any]] | None = None) -> None:
+    """Round ``it``'s training step of ``r``; ``grads`` gets a copy of the averaged gradients (the check)."""
+    r.tracer.set_step(it)
+    loss = r.run(x, y)
     if grads is not None:
-        grads[r.variant.name] = [p.grad.detach().clone() for p in r.inner.parameters()]
+        grads[r.variant.name] = [p.grad.detach().clone() for p in r.params]
     with r.tracer.span("compute", "optimizer"):
         r.optimizer.step()
         r.optimizer.zero_grad(set_to_none=True)
+    if loss is not None:
+        loss.item()  # fourfold: the loss all-reduce the engine started, done beside the optimizer
 
 
 def _span_figures(spans: list[Any]) -> list[float]:
@@ -259,8 +267,8 @@ def _span_figures(spans: list[Any]) -> list[float]:
     def total(kind: str, name: str | None = None) -> float:
         return sum(s.duration_s for s in spans if s.kind == kind and (name is None or s.name == name))
 
-    in_flight, cursor = 0, -1
-    for b, e in sorted((s.start_ns, s.end_ns) for s in spans if s.kind == "comm"):
+    in_flight, cursor = 0, -1  # the gradient all-reduces only: the engine's loss all-reduce is not gradient sync
+    for b, e in sorted((s.start_ns, s.end_ns) for s in spans if s.kind == "comm" and s.name.startswith("allreduce:")):
         in_flight += max(0, e - max(b, cursor))
         cursor = max(cursor, e)
     hidden = hidden_fraction(spans)
@@ -272,13 +280,15 @@ def _run(ns: argparse.Namespace) -> None:
     """One rank: every workload, every variant interleaved; rank 0 reports."""
     import torch.distributed as dist
 
+    from fourfold.mesh import Mesh
 
     ctx, say, started, load_before = start_rank("[bench dp]", ns.timeout)
     g, main_rank = ctx.world_size, ctx.rank == 0
+    ranks = Mesh.for_world(g, dp=g).build(ns.timeout)  # every rank in one data-parallel group
     say(f"G={g}, variants {', '.join(v.name for v in ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
     for name in ns.models:
-        workloads.append(_measure(_workload(name, ns, ctx.rank, g), ns, ctx.rank, g, say))
+        workloads.append(_measure(_workload(name, ns, ctx.rank, g), ns, ranks, say))
         if main_rank:
             print(_table(workloads[-1]), flush=True)
     if main_rank:
@@ -287,29 +297,23 @@ def _run(ns: argparse.Namespace) -> None:
     ctx.close()
 
 
-def _measure(w: Workload, ns: argparse.Namespace, rank: int, g: int, say: Callable[..., None]) -> dict[str, Any]:
+def _measure(w: Workload, ns: argparse.Namespace, ranks: Any, say: Callable[..., None]) -> dict[str, Any]:
     """Build every variant's replica, run the rounds, gather the figures; the workload's result on rank 0."""
     import torch
     import torch.distributed as dist
 
-    replicas = [_replica(v, w, ns.lr, rank, ns.timeout) for v in ns.variants]
-    params = sum(p.numel() for p in replicas[0].inner.parameters())
+    replicas = [_replica(v, w, ns.lr, ranks, ns.timeout) for v in ns.variants]
+    params = sum(p.numel() for p in replicas[0].params)
     say(f"{w.describe}: {params / 1e6:.2f} M parameters, {format_bytes(params * 4)} of float32 gradients")
     dist.barrier()
     for r in replicas:
         r.tracer.start()
-    elapsed = torch.zeros(len(replicas), ns.rounds, dtype=torch.float64)  # (variants, rounds)
     grads: dict[str, list[torch.Tensor]] = {}
-    for it in range(ns.warmup + ns.rounds):
-        x, y = w.shard(it)  # the same batch for every variant this round
-        for j in [(it + m) % len(replicas) for m in range(len(replicas))]:
-            r = replicas[j]
-            r.tracer.set_step(it)
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(r, w, x, y, grads if it == 0 else None)
-            if it >= ns.warmup:
-                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
+
+    def step(r: _Replica) -> Callable[[Any, Any, int], None]:
+        return lambda x, y, it: _step(r, x, y, it, grads if it == 0 else None)
+
+    timed = timed_rounds([step(r) for r in replicas], w.shard, ns.warmup, ns.rounds)
     check = _grad_check(replicas, grads)
     steps = range(ns.warmup, ns.warmup + ns.rounds)
     mine = torch.zeros(len(replicas), ns.rounds, len(_COLUMNS), dtype=torch.float64)  # (V, rounds, columns)
@@ -317,12 +321,12 @@ def _measure(w: Workload, ns: argparse.Namespace, rank: int, g: int, say: Callab
         by_step = defaultdict(list)
         for s in r.tracer.spans:
             by_step[s.step].append(s)
-        for k, step in enumerate(steps):
-            mine[j, k] = torch.tensor([elapsed[j, k].item(), *_span_figures(by_step[step])], dtype=torch.float64)
-    everyone = [torch.empty_like(mine) for _ in range(g)]
+        for k, step_index in enumerate(steps):
+            mine[j, k] = torch.tensor(_span_figures(by_step[step_index]), dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(ranks.mesh.world_size)]
     dist.all_gather(everyone, mine)
     stacked = torch.stack(everyone)  # (G, V, rounds, columns)
-    rows = [_row(r, stacked[:, j], ns.rounds) for j, r in enumerate(replicas)]
+    rows = [_row(r, t, stacked[:, j]) for j, (r, t) in enumerate(zip(replicas, timed, strict=True))]
     _ratios(rows)
     return {"model": w.name, "describe": w.describe, "parameters": params, "grad_bytes": params * 4,
             "rows": rows, "grad_check": check}
@@ -356,17 +360,17 @@ def _grad_check(replicas: list[_Replica], grads: dict[str, list[Any]]) -> list[d
     return out
 
 
-def _row(r: _Replica, figures: Any, rounds: int) -> dict[str, Any]:
-    """A variant's figures from ``figures`` (G, rounds, columns): step = slowest rank, the rest medians."""
+def _row(r: _Replica, timed: dict[str, Any], figures: Any) -> dict[str, Any]:
+    """A variant's figures: the step time (slowest rank per round, from ``timed``) and the medians over ranks
+    and rounds of ``figures`` (G, rounds, columns)."""
     import torch
 
-    step = figures[:, :, 0].max(dim=0).values.tolist()  # (rounds,): a step takes as long as its slowest rank
-    med = {c: torch.nanmedian(figures[:, :, i].reshape(-1)).item() for i, c in enumerate(_COLUMNS) if i}
+    med = {c: torch.nanmedian(figures[:, :, i].reshape(-1)).item() for i, c in enumerate(_COLUMNS)}
     v = r.variant
     return {"variant": v.name, "kind": v.kind, "bucket_mb": v.bucket_mb,
-            "buckets": len(r.dp.buckets) if r.dp is not None else None,
-            "median_s": statistics.median(step), "min_s": min(step), "max_s": max(step), "times_s": step,
-            **{f"{c}_s": med[c] for c in _COLUMNS[1:-1]},
+            "buckets": len(r.engine.dp.buckets) if r.engine is not None else None,
+            "median_s": timed["median_s"], "min_s": timed["min_s"], "max_s": timed["max_s"],
+            "times_s": timed["times_s"], **{f"{c}_s": med[c] for c in _COLUMNS[:-1]},
             "hidden_fraction": None if math.isnan(med["hidden"]) else med["hidden"]}
 
 

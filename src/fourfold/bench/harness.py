@@ -10,14 +10,16 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fourfold.files import write_text_atomic
 
-__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "start_rank", "write_report"]
+__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "start_rank",
+           "timed_rounds", "write_report"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -80,6 +82,35 @@ def start_rank(tag: str, timeout_s: float) -> tuple[Any, Callable[..., None], fl
         say(f"warning: the machine is busy (load {load_before[0]:.1f} on {os.cpu_count()} cores): figures will "
             "be noisy; re-run when it is quiet")
     return ctx, say, started, load_before
+
+
+def timed_rounds(steps: Sequence[Callable[[Any, Any, int], object]], batch: Callable[[int], tuple[Any, Any]],
+                 warmup: int, rounds: int, after_round: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Time every variant's training step side by side; a collective (every rank calls it alike).
+
+    Round k draws ``batch(k)`` and runs ``step(x, y, k)`` of every variant once, the order rotating each round
+    (no variant always runs first, on a cold cache, or last); ``warmup`` rounds first, not timed. A barrier
+    precedes every step, so each starts with every rank ready; ``after_round(k)`` runs once each round is done.
+    Returns per variant its ``times_s`` (one per timed round: the slowest rank's, as a step takes as long as its
+    slowest rank) and their ``median_s``, ``min_s`` and ``max_s``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    elapsed = torch.zeros(len(steps), rounds, dtype=torch.float64)  # (variants, rounds): this rank's seconds
+    for it in range(warmup + rounds):
+        x, y = batch(it)  # the same batch for every variant this round
+        for j in [(it + k) % len(steps) for k in range(len(steps))]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[j](x, y, it)
+            if it >= warmup:
+                elapsed[j, it - warmup] = time.perf_counter() - t0
+        if after_round is not None:
+            after_round(it)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    return [{"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "times_s": times}
+            for times in elapsed.tolist()]
 
 
 def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:

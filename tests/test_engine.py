@@ -1,0 +1,151 @@
+"""``fourfold.parallelize``: every layout, through the one engine, equals one process on the same global batch.
+
+Spawns are the expensive part, so each runs several layouts (module-level caches):
+
+* ``three_d`` (8 ranks, dp=2 x tp=2 x pp=2): gpipe, 1f1b, interleaved (v=2) and zb, float64, 3 AdamW steps;
+  1f1b with fourfold's ring all-reduce and sequence parallelism too.
+* ``four`` (4 ranks): tp=2 x pp=2 with and without sequence parallelism; dp=2 x pp=2 with the ring all-reduce
+  (1f1b and zb); dp=2 x tp=2 + sequence parallelism.
+
+Reading a failure: labels are ``dp x tp x pp schedule``. Right losses but wrong weights only in
+``embed.wte.weight`` / ``head.lm_head.weight`` point at the tied copies (summed across stages after the dp
+buckets); wrong weights only with dp > 1 under a pipeline point at the gated buckets (a stage's gradients
+released before its last backward); only with sequence_parallel at the partial-gradient sum over tp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fourfold import Mesh, parallelize
+from fourfold.engine import bytes_by_axis
+from fourfold.models import GPTConfig, TinyGPT
+from fourfold.observe.trace import Span, Tracer
+from fourfold.testing import run_ranks
+from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
+MICRO = 2
+
+
+def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
+    """One layout for 3 steps; rank 0 returns its losses, the gathered state, and the last step's bytes."""
+    mesh = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp)
+    ranks = mesh.build(30)
+    tracer = Tracer(ctx.rank)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, microbatches=MICRO, tracer=tracer,
+                         timeout_s=30, **options)
+    opt = optimizer(engine.parameters())
+    losses = []
+    for x, y in batches(CFG):
+        first = len(tracer.spans)
+        loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = engine.state_dict()
+    groups = {axis: ranks.group(axis) is not None for axis in ("dp", "tp", "pp")}
+    return {"label": label, "losses": losses, "state": state if ctx.rank == 0 else None, "groups": groups,
+            "bytes": bytes_by_axis(tracer.spans[first:])}
+
+
+def _three_d(ctx) -> list[dict]:
+    out = [_train_layout(ctx, 2, 2, 2, f"2x2x2 {s}", schedule=s) for s in ("gpipe", "1f1b", "interleaved", "zb")]
+    out.append(_train_layout(ctx, 2, 2, 2, "2x2x2 1f1b ring sp", schedule="1f1b", allreduce="ring",
+                             sequence_parallel=True))
+    return out
+
+
+def _four(ctx) -> list[dict]:
+    return [_train_layout(ctx, 1, 2, 2, "1x2x2 1f1b", schedule="1f1b"),
+            _train_layout(ctx, 1, 2, 2, "1x2x2 1f1b sp", schedule="1f1b", sequence_parallel=True),
+            _train_layout(ctx, 2, 1, 2, "2x1x2 1f1b ring", schedule="1f1b", allreduce="ring"),
+            _train_layout(ctx, 2, 1, 2, "2x1x2 zb ring", schedule="zb", allreduce="ring"),
+            _train_layout(ctx, 2, 2, 1, "2x2x1 ring sp", allreduce="ring", sequence_parallel=True)]
+
+
+@functools.cache
+def _spawn(name: str) -> list[list[dict]]:
+    fn, world = {"three_d": (_three_d, 8), "four": (_four, 4)}[name]
+    return run_ranks(fn, world, timeout_s=240)
+
+
+@functools.cache
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference_run(CFG, batches(CFG))
+
+
+def _check(per_rank: list[list[dict]], index: int) -> None:
+    want_losses, want = _reference()
+    label = per_rank[0][index]["label"]
+    for r, layouts in enumerate(per_rank):
+        errs = [abs(a - b) for a, b in zip(layouts[index]["losses"], want_losses, strict=True)]
+        assert max(errs) <= TOL64, f"{label} rank {r}: losses {layouts[index]['losses']} vs one process {want_losses}"
+    state = per_rank[0][index]["state"]
+    assert list(state) == list(want), f"{label}: state names {list(state)} vs the model's {list(want)}"
+    name, err = max_error(state, want)
+    assert err <= TOL64, f"{label}: final weights off one process, worst {name}: {err:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(5))
+def test_dp2_tp2_pp2_every_schedule_equals_one_process(index):
+    _check(_spawn("three_d"), index)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(5))
+def test_two_axes_at_a_time_equal_one_process(index):
+    _check(_spawn("four"), index)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_axes_of_size_one_get_no_process_group_and_send_nothing():
+    per_rank = _spawn("four")
+    for layouts in per_rank:
+        for got in layouts:
+            dp, tp, pp = (int(x) for x in got["label"].split()[0].split("x"))
+            assert got["groups"] == {"dp": dp > 1, "tp": tp > 1, "pp": pp > 1}, got["label"]
+            for axis, size in (("tp", tp), ("pp", pp)):
+                assert (got["bytes"][axis] > 0) == (size > 1), (got["label"], got["bytes"])
+            assert (got["bytes"]["dp"] > 0) == (dp > 1), (got["label"], got["bytes"])  # ring counts its bytes
+
+
+def test_one_process_engine_is_plain_training():
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))  # no mesh: nothing applied
+    opt = optimizer(engine.parameters())
+    losses = []
+    for x, y in batches(CFG):
+        loss = engine.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    want_losses, want = _reference()
+    assert losses == want_losses  # bitwise: the same forward and backward
+    assert max_error(engine.state_dict(), want)[1] == 0.0
+
+
+def test_bad_layouts_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor parallelism"):
+        parallelize(TinyGPT(CFG, seed=0), Mesh(), sequence_parallel=True)
+    with pytest.raises(TypeError, match="mesh must be a RankMesh, a Mesh or None"):
+        parallelize(TinyGPT(CFG, seed=0), "dp=2")  # type: ignore[arg-type]
+    from fourfold.models import tensor_plan
+
+    with pytest.raises(ValueError, match="tp_plan="):
+        tensor_plan(torch.nn.Linear(2, 2))
+
+
+def test_bytes_by_axis_sorts_spans_by_the_axis_that_sent_them():
+    def span(name: str, nbytes: int, kind: str = "comm") -> Span:
+        return Span(0, kind, name, 0, 1, nbytes, 0, None, 1, None, {})
+
+    spans = [span("tp.all_reduce", 10), span("send", 100), span("tied_grads", 5), span("allreduce:ring", 1000),
+             span("allreduce:native", 0), span("loss_all_reduce", 0), span("F", 7, kind="compute")]
+    assert bytes_by_axis(spans) == {"dp": 1000, "tp": 10, "pp": 105}
