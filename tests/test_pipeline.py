@@ -33,11 +33,11 @@ from fourfold.parallel.pipeline.runtime import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.split import partition, plan, split_model
 from fourfold.parallel.schedule import make_schedule, peak_in_flight
 from fourfold.testing import RankError, run_ranks
+from helpers import TOL64, batches, optimizer, reference_run
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 BIG = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)  # memory and bubble, m = 8
-BATCH, MICRO, STEPS, LR, WEIGHT_DECAY = 8, 4, 3, 1e-2, 0.1
-TOL64 = 1e-10
+BATCH, MICRO, STEPS = 8, 4, 3
 # float32: micro-batching adds m per-micro-batch means instead of one mean over the batch, so gradients differ
 # from one process by a few ulps, and Adam turns a gradient at rounding level (the key bias, whose exact gradient
 # is 0) into a full-size update. As in test_data_parallel, each tensor's yardstick is how far float32 rounding
@@ -49,28 +49,16 @@ SCHEDULES_PP4 = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("zb", 1)]
 
 
 def _batches(cfg: GPTConfig = CFG, batch: int = BATCH, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
-             torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)) for _ in range(steps)]
+    return batches(cfg, batch, steps)
 
 
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+_optimizer = optimizer
 
 
 @functools.cache
 def _reference(dtype_name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch: the losses and final state every layout must reproduce."""
-    model = TinyGPT(CFG, seed=0, dtype=getattr(torch, dtype_name))
-    opt = _optimizer(model.parameters())
-    losses = []
-    for x, y in _batches():
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_run(CFG, _batches(), getattr(torch, dtype_name))
 
 
 def _train(pipe: Pipeline, steps: list) -> tuple[list[float], dict[str, torch.Tensor], object]:
