@@ -5,7 +5,7 @@ Messages. Sends are ``isend`` (never blocking: the schedules' model); receives `
 was awaited. Each message has its own tag (kind, stage, micro-batch), so ranks need not post them in the same
 order. Each is preceded by a 14-integer header (magic, kind, stage, micro-batch, dtype, ndim, dims): the
 receiver allocates exactly what comes, so a wrong size is never gloo's abort on a too-small buffer, and checks
-it against what its stage expects (the traced :class:`~fourfold.parallel.split.TensorSpec`, or the output's
+it against what its stage expects (the traced :class:`~fourfold.parallel.pipeline.split.TensorSpec`, or the output's
 shape for a gradient) before the payload: a mismatch is a :class:`PipelineError` naming stage, micro-batch,
 expected and got. The sender checks its output against the same spec first; on a mismatch it still sends the
 header, so the receiver fails at once too. A header costs one small extra message per transfer.

@@ -19,7 +19,7 @@ dL/dX = sum_i dL/dY_i A_i^T, a sum over ranks. Why g's backward is the identity:
 dL/dY_i = dL/dY, which every rank already holds. The sequence pair is the same argument with the all-reduce
 cut in its two halves: an all-reduce is a reduce-scatter followed by an all-gather.
 
-With a :class:`~fourfold.trace.Tracer`, each collective is one comm span named ``tp.all_reduce``,
+With a :class:`~fourfold.observe.trace.Tracer`, each collective is one comm span named ``tp.all_reduce``,
 ``tp.all_gather`` or ``tp.reduce_scatter``; ``bytes`` is the size of the tensor this rank hands to the
 collective (its payload, not the wire traffic: a ring all-reduce of N bytes sends 2(p-1)N/p per rank), and
 ``args`` hold ``phase`` (``forward`` | ``backward`` | ``grad_sync``), ``site`` (the layer's module name) and
