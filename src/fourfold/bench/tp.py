@@ -10,12 +10,13 @@ no tensor parallelism at all, on the same model, the same batch and the same ran
 * ``single``: every rank holds the whole model and runs the unsharded step on the whole batch (no
   communication): the reference of the check and of ``x single``. Always run.
 * ``fourfold-mlp`` / ``dtensor-mlp``: every MLP block Y = GELU(X A) B split Megatron's way, A = [A_1 ... A_p] by
-  columns and B = [B_1; ...; B_p] by rows; the rest replicated. fourfold: ``tensor_parallel(model, {fc:
-  "column", proj: "row"}, group)``; torch: ``parallelize_module(model, mesh, {fc: ColwiseParallel(), proj:
+  columns and B = [B_1; ...; B_p] by rows; the rest replicated. fourfold: ``parallelize(model, Mesh(tp=p),
+  tp_plan={fc: "column", proj: "row"})``; torch: ``parallelize_module(model, mesh, {fc: ColwiseParallel(), proj:
   RowwiseParallel()})``. The cleanest like-for-like: both run the same GEMMs and the same two all-reduces.
 * ``fourfold-full`` / ``dtensor-full`` (TinyGPT only): also attention (qkv by heads, proj by rows), the
   embedding by vocabulary rows, the tied head by vocabulary columns and the loss on vocabulary-sharded logits.
-  fourfold: :func:`~fourfold.parallel.tensor.parallelize_tinygpt`; torch: the MLP plan plus ``ColwiseParallel``
+  fourfold: ``parallelize(model, Mesh(tp=p))``, TinyGPT's own plan
+  (:func:`~fourfold.models.gpt_plan.parallelize_tinygpt`); torch: the MLP plan plus ``ColwiseParallel``
   qkv, ``RowwiseParallel`` attn.proj, ``RowwiseParallel(input_layouts=Replicate())`` on wte,
   ``ColwiseParallel(output_layouts=Shard(-1))`` lm_head re-tied to wte's shard, and ``loss_parallel()``.
   TinyGPT's qkv is fused, W = [W_q; W_k; W_v] (3C, C), and ColwiseParallel cuts dim 0 into p contiguous blocks:
@@ -23,12 +24,16 @@ no tensor parallelism at all, on the same model, the same batch and the same ran
   rows rank-major, [W_q,0; W_k,0; W_v,0; W_q,1; ...] (each rank's ``shard(W, Layout(0, parts=3))``), so
   Shard(0) hands rank i fourfold's piece: one fused GEMM per rank, as fourfold runs.
 
+Every fourfold variant steps through the engine users train with (``engine.step(x, y)``); ``single`` and the
+DTensor variants run their own forward and backward, the comparison.
+
 Method (as ``fourfold bench dp``). Every variant holds its own copy of the model (one seed) and its own SGD.
 Round k draws one batch, the same on every rank (tensor parallelism splits weights, not data), and runs one step
 (forward, backward, optimizer) of every variant, the order rotating each round; ``--warmup`` rounds first, not
 timed. In the first, each variant's loss and every gradient is checked against ``single``'s (its shard of it;
 float32 tolerance) and its collectives counted, by :class:`~torch.distributed.tensor.debug.CommDebugMode` for
-every variant and by fourfold's :class:`~fourfold.trace.Tracer` for fourfold's (per block, against
+every variant (around forward and backward; a collective run by autograd's engine counts as backward) and by
+fourfold's :class:`~fourfold.trace.Tracer` for fourfold's (per block, against
 :func:`plan_theory`); later rounds run uninstrumented. A barrier precedes every timed step; a step takes as long
 as its slowest rank; the figure is the median over ``--rounds``; ``x dtensor`` is a fourfold variant's median over
 the DTensor one's with the same plan, and ``paired`` the median over rounds of the two steps' ratio in each round
@@ -60,6 +65,7 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     launch_ranks,
     machine,
     start_rank,
+    timed_rounds,
     write_report,
 )
 
@@ -208,57 +214,59 @@ def _mlp(ns: argparse.Namespace) -> Workload:
 
 @dataclass(eq=False)
 class _Variant:
-    """One variant's model copy, sharded as it shards it, with its optimizer, loss and what the check needs."""
+    """One variant's model copy, sharded as it shards it, with its optimizer, its step and what the check needs."""
 
     name: str
     plan: str                 # none | mlp | full
-    model: Any
-    loss: Callable[[Any, Any], Any]  # (x, y) -> the scalar loss, under ``context``
+    model: Any                # this rank's (sharded) model: for fourfold, ``engine.model``
+    run: Callable[[Any, Any], Any]  # (x, y) -> the loss, after forward and backward
     optimizer: Any
     layouts: dict[str, Any]   # parameter name -> fourfold Layout of this rank's piece of single's tensor
     tracer: Any = None        # fourfold's, recording its collectives
-    context: Callable[[], Any] = contextlib.nullcontext
+    engine: Any = None        # fourfold's Engine
     probe: dict[str, Any] = field(default_factory=dict)
 
 
-def _build(name: str, w: Workload, mesh: Any, lr: float, rank: int) -> _Variant:
-    """``name``'s copy of ``w``'s model, sharded over ``mesh`` (one dimension: every rank of the world)."""
+def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, timeout_s: float) -> _Variant:
+    """``name``'s copy of ``w``'s model, sharded over every rank of the world (``ranks``: fourfold's tp mesh,
+    ``device_mesh``: DTensor's)."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from fourfold.engine import parallelize
     from fourfold.models.gpt import MLP
-    from fourfold.models.gpt_plan import parallelize_tinygpt
     from fourfold.observe.trace import Tracer
-    from fourfold.parallel.tensor import Layout, Style, shard_layouts, tensor_parallel
+    from fourfold.parallel.tensor import Layout
 
     framework, _, plan = name.partition("-")
     model = w.build()
     mlps = [n for n, m in model.named_modules() if isinstance(m, MLP)]
-    loss: Callable[[Any, Any], Any] = lambda x, y: w.loss(model(x), y)  # noqa: E731
-    tracer, layouts = None, {}
+    if framework == "fourfold":  # the engine's step; "full" is TinyGPT's own plan, its loss vocabulary-parallel
+        tracer = Tracer(ranks.rank)
+        tp_plan = None if plan == "full" else {f"{n}.{layer}": style for n in mlps
+                                                for layer, style in (("fc", "column"), ("proj", "row"))}
+        engine = parallelize(model, ranks, tp_plan=tp_plan, loss_fn=w.loss, tracer=tracer, timeout_s=timeout_s)
+        return _Variant(name, plan, engine.model, engine.step, torch.optim.SGD(engine.parameters(), lr=lr),
+                        engine.layouts, tracer, engine)
+    layouts: dict[str, Any] = {}
     context: Callable[[], Any] = contextlib.nullcontext
-    if framework == "fourfold":
-        tracer = Tracer(rank)
-        if plan == "full":
-            model = parallelize_tinygpt(model, None, tracer=tracer)
-            loss = lambda x, y: model(x, y)[1]  # noqa: E731  (the vocabulary-parallel loss)
-        else:
-            styles: dict[str, Style] = {}
-            for n in mlps:
-                styles.update({f"{n}.fc": "column", f"{n}.proj": "row"})
-            tensor_parallel(model, styles, None, tracer=tracer)
-        layouts = shard_layouts(model)
-    elif framework == "dtensor":
-        fused = _dtensor_parallel(model, plan, mlps, mesh)
+    if framework == "dtensor":
+        fused = _dtensor_parallel(model, plan, mlps, device_mesh)
         if plan == "full":
             context = loss_parallel
         for n, param in model.named_parameters():
             place = param.placements[0] if isinstance(param, DTensor) else None
             if isinstance(place, Shard):
                 layouts[n] = Layout(place.dim, 3 if n in fused else 1)
-    return _Variant(name, plan or "none", model, loss, torch.optim.SGD(model.parameters(), lr=lr), layouts,
-                    tracer, context)
+
+    def run(x: Any, y: Any) -> Any:  # single's and DTensor's own step
+        with context():
+            loss = w.loss(model(x), y)
+            loss.backward()
+        return loss
+
+    return _Variant(name, plan or "none", model, run, torch.optim.SGD(model.parameters(), lr=lr), layouts)
 
 
 def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[str]:
@@ -304,22 +312,28 @@ def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[
     return fused
 
 
-def _step(v: _Variant, x: Any, y: Any, probe: bool = False) -> None:
-    """One training step; with ``probe``, count its collectives and keep its loss and gradients in v.probe."""
+def _step(v: _Variant, x: Any, y: Any, it: int) -> None:
+    """Round ``it``'s training step; in the first, count its collectives and keep its loss and gradients in
+    v.probe."""
+    import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    count: Callable[[], Any] = CommDebugMode if probe else contextlib.nullcontext
-    with v.context(), count() as fwd:
-        loss = v.loss(x, y)
-    with v.context(), count() as bwd:
-        loss.backward()
-    if probe:
+    if it > 0:
+        v.run(x, y)
+    else:
+        with warnings.catch_warnings(), CommDebugMode() as mode:
+            warnings.simplefilter("ignore")  # CommDebugMode's full backward hooks warn that x needs no grad
+            loss = v.run(x, y)
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-        v.probe = {"loss": float(local(loss.detach())),
+        phases = mode.comm_module_counts["Global"]  # split by autograd: collectives its engine ran are backward
+        assert sum(sum(phases[ph].values()) for ph in ("forward", "backward")) == mode.get_total_counts()
+        v.probe = {"loss": float(local(loss.detach())) if isinstance(loss, torch.Tensor) else float(loss),
                    "grads": {n: local(q.grad).detach().clone() for n, q in v.model.named_parameters()},
-                   "counted": {(phase, _op_name(op)): k for phase, mode in (("forward", fwd), ("backward", bwd))
-                               for op, k in mode.get_comm_counts().items()}}
+                   "counted": {(phase, _op_name(op)): k for phase in ("forward", "backward")
+                               for op, k in phases[phase].items()}}
+        if v.tracer is not None:
+            v.tracer.enabled = False  # later steps run uninstrumented, as DTensor's do
     v.optimizer.step()
     v.optimizer.zero_grad(set_to_none=True)
 
@@ -336,6 +350,8 @@ def _traced(v: _Variant, n_blocks: int) -> tuple[list[Counts], Counts]:
     blocks: list[Counts] = [{} for _ in range(n_blocks)]
     step: Counts = {}
     for s in v.tracer.spans if v.tracer is not None else []:
+        if s.kind != "comm" or not s.name.startswith("tp."):
+            continue  # the engine's forward and backward spans
         key = (s.args["phase"], s.name.removeprefix("tp."))
         step[key] = step.get(key, 0) + 1
         index = next((int(part) for part in s.args["site"].split(".") if part.isdigit()), None)
@@ -388,11 +404,10 @@ def _memory(v: _Variant, single: _Variant) -> dict[str, Any]:
     """This rank's parameter bytes, split as sharded or replicated, and the full bytes of the sharded ones."""
     from torch.distributed.tensor import DTensor
 
-    from fourfold.parallel.tensor import parameter_bytes
-
     full = dict(single.model.named_parameters(remove_duplicate=False))  # a tied head's name too
-    if v.tracer is not None:  # fourfold
-        sharded, replicated = parameter_bytes(v.model)
+    if v.engine is not None:  # fourfold
+        held = v.engine.counters()["parameter_bytes"]
+        sharded, replicated = held["sharded"], held["replicated"]
     else:
         sharded = replicated = 0
         for name, q in v.model.named_parameters():
@@ -408,15 +423,16 @@ def _run(ns: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fourfold.mesh import Mesh
 
     ctx, say, started, load_before = start_rank("[bench tp]", ns.timeout)
     p, main_rank = ctx.world_size, ctx.rank == 0
-    mesh = init_device_mesh("cpu", (p,))
+    device_mesh, ranks = init_device_mesh("cpu", (p,)), Mesh.for_world(p, tp=p).build(ns.timeout)  # torch's, ours
     say(f"tp={p}, variants {', '.join(ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
     for name in ns.models:
         w = _workload("gpt", ns, 0, 1) if name == "gpt" else _mlp(ns)  # rank 0 of 1: the whole batch
-        workloads.append(_measure(w, ns, mesh, ctx.rank, p, say))
+        workloads.append(_measure(w, ns, device_mesh, ranks, say))
         if main_rank:
             print(_table(workloads[-1], p), flush=True)
     if main_rank:
@@ -425,42 +441,26 @@ def _run(ns: argparse.Namespace) -> None:
     ctx.close()
 
 
-def _measure(w: Workload, ns: argparse.Namespace, mesh: Any, rank: int, p: int,
+def _measure(w: Workload, ns: argparse.Namespace, device_mesh: Any, ranks: Any,
              say: Callable[..., None]) -> dict[str, Any]:
     """Build every variant, run the rounds, gather the figures; the workload's result (the same on every rank)."""
-    import torch
-    import torch.distributed as dist
-
     names = [v for v in ns.variants if w.name == "gpt" or not v.endswith("-full")]
-    variants = [_build(v, w, mesh, ns.lr, rank) for v in names]
+    variants = [_build(v, w, device_mesh, ranks, ns.lr, ns.timeout) for v in names]
     single = variants[0]
     params = sum(q.numel() for q in single.model.parameters())
     n_blocks = ns.gpt_layers if w.name == "gpt" else ns.mlp_blocks
     say(f"{w.describe}: {params / 1e6:.2f} M parameters ({format_bytes(params * 4)} float32)")
-    elapsed = torch.zeros(len(variants), ns.rounds, dtype=torch.float64)  # (variants, rounds)
-    for it in range(ns.warmup + ns.rounds):
-        x, y = w.shard(it)  # the same batch for every variant and every rank this round
-        for j in [(it + m) % len(variants) for m in range(len(variants))]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():  # CommDebugMode's full backward hooks warn that x needs no grad
-                warnings.simplefilter("ignore")
-                _step(variants[j], x, y, probe=it == 0)
-            if it >= ns.warmup:
-                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
-        for v in variants:
-            if v.tracer is not None:
-                v.tracer.enabled = False  # timed steps run uninstrumented, as DTensor's do
-    checks = _checks(variants, rank, p)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+
+    def step(v: _Variant) -> Callable[[Any, Any, int], None]:
+        return lambda x, y, it: _step(v, x, y, it)
+    timed = timed_rounds([step(v) for v in variants], w.shard, ns.warmup, ns.rounds)
+    checks = _checks(variants, ranks.rank, ranks.mesh.tp)
     rows = []
     for j, v in enumerate(variants):
         theory_blocks, theory_step = plan_theory(v.plan, n_blocks, data_input=w.name == "mlp")
         traced_blocks, traced_step = _traced(v, n_blocks)
-        times = elapsed[j].tolist()
-        rows.append({"variant": v.name, "plan": v.plan, "shards": SHARDS[v.plan],
-                     "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                     "times_s": times, "memory": _memory(v, single),
+        rows.append({"variant": v.name, "plan": v.plan, "shards": SHARDS[v.plan], **timed[j],
+                     "memory": _memory(v, single),
                      "collectives": {"counted": _pairs(v.probe["counted"]), "theory": _pairs(theory_step),
                                      "theory_per_block": [_pairs(b) for b in theory_blocks],
                                      **({"tracer": _pairs(traced_step),
