@@ -12,8 +12,10 @@ stages, so a tied head would make the two frameworks compute different things. T
 :class:`~fourfold.parallel.split.Stage` modules, built by :func:`~fourfold.parallel.split.split_model` at that
 cut. Variants (``--variants``), FRAMEWORK-SCHEDULE:
 
-* ``fourfold-gpipe`` / ``fourfold-1f1b``: :func:`~fourfold.parallel.pipeline.build_pipeline` with
-  ``make_schedule(name, pp, m)``; the loss is ``lm_loss / m`` on the last stage.
+* ``fourfold-gpipe`` / ``fourfold-1f1b``: the engine users train with, ``parallelize(model, Mesh(pp=p),
+  schedule=name, microbatches=m, boundaries=cut)`` stepped by ``engine.step(x, y)`` (inside:
+  :func:`~fourfold.parallel.pipeline.build_pipeline` with ``make_schedule(name, pp, m)``); the loss is
+  ``lm_loss / m`` on the last stage.
 * ``torch-gpipe`` / ``torch-1f1b``: ``PipelineStage(stage, rank, pp, cpu)`` driven by ``ScheduleGPipe`` /
   ``Schedule1F1B(stage, m, loss_fn=lm_loss)`` (``scale_grads``: gradients / m), ``return_outputs=False``
   (fourfold keeps no outputs either).
@@ -63,6 +65,7 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     launch_ranks,
     machine,
     start_rank,
+    timed_rounds,
     write_report,
 )
 
@@ -169,33 +172,32 @@ class _Variant:
     results: dict[int, Any] = field(default_factory=dict)  # fourfold: round -> StepResult
 
 
-def _build(name: str, ns: argparse.Namespace, boundaries: list[int], rank: int, p: int) -> _Variant:
+def _build(name: str, ns: argparse.Namespace, boundaries: list[int], ranks: Any) -> _Variant:
     """``name``'s copy of the model, cut at ``boundaries``: this rank's stage, ready to step."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from fourfold.engine import parallelize
     from fourfold.models import TinyGPT
     from fourfold.models.gpt import lm_loss
     from fourfold.observe.trace import Tracer
-    from fourfold.parallel.pipeline.runtime import build_pipeline
     from fourfold.parallel.pipeline.split import split_model
-    from fourfold.parallel.schedule import make_schedule
 
     framework, _, schedule = name.partition("-")
-    m = ns.microbatches
-    if framework == "fourfold":
+    m, rank, p = ns.microbatches, ranks.rank, ranks.mesh.pp
+    if framework == "fourfold":  # the engine's step, as `fourfold train --pp` runs it
         tracer = Tracer(rank)
-        pipe = build_pipeline(TinyGPT(ns.config, seed=0), make_schedule(schedule, p, m), boundaries=boundaries,
-                              tracer=tracer, timeout_s=ns.timeout)
-        v = _Variant(name, framework, schedule, pipe.parameters(), lambda x, y: None, None, tracer)
+        engine = parallelize(TinyGPT(ns.config, seed=0), ranks, schedule=schedule, microbatches=m,
+                             boundaries=list(boundaries), tracer=tracer, timeout_s=ns.timeout)
+        v = _Variant(name, framework, schedule, engine.parameters(), lambda x, y: None, None, tracer)
 
         def run_fourfold(x: Any, y: Any) -> float:
-            result = pipe.step(x, y)
-            v.results[tracer.step or 0] = result
-            return result.loss
+            loss = engine.step(x, y)
+            v.results[tracer.step or 0] = loss.pipeline
+            return loss.item()
 
         v.run = run_fourfold
-    else:
+    else:  # torch.distributed.pipelining's own step
         stage = split_model(TinyGPT(ns.config, seed=0), p, boundaries=boundaries)[rank]
         pipe_stage = PipelineStage(stage, rank, p, torch.device("cpu"))
         driver = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe_stage, m, loss_fn=lm_loss)
@@ -210,6 +212,18 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], rank: int, 
         v = _Variant(name, framework, schedule, list(stage.parameters()), run_torch, None)
     v.optimizer = torch.optim.SGD(v.params, lr=ns.lr)
     return v
+
+
+def _step(v: _Variant, x: Any, y: Any, it: int, probe: dict[str, tuple[float | None, list[Any]]]) -> None:
+    """Round ``it``'s training step of ``v`` (pipeline step, optimizer); the first keeps its loss and gradients
+    in ``probe``."""
+    if v.tracer is not None:
+        v.tracer.set_step(it)
+    loss = v.run(x, y)
+    if it == 0:
+        probe[v.name] = (loss, [q.grad.detach().clone() for q in v.params])
+    v.optimizer.step()
+    v.optimizer.zero_grad(set_to_none=True)
 
 
 def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
@@ -233,10 +247,10 @@ def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
 
 def _run(ns: argparse.Namespace) -> None:
     """One rank: build every variant, run the rounds interleaved, check step 1; rank 0 reports."""
-    import torch
     import torch.distributed as dist
 
     from fourfold.data import BatchLoader, load_corpus
+    from fourfold.mesh import Mesh
     from fourfold.models import TinyGPT
     from fourfold.parallel.pipeline.split import plan
 
@@ -256,38 +270,30 @@ def _run(ns: argparse.Namespace) -> None:
     say(f"one activation message ({format_bytes(mb * cfg.seq_len * cfg.d_model * 4)} + header), one way: "
         f"{fmt_time(comm_s)}; {ns.warmup} warm-up + {ns.rounds} rounds of {', '.join(ns.variants)}")
     loader = BatchLoader(load_corpus(), ns.gpt_batch, cfg.seq_len, seed=0)  # one dp rank: the same batch everywhere
-    variants = [_build(name, ns, list(starts[1:]), rank, p) for name in ns.variants]
-    elapsed = torch.zeros(len(variants), ns.rounds, dtype=torch.float64)  # (variants, rounds)
+    ranks = Mesh.for_world(p, pp=p).build(ns.timeout)  # every rank in one pipeline, one stage each
+    variants = [_build(name, ns, list(starts[1:]), ranks) for name in ns.variants]
     probe: dict[str, tuple[float | None, list[Any]]] = {}
     checks: list[dict[str, Any]] = []
+
+    def step(v: _Variant) -> Callable[[Any, Any, int], None]:
+        return lambda x, y, it: _step(v, x, y, it, probe)
+
+    def check(it: int) -> None:
+        if it > 0:
+            return
+        checks.extend(_checks(variants, probe, p))
+        for c in checks:
+            say(f"check, step 1: {c['variant']} vs {c['reference']}: loss {c['loss']:.7f} vs "
+                f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}), worst gradient "
+                f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
+
     dist.barrier()
     for v in variants:
         if v.tracer is not None:
             v.tracer.start()
-    for it in range(ns.warmup + ns.rounds):
-        x, y = loader.global_batch(it)  # the same batch for every variant and every rank this round
-        for j in [(it + k) % len(variants) for k in range(len(variants))]:
-            v = variants[j]
-            if v.tracer is not None:
-                v.tracer.set_step(it)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = v.run(x, y)
-            if it == 0:
-                probe[v.name] = (loss, [q.grad.detach().clone() for q in v.params])
-            v.optimizer.step()
-            v.optimizer.zero_grad(set_to_none=True)
-            if it >= ns.warmup:
-                elapsed[j, it - ns.warmup] = time.perf_counter() - t0
-        if it == 0:
-            checks = _checks(variants, probe, p)
-            for c in checks:
-                say(f"check, step 1: {c['variant']} vs {c['reference']}: loss {c['loss']:.7f} vs "
-                    f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}), worst gradient "
-                    f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    times = timed_rounds([step(v) for v in variants], loader.global_batch, ns.warmup, ns.rounds, check)
     timed = range(ns.warmup, ns.warmup + ns.rounds)
-    rows = [_row(v, elapsed[j].tolist(), timed, p, ns.microbatches, comm_s) for j, v in enumerate(variants)]
+    rows = [_row(v, t, timed, p, ns.microbatches, comm_s) for v, t in zip(variants, times, strict=True)]
     _ratios(rows)
     result = {"pp": p, "microbatches": ns.microbatches, "batch": ns.gpt_batch, "parameters": params,
               "stages": cut, "boundaries": list(starts[1:]), "comm_one_way_s": comm_s, "rows": rows,
@@ -332,10 +338,9 @@ def _checks(variants: list[_Variant], probe: dict[str, tuple[float | None, list[
     return out
 
 
-def _row(v: _Variant, times: list[float], timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
+def _row(v: _Variant, times: dict[str, Any], timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
     """A variant's figures: step time (slowest rank, over rounds); for fourfold the bubble and the memory."""
-    row = {"variant": v.name, "framework": v.framework, "schedule": v.schedule, "median_s": statistics.median(times),
-           "min_s": min(times), "max_s": max(times), "times_s": times}
+    row = {"variant": v.name, "framework": v.framework, "schedule": v.schedule, **times}
     if v.framework == "fourfold":
         last = v.results[timed[-1]]
         row["bubble"] = _bubble(v, timed, p, m, comm_s)
