@@ -58,4 +58,7 @@ def test_bench_dp_runs_end_to_end(tmp_path):
         assert rows["ring@0.01"]["buckets"] > rows["ring"]["buckets"] == 1  # 10 kB buckets split the model
         assert rows["ring"]["hidden_fraction"] is not None and rows["none"]["hidden_fraction"] is None
         assert all(len(r["times_s"]) == 2 and r["median_s"] > 0 for r in rows.values())
+        columns = {"forward_s", "backward_s", "optimizer_s", "comm_s", "wait_s"}  # from every variant's spans
+        assert all(columns <= set(r) and r["forward_s"] > 0 for r in rows.values())
+        assert rows["ring"]["comm_s"] > 0 and rows["ring"]["wait_s"] > 0
     assert {t["target"].split(":")[0] for t in result["targets"]} == {"G=2 gpt native", "G=2 gpt ring"}

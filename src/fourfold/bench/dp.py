@@ -19,8 +19,8 @@ backward with the gradient sync inside, optimizer) of every variant, the order r
 ``--warmup`` rounds come first and are not timed; in the first one the averaged gradients of every variant
 are compared with DDP's (a float32 tolerance). A barrier precedes every timed step; a step takes as long as
 its slowest rank; the figure is the median over ``--rounds``. The hidden fraction of a fourfold variant comes
-from its :class:`~fourfold.trace.Tracer` spans (forward and backward as compute, each bucket's all-reduce as
-comm, the wait in ``finish`` as wait) through :func:`fourfold.trace.hidden_fraction`: the median over steps
+from its :class:`~fourfold.observe.trace.Tracer` spans (forward and backward as compute, each bucket's all-reduce as
+comm, the wait in ``finish`` as wait) through :func:`fourfold.observe.trace.hidden_fraction`: the median over steps
 and ranks. The engine calls ``finish`` once backward has returned, so a fourfold variant's backward leaves its
 last wait out (DDP's holds it), and it starts the step's 8-byte loss all-reduce there, waited for (as a
 training loop logging the loss does) after the optimizer. Rank 0 prints the table and the project's targets and
@@ -40,6 +40,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -243,11 +244,11 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
     return _Replica(v, list(model.parameters()), run, torch.optim.SGD(model.parameters(), lr=lr), tracer)
 
 
-def _step(r: _Replica, x: Any, y: Any, it: int, grads: dict[str, list[Any]] | None = None) -> None:
-    """Round ``it``'s training step of ``r``; ``grads`` gets a copy of the averaged gradients (the check)."""
+def _step(r: _Replica, x: Any, y: Any, it: int, *, grads: dict[str, list[Any]]) -> None:
+    """Round ``it``'s training step of ``r``; the first copies the averaged gradients into ``grads`` (the check)."""
     r.tracer.set_step(it)
     loss = r.run(x, y)
-    if grads is not None:
+    if it == 0:
         grads[r.variant.name] = [p.grad.detach().clone() for p in r.params]
     with r.tracer.span("compute", "optimizer"):
         r.optimizer.step()
@@ -309,11 +310,7 @@ def _measure(w: Workload, ns: argparse.Namespace, ranks: Any, say: Callable[...,
     for r in replicas:
         r.tracer.start()
     grads: dict[str, list[torch.Tensor]] = {}
-
-    def step(r: _Replica) -> Callable[[Any, Any, int], None]:
-        return lambda x, y, it: _step(r, x, y, it, grads if it == 0 else None)
-
-    timed = timed_rounds([step(r) for r in replicas], w.shard, ns.warmup, ns.rounds)
+    timed = timed_rounds([partial(_step, r, grads=grads) for r in replicas], w.shard, ns.warmup, ns.rounds)
     check = _grad_check(replicas, grads)
     steps = range(ns.warmup, ns.warmup + ns.rounds)
     mine = torch.zeros(len(replicas), ns.rounds, len(_COLUMNS), dtype=torch.float64)  # (V, rounds, columns)
@@ -417,7 +414,6 @@ def _table(result: dict[str, Any]) -> str:
 def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-
     verdicts = []
     for model, variant, limit in TARGETS:
         for w in workloads:

@@ -8,8 +8,8 @@ and 1F1B, on the same model split, the same batch, the same micro-batches and th
 ``--nproc`` ranks form one pipeline (pp = nproc, one stage per rank). The model is an *untied* TinyGPT
 (``GPTConfig(tie_weights=False)``): torch's manual ``PipelineStage`` has no notion of a weight shared by two
 stages, so a tied head would make the two frameworks compute different things. The cut is fourfold's
-:func:`~fourfold.parallel.split.plan` (parameter balance); both frameworks run the very same
-:class:`~fourfold.parallel.split.Stage` modules, built by :func:`~fourfold.parallel.split.split_model` at that
+:func:`~fourfold.parallel.pipeline.split.plan` (parameter balance); both frameworks run the very same
+:class:`~fourfold.parallel.pipeline.split.Stage` modules, built by :func:`~fourfold.parallel.pipeline.split.split_model` at that
 cut. Variants (``--variants``), FRAMEWORK-SCHEDULE:
 
 * ``fourfold-gpipe`` / ``fourfold-1f1b``: the engine users train with, ``parallelize(model, Mesh(pp=p),
@@ -27,7 +27,7 @@ variant's loss and gradients (each rank: its stage's) are checked against the fi
 tolerance. A barrier precedes every timed step; a step takes as long as its slowest rank; the figure is the
 median over ``--rounds``.
 
-The bubble of a fourfold variant comes from its :class:`~fourfold.trace.Tracer` spans, per timed step: the
+The bubble of a fourfold variant comes from its :class:`~fourfold.observe.trace.Tracer` spans, per timed step: the
 step's window runs from the first span on any rank to the last compute span on any rank (one clock: the
 ranks share a machine and ``perf_counter``); rank r's bubble is 1 - (its F and B time) / window, the
 definition of :func:`~fourfold.parallel.schedule.simulate`'s. Beside it: the runtime's own
@@ -55,6 +55,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = _parse(argv)
     if "RANK" not in os.environ:  # the parent: start the ranks, each running this again
-        return _launch(argv, ns)
+        return launch_ranks("pp", argv, ns.nproc, ns.command)
     _run(ns)
     return 0
 
@@ -152,10 +153,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         return _check(parser.parse_args(argv))
     except ValueError as e:
         parser.error(str(e))  # exits
-
-
-def _launch(argv: list[str], ns: argparse.Namespace) -> int:
-    return launch_ranks("pp", argv, ns.nproc, ns.command)
 
 
 @dataclass(eq=False)
@@ -214,7 +211,7 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], ranks: Any)
     return v
 
 
-def _step(v: _Variant, x: Any, y: Any, it: int, probe: dict[str, tuple[float | None, list[Any]]]) -> None:
+def _step(v: _Variant, x: Any, y: Any, it: int, *, probe: dict[str, tuple[float | None, list[Any]]]) -> None:
     """Round ``it``'s training step of ``v`` (pipeline step, optimizer); the first keeps its loss and gradients
     in ``probe``."""
     if v.tracer is not None:
@@ -275,9 +272,6 @@ def _run(ns: argparse.Namespace) -> None:
     probe: dict[str, tuple[float | None, list[Any]]] = {}
     checks: list[dict[str, Any]] = []
 
-    def step(v: _Variant) -> Callable[[Any, Any, int], None]:
-        return lambda x, y, it: _step(v, x, y, it, probe)
-
     def check(it: int) -> None:
         if it > 0:
             return
@@ -291,7 +285,8 @@ def _run(ns: argparse.Namespace) -> None:
     for v in variants:
         if v.tracer is not None:
             v.tracer.start()
-    times = timed_rounds([step(v) for v in variants], loader.global_batch, ns.warmup, ns.rounds, check)
+    times = timed_rounds([partial(_step, v, probe=probe) for v in variants], loader.global_batch, ns.warmup,
+                         ns.rounds, check)
     timed = range(ns.warmup, ns.warmup + ns.rounds)
     rows = [_row(v, t, timed, p, ns.microbatches, comm_s) for v, t in zip(variants, times, strict=True)]
     _ratios(rows)
@@ -481,7 +476,6 @@ def _table(result: dict[str, Any]) -> str:
 def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-
     verdicts = _targets(result)
     print("\ntargets:")
     for t in verdicts:

@@ -33,7 +33,7 @@ Round k draws one batch, the same on every rank (tensor parallelism splits weigh
 timed. In the first, each variant's loss and every gradient is checked against ``single``'s (its shard of it;
 float32 tolerance) and its collectives counted, by :class:`~torch.distributed.tensor.debug.CommDebugMode` for
 every variant (around forward and backward; a collective run by autograd's engine counts as backward) and by
-fourfold's :class:`~fourfold.trace.Tracer` for fourfold's (per block, against
+fourfold's :class:`~fourfold.observe.trace.Tracer` for fourfold's (per block, against
 :func:`plan_theory`); later rounds run uninstrumented. A barrier precedes every timed step; a step takes as long
 as its slowest rank; the figure is the median over ``--rounds``; ``x dtensor`` is a fourfold variant's median over
 the DTensor one's with the same plan, and ``paired`` the median over rounds of the two steps' ratio in each round
@@ -55,6 +55,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -450,10 +451,7 @@ def _measure(w: Workload, ns: argparse.Namespace, device_mesh: Any, ranks: Any,
     params = sum(q.numel() for q in single.model.parameters())
     n_blocks = ns.gpt_layers if w.name == "gpt" else ns.mlp_blocks
     say(f"{w.describe}: {params / 1e6:.2f} M parameters ({format_bytes(params * 4)} float32)")
-
-    def step(v: _Variant) -> Callable[[Any, Any, int], None]:
-        return lambda x, y, it: _step(v, x, y, it)
-    timed = timed_rounds([step(v) for v in variants], w.shard, ns.warmup, ns.rounds)
+    timed = timed_rounds([partial(_step, v) for v in variants], w.shard, ns.warmup, ns.rounds)
     checks = _checks(variants, ranks.rank, ranks.mesh.tp)
     rows = []
     for j, v in enumerate(variants):
@@ -541,7 +539,6 @@ def _targets(workloads: list[dict[str, Any]], p: int) -> list[dict[str, Any]]:
 def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], elapsed: float,
             load_before: tuple[float, float, float]) -> None:
     """Rank 0: the targets, bench.json and bench.png."""
-
     verdicts = _targets(workloads, p)
     print("\ntargets:")
     for t in verdicts:
