@@ -35,9 +35,9 @@ from fourfold.bench.harness import (
     fit_line,
     fmt_time,
     format_bytes,
-    launch_ranks,
     machine,
     parse_size,
+    run_or_launch,
     start_rank,
     write_report,
 )
@@ -97,17 +97,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench allreduce ...``: launch the ranks (parent) or run the benchmark (a rank)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _parser()
-    ns = parser.parse_args(argv)
-    try:
-        _check(ns)
-    except ValueError as e:
-        parser.error(str(e))
-    if "RANK" in os.environ:  # a rank started by the launcher
-        _run(ns)
-        return 0
-    return launch_ranks("allreduce", argv, ns.nproc, ns.command)
+    return run_or_launch("allreduce", argv, _parser(), _check, _run)
 
 
 def _run(ns: argparse.Namespace) -> None:

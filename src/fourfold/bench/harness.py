@@ -11,6 +11,7 @@ import platform
 import re
 import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,8 +19,8 @@ from typing import Any
 
 from fourfold.files import write_text_atomic
 
-__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "start_rank",
-           "timed_rounds", "write_report"]
+__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "run_or_launch",
+           "start_rank", "timed_rounds", "write_report"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -68,6 +69,22 @@ def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = 
     # the last --command wins in argparse, so ours overrides one the user passed
     return launch_workers(f"fourfold.bench.{bench}", [*without_section_flags(argv, "launch"), f"--command={command}"],
                           LaunchConfig(nproc=nproc))
+
+
+def run_or_launch(name: str, argv: list[str] | None, parser: Any, check: Callable[[Any], Any],
+                  run: Callable[[Any], None]) -> int:
+    """Every benchmark's ``main``: parse and check the flags (a bad one exits 2 before any rank starts); in a
+    rank started by the launcher run the benchmark, in the parent start ``--nproc`` ranks."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = parser.parse_args(argv)
+    try:
+        check(ns)
+    except ValueError as e:
+        parser.error(str(e))  # exits
+    if "RANK" in os.environ:  # a rank started by the launcher
+        run(ns)
+        return 0
+    return launch_ranks(name, argv, ns.nproc, ns.command)
 
 
 def start_rank(tag: str, timeout_s: float) -> tuple[Any, Callable[..., None], float, tuple[float, float, float]]:

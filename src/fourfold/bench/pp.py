@@ -63,8 +63,8 @@ from fourfold.bench.dp import GRAD_RTOL
 from fourfold.bench.harness import (  # the harness imports torch lazily too
     fmt_time,
     format_bytes,
-    launch_ranks,
     machine,
+    run_or_launch,
     start_rank,
     timed_rounds,
     write_report,
@@ -139,20 +139,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench pp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ns = _parse(argv)
-    if "RANK" not in os.environ:  # the parent: start the ranks, each running this again
-        return launch_ranks("pp", argv, ns.nproc, ns.command)
-    _run(ns)
-    return 0
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = _parser()
-    try:
-        return _check(parser.parse_args(argv))
-    except ValueError as e:
-        parser.error(str(e))  # exits
+    return run_or_launch("pp", argv, _parser(), _check, _run)
 
 
 @dataclass(eq=False)

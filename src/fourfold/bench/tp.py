@@ -63,8 +63,8 @@ from fourfold.bench.dp import GRAD_RTOL, Workload, _workload
 from fourfold.bench.harness import (  # the harness imports torch lazily too
     fmt_time,
     format_bytes,
-    launch_ranks,
     machine,
+    run_or_launch,
     start_rank,
     timed_rounds,
     write_report,
@@ -171,17 +171,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench tp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _parser()
-    ns = parser.parse_args(argv)
-    try:
-        _check(ns)
-    except ValueError as e:
-        parser.error(str(e))
-    if "RANK" in os.environ:  # a rank started by the launcher
-        _run(ns)
-        return 0
-    return launch_ranks("tp", argv, ns.nproc, ns.command)
+    return run_or_launch("tp", argv, _parser(), _check, _run)
 
 
 def _mlp(ns: argparse.Namespace) -> Workload:
