@@ -46,15 +46,16 @@ from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
+from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import make_schedule
 from fourfold.parallel.tensor import (
-    REPLICATED,
     Layout,
+    gather_full,
+    parameter_bytes,
     shard_layouts,
     sum_partial_grads,
     tensor_parallel,
-    unshard,
 )
 
 __all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "parallelize"]
@@ -96,6 +97,8 @@ class Engine:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
+        first = next(iter(self.parameters()), None)
+        self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
     @property
     def mesh(self) -> Mesh:
@@ -130,16 +133,11 @@ class Engine:
         group = self.ranks.dp_group
         if self.mesh.dp == 1 or group is None:
             return Loss(loss, 1, pipeline=result)
-        device = self._device()
-        value = loss.to(device)
+        value = loss.to(self._device)
         start = self.tracer.now_ns()
         work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
         self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), tensor_bytes=8)  # not counted
         return Loss(value, self.mesh.dp, work, self.timeout_s, tuple(dist.get_process_group_ranks(group)), result)
-
-    def _device(self) -> torch.device:
-        first = next(iter(self.parameters()), None)
-        return first.device if first is not None else torch.device("cpu")
 
     # --------------------------------------------------------------------------------- the model's view
 
@@ -164,29 +162,18 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole, unsharded state dict (CPU tensors, the model's names and key order), on every rank.
 
-        A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts). It loads into the
-        model as one process builds it.
+        A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts, in stage order). It
+        loads into the model as one process builds it, and is a snapshot: never a view of a live parameter.
         """
-        local = self.local_state_dict()
-        tp_group, p = self.ranks.tp_group, self.mesh.tp
-        whole: dict[str, torch.Tensor] = {}
-        for key, t in local.items():
-            layout = self.layouts.get(key, REPLICATED)
-            if p > 1 and layout.dim is not None:
-                pieces = [torch.empty_like(t) for _ in range(p)]
-                dist.all_gather(pieces, t.contiguous(), group=tp_group)
-                t = unshard(pieces, layout)
-            whole[key] = t.detach().to("cpu", copy=True)  # a snapshot: never a view of a live parameter
-        if self.pipeline is None or self.mesh.pp == 1:
-            return whole
-        everyone: list[Any] = [None] * self.mesh.pp
-        dist.all_gather_object(everyone, (min(st.index for st in self.pipeline.stages), whole),
-                               group=self.ranks.pp_group)
-        merged = {k: v for _, part in sorted(everyone, key=lambda item: item[0]) for k, v in part.items()}
-        order = {k: i for i, k in enumerate(self._model_keys or merged)}  # interleaved stages: model order
-        return {k: merged[k] for k in sorted(merged, key=lambda k: order.get(k, len(order)))}
+        if self.pipeline is None:
+            return self._whole(self.model.state_dict())
+        return gather_stages([(st.index, self._whole(st.model_state_dict())) for st in self.pipeline.stages],
+                             self.ranks.pp_group)
 
-    _model_keys: list[str] | None = None
+    def _whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.mesh.tp > 1:  # gather_full makes new tensors
+            return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group).items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def train(self, mode: bool = True) -> Engine:
         (self.pipeline if self.pipeline is not None else self.model).train(mode)
@@ -198,24 +185,13 @@ class Engine:
     # ------------------------------------------------------------------------------------------ figures
 
     def counters(self) -> dict[str, Any]:
-        """This rank's parameter memory (sharded / replicated bytes) and bytes its data-parallel algorithm and
-        pipeline links have sent so far."""
-        pb = parameter_bytes_of(self.named_parameters(), self.layouts)
-        out: dict[str, Any] = {"parameter_bytes": pb}
+        """This rank's parameter memory (sharded / replicated / total bytes) and the bytes its data-parallel
+        algorithm has sent so far."""
+        pb = parameter_bytes(self.model, self.named_parameters())
+        out: dict[str, Any] = {"parameter_bytes": {**pb._asdict(), "total": pb.total}}
         if self.dp is not None:
             out["dp_sent_bytes"] = self.dp.stats.sent_bytes
         return out
-
-
-def parameter_bytes_of(named: Iterator[tuple[str, nn.Parameter]], layouts: Mapping[str, Layout]) -> dict[str, int]:
-    sharded = replicated = 0
-    for name, p in named:
-        n = p.numel() * p.element_size()
-        if layouts.get(name, REPLICATED).dim is None:
-            replicated += n
-        else:
-            sharded += n
-    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
 
 
 def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
@@ -256,7 +232,6 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
-    model_keys = list(model.state_dict().keys())
     # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
     if m.tp > 1:
         model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
@@ -281,10 +256,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             pipe.grad_sync = dp
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
-    engine = Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
-                    tracer=tracer, timeout_s=timeout_s)
-    engine._model_keys = model_keys
-    return engine
+    return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
+                  tracer=tracer, timeout_s=timeout_s)
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

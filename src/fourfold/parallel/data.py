@@ -128,7 +128,7 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._sync and self.size > 1:
-            self._begin()
+            self.begin()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -139,9 +139,6 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
-
-    def _begin(self) -> None:
-        self.begin()
 
     def begin(self, gated: bool = False) -> None:
         """Start collecting this step's gradients (``forward`` calls it). ``gated``: several backwards

@@ -184,13 +184,8 @@ class Pipeline:
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict (CPU tensors, the model's key order) on every rank. A collective."""
-        mine = [(st.index, {k: v.detach().cpu() for k, v in st.model_state_dict().items()}) for st in self.stages]
-        everyone: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, mine, group=self.group)
-        out: dict[str, torch.Tensor] = {}
-        for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
-            out.update(part)
-        return out
+        return gather_stages([(st.index, {k: v.detach().cpu() for k, v in st.model_state_dict().items()})
+                              for st in self.stages], self.group)
 
     def load_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Load this rank's part from a whole-model state dict (``gather_state_dict``'s, or one process's)."""
@@ -412,6 +407,18 @@ class Pipeline:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None
+                  ) -> dict[str, torch.Tensor]:
+    """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
+    (so in the model's key order, interleaved stages included), on every rank of ``group``. A collective."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, list(parts), group=group)
+    out: dict[str, torch.Tensor] = {}
+    for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
+        out.update(part)
+    return out
 
 
 def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,

@@ -20,6 +20,7 @@ from fourfold.parallel.tensor.layers import (
 from fourfold.parallel.tensor.loss import vocab_parallel_cross_entropy
 from fourfold.parallel.tensor.plan import (
     ParameterBytes,
+    gather_full,
     gather_state_dict,
     load_full_state_dict,
     parameter_bytes,
@@ -38,6 +39,7 @@ __all__ = [
     "RowParallelLinear",
     "Style",
     "VocabParallelEmbedding",
+    "gather_full",
     "gather_state_dict",
     "load_full_state_dict",
     "parameter_bytes",

@@ -36,6 +36,7 @@ from fourfold.parallel.tensor.layers import (
 
 __all__ = [
     "ParameterBytes",
+    "gather_full",
     "gather_state_dict",
     "load_full_state_dict",
     "parameter_bytes",
@@ -118,17 +119,25 @@ def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
     Keys are ``model.state_dict()``'s, so a TinyGPT sharded by :func:`parallelize_tinygpt` gives a dict
     ``TinyGPT(config).load_state_dict`` accepts. Apply the same :func:`unshard` to optimiser state by name.
     """
+    return gather_full(model.state_dict(keep_vars=True), shard_layouts(model), group)
+
+
+@torch.no_grad()
+def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], group: Group
+                ) -> dict[str, torch.Tensor]:
+    """Every entry of ``state`` (this rank's pieces, cut as ``layouts`` says; missing: replicated) made whole
+    by an all-gather over ``group``: new tensors, never views of the pieces. A collective."""
     p = dist.get_world_size(group)
-    layouts = shard_layouts(model)
     done: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
     out = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in state.items():
+        layout = layouts.get(key, REPLICATED)
         if id(t) not in done:
             pieces = [t.detach()]
-            if layouts[key].dim is not None and p > 1:
+            if layout.dim is not None and p > 1:
                 pieces = [torch.empty_like(t.detach()) for _ in range(p)]
                 dist.all_gather(pieces, t.detach().contiguous(), group=group)
-            done[id(t)] = unshard(pieces, layouts[key])
+            done[id(t)] = unshard(pieces, layout)
         out[key] = done[id(t)]
     return out
 
@@ -161,11 +170,15 @@ class ParameterBytes(NamedTuple):
         return self.sharded + self.replicated
 
 
-def parameter_bytes(model: nn.Module) -> ParameterBytes:
-    """This rank's parameter memory, a tied weight once; every parameter of a plain model is replicated."""
+def parameter_bytes(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]] | None = None) -> ParameterBytes:
+    """This rank's parameter memory, a tied weight once; every parameter of a plain model is replicated.
+
+    ``named``: the parameters this rank holds under ``model``'s names, when it holds only some (a pipeline
+    rank's stages); default: all of ``model``'s.
+    """
     layouts = shard_layouts(model)
     sharded = replicated = 0
-    for name, param in model.named_parameters():
+    for name, param in (model.named_parameters() if named is None else named):
         if layouts.get(name, REPLICATED).dim is None:
             replicated += param.numel() * param.element_size()
         else:
