@@ -48,7 +48,7 @@ from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
-from fourfold.parallel.schedule import make_schedule
+from fourfold.parallel.schedule import pipeline_schedule
 from fourfold.parallel.tensor import (
     Layout,
     gather_full,
@@ -241,9 +241,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     # 2. pipeline: cut the blocks into stages; keep this rank's.
     pipe = None
     if m.pp > 1:
-        m_count = 1 if strategy == "model" else microbatches
-        sched = make_schedule("naive" if strategy == "model" else schedule, m.pp, m_count,
-                              virtual if schedule == "interleaved" and strategy == "pipeline" else 1)
+        sched = pipeline_schedule(strategy, schedule, m.pp, microbatches, virtual)
         pipe = build_pipeline(model, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
                               loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
     # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).

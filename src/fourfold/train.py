@@ -45,8 +45,8 @@ from fourfold.models.gpt import TinyGPT
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
-from fourfold.observe.visualize import rank_labels
-from fourfold.parallel.schedule import make_schedule
+from fourfold.observe.visualize import draw_step, rank_labels
+from fourfold.parallel.schedule import pipeline_schedule
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
@@ -112,11 +112,10 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> None:
     t = cfg.train
-    m = 1 if t.strategy == "model" else t.microbatches
-    virtual = t.virtual if t.schedule == "interleaved" and t.strategy == "pipeline" else 1
-    if t.strategy == "pipeline":
-        make_schedule(t.schedule, mesh.pp, m, virtual)  # refuses combinations it cannot run, naming both numbers
-    stages, blocks = mesh.pp * virtual, cfg.model.n_layer + 2
+    # refuses combinations it cannot run, naming both numbers
+    schedule = pipeline_schedule(t.strategy, t.schedule, mesh.pp, t.microbatches, t.virtual)
+    m, virtual = schedule.microbatches, schedule.virtual
+    stages, blocks = schedule.stages, cfg.model.n_layer + 2
     if stages > blocks:
         raise ValueError(f"stages must be at most the model's blocks (embedding, {cfg.model.n_layer} layers, head),"
                          f" got pp*virtual={mesh.pp}*{virtual}={stages} > {blocks}. Use fewer --pp or more --n-layer.")
@@ -246,28 +245,15 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
         if spans is not None:
             labels = rank_labels(engine.mesh)
             write_chrome_trace(out / "trace.json", spans, groups=labels)
-            _draw_last_step(out / "timeline.png", spans, labels, engine.mesh.pp > 1)
+            last = cfg.train.steps
+            draw_step(spans, last, out / "timeline.png", f"step {last} on every rank", labels=labels,
+                      color_by="microbatch" if engine.mesh.pp > 1 else "name")  # one row per rank, by stage
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
     # model.pt is the same TinyGPT checkpoint whatever the layout.
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     dist.barrier()
-
-
-def _draw_last_step(path: Path, spans: dict[int, list[Any]], labels: dict[int, str], pipeline: bool) -> None:
-    """timeline.png: the last step on every rank, one row per rank, grouped by pipeline stage."""
-    try:
-        from fourfold.observe.visualize import timeline
-    except ImportError:
-        return
-    last = max((s.step for ss in spans.values() for s in ss if s.step is not None), default=None)
-    window = {r: [s for s in ss if s.step == last] for r, ss in spans.items()}
-    try:
-        timeline(window, path, title=f"step {last} on every rank", color_by="microbatch" if pipeline else "name",
-                 labels=labels)
-    except ImportError:  # matplotlib is optional (pip install 'fourfold[viz]')
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

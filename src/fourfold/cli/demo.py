@@ -78,18 +78,13 @@ def _summary(name: str, rows: list[dict], reference: list[dict]) -> str:
 
 
 def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
-    try:
-        from fourfold.observe.visualize import timeline
-    except ImportError:
-        return
-    spans = {r: [s for s in load_jsonl(out / f"trace-rank{r}.jsonl") if s.step == step] for r in range(ranks)}
-    path = out.parent / name
-    try:
-        timeline(spans, path, title=title, color_by=color_by)  # type: ignore[arg-type]
-    except ImportError as e:  # matplotlib missing: the picture is optional
-        print(f"(no picture: {e})")
-        return
-    print(f"  {title}: {path}")
+    from fourfold.observe.visualize import draw_step
+
+    spans = {r: load_jsonl(out / f"trace-rank{r}.jsonl") for r in range(ranks)}
+    if draw_step(spans, step, out.parent / name, title, color_by=color_by):
+        print(f"  {title}: {out.parent / name}")
+    else:
+        print("(no picture: matplotlib is not installed: pip install 'fourfold[viz]')")
 
 
 def main(argv: list[str] | None = None) -> int:

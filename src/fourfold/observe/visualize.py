@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fourfold.files import atomic_path
 from fourfold.observe.trace import KINDS, Span
 
-__all__ = ["KIND_COLORS", "timeline"]
+__all__ = ["KIND_COLORS", "draw_step", "rank_labels", "timeline"]
 
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
 # Micro-batch colours: tab10 without its orange and red (comm and wait here) and its grey (no micro-batch).
@@ -128,6 +128,18 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
                    fontsize=8)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
+
+
+def draw_step(spans_by_rank: Mapping[int, Sequence[Span]], step: int, path: str | os.PathLike[str],
+              title: str, **kwargs: Any) -> bool:
+    """:func:`timeline` of one step's spans; False, drawing nothing, when matplotlib is missing (pictures are
+    optional: ``pip install 'fourfold[viz]'``)."""
+    try:
+        timeline({r: [s for s in spans if s.step == step] for r, spans in spans_by_rank.items()}, path,
+                 title=title, **kwargs)
+    except ImportError:
+        return False
+    return True
 
 
 def _label_key(labels: Mapping[int, str] | None, rank: int) -> tuple[int, ...]:

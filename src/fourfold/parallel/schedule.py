@@ -37,7 +37,7 @@ from typing import Literal, NamedTuple, NoReturn
 
 __all__ = [
     "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "TimedAction", "Timeline", "format_grid",
-    "gpipe", "interleaved", "make_schedule", "naive", "one_f_one_b", "parse_actions", "peak_in_flight",
+    "gpipe", "interleaved", "make_schedule", "naive", "pipeline_schedule", "one_f_one_b", "parse_actions", "peak_in_flight",
     "simulate", "theory_bubble", "validate", "zero_bubble",
 ]
 
@@ -240,6 +240,14 @@ def _ready(a: Action, stages: int, done: dict[tuple[int, str, int], int], t: int
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble,
 }
+
+
+def pipeline_schedule(strategy: str, schedule: str, pp: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """The schedule a layout runs: ``strategy="model"`` is model parallelism (``naive``, one micro-batch);
+    otherwise ``schedule`` over ``microbatches``, with ``virtual`` stages per rank for ``interleaved`` only."""
+    if strategy == "model":
+        return make_schedule("naive", pp, 1)
+    return make_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved" else 1)
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:

@@ -2,10 +2,10 @@
 
 ::
 
-    from fourfold.models import GPTConfig, TinyGPT
     from fourfold.parallel.pipeline.split import split_model
 
-    stages = split_model(TinyGPT(GPTConfig(n_layer=4)), 2)              # balanced by parameter count
+    model = TinyGPT(GPTConfig(n_layer=4))                               # from fourfold.models
+    stages = split_model(model, 2)                                      # balanced by parameter count
     [s.names for s in stages]        # [('embed', 'blocks.0', 'blocks.1'), ('blocks.2', 'blocks.3', 'head')]
     split_model(model, 2, boundaries=["blocks.2"])                      # cut where the user says
     split_model(model, 2, balance="time", example=idx)                  # balanced by measured forward time
