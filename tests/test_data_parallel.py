@@ -438,7 +438,8 @@ UNUSED_CASES = {"unused everywhere": [False, False], "used on rank 1 only": [Fal
 
 
 def _accumulate(ctx) -> dict:
-    """Each step: half the local shard under no_sync, then the other half synced; losses scaled by 1/2."""
+    """Each step: half the local shard under no_sync, then the other half synced; losses scaled by 1/2.
+    Gradients are dropped before step 0 and zeroed in place before step 1."""
     model = TinyGPT(CFG, seed=0, dtype=torch.float64)
     dp = DataParallel(model, algorithm="ring", bucket_mb=BUCKET_MB, timeout_s=20)
     opt = _optimizer(model)
@@ -447,7 +448,9 @@ def _accumulate(ctx) -> dict:
     for step in range(ACCUMULATE_STEPS):
         x, y = loader.shard(step)  # (B/G, T)
         half = x.size(0) // 2
-        opt.zero_grad(set_to_none=True)
+        # Step 1 zeroes in place: the gradients are then views of the buckets (finish() left them so), and
+        # both backwards accumulate into the buckets themselves.
+        opt.zero_grad(set_to_none=step == 0)
         start = dp.stats.sent_bytes
         with dp.no_sync():
             _, loss = dp(x[:half], y[:half])

@@ -163,6 +163,7 @@ class DataParallel(nn.Module):
         bucket, offset = self._where[id(p)]
         assert p.grad is not None  # the hook runs after accumulation
         # Scale while packing (1/G), so finish() has no separate pass over the buckets on the critical path.
+        # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
         torch.mul(p.grad.reshape(-1), 1.0 / self.size, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))
         self._launch_in_order()
@@ -216,12 +217,11 @@ class DataParallel(nn.Module):
         self._finished, self._checked = True, True
 
     def _unpack(self, b: Bucket) -> None:
+        """Each ``p.grad`` becomes a view of its slice of the bucket (as DDP's ``gradient_as_bucket_view``): no
+        copy back, and the gradient autograd produced is freed. ``zero_grad()`` then zeroes the bucket in place
+        (or drops the view), and the next backward accumulates into it; the hook packs it again either way."""
         for p, offset in zip(b.params, b.offsets, strict=True):
-            chunk = b.flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
+            p.grad = b.flat[offset:offset + p.numel()].view_as(p)
 
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
