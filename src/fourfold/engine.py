@@ -97,6 +97,8 @@ class Engine:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
+        group = ranks.dp_group
+        self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
@@ -137,7 +139,7 @@ class Engine:
         start = self.tracer.now_ns()
         work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
         self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), tensor_bytes=8)  # not counted
-        return Loss(value, self.mesh.dp, work, self.timeout_s, tuple(dist.get_process_group_ranks(group)), result)
+        return Loss(value, self.mesh.dp, work, self.timeout_s, self._dp_ranks, result)
 
     # --------------------------------------------------------------------------------- the model's view
 

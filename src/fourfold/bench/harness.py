@@ -19,8 +19,8 @@ from typing import Any
 
 from fourfold.files import write_text_atomic
 
-__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "parse_size", "run_or_launch",
-           "start_rank", "timed_rounds", "write_report"]
+__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "paired_ratio", "parse_size",
+           "run_or_launch", "start_rank", "timed_rounds", "write_report"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -128,6 +128,12 @@ def timed_rounds(steps: Sequence[Callable[[Any, Any, int], object]], batch: Call
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     return [{"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "times_s": times}
             for times in elapsed.tolist()]
+
+
+def paired_ratio(times_s: Sequence[float], reference_s: Sequence[float]) -> float:
+    """The median over rounds of ``times_s[k] / reference_s[k]``: both steps ran in round k, back to back, so
+    load that comes and goes over a run moves this less than the ratio of the two medians."""
+    return statistics.median(a / b for a, b in zip(times_s, reference_s, strict=True))
 
 
 def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:

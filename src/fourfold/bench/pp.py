@@ -64,6 +64,7 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     fmt_time,
     format_bytes,
     machine,
+    paired_ratio,
     run_or_launch,
     start_rank,
     timed_rounds,
@@ -387,8 +388,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         r["x_torch"] = r["x_torch_paired"] = None
         if twin is not None and r["framework"] == "fourfold":
             r["x_torch"] = r["median_s"] / twin["median_s"]
-            # both ran in the same round, back to back: less moved by load that comes and goes than the medians
-            r["x_torch_paired"] = statistics.median(a / b for a, b in zip(r["times_s"], twin["times_s"], strict=True))
+            r["x_torch_paired"] = paired_ratio(r["times_s"], twin["times_s"])
 
 
 def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -64,6 +63,7 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     fmt_time,
     format_bytes,
     machine,
+    paired_ratio,
     run_or_launch,
     start_rank,
     timed_rounds,
@@ -458,10 +458,7 @@ def _measure(w: Workload, ns: argparse.Namespace, device_mesh: Any, ranks: Any,
         twin = next((o for o in rows if o["variant"] == r["variant"].replace("fourfold", "dtensor")
                      and o is not r), None)
         r["x_dtensor"] = r["median_s"] / twin["median_s"] if twin else None
-        # the same ratio round by round (both ran in that round, back to back), then its median: less moved by
-        # load that comes and goes over the run than the ratio of the two medians
-        r["x_dtensor_paired"] = statistics.median(a / b for a, b in zip(r["times_s"], twin["times_s"], strict=True)) \
-            if twin else None
+        r["x_dtensor_paired"] = paired_ratio(r["times_s"], twin["times_s"]) if twin else None
         r["x_single"] = r["median_s"] / rows[0]["median_s"]
     return {"model": w.name, "describe": w.describe, "parameters": params, "n_blocks": n_blocks, "rows": rows,
             "check": checks}
