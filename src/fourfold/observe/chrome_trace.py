@@ -41,8 +41,8 @@ def chrome_trace(spans_by_rank: Mapping[int, Sequence[Span]], groups: Mapping[in
         for k, kind in enumerate(KINDS):
             for lane in range(max(1, len(lanes[kind]))):
                 tids[kind, lane] = next_tid
-                label = kind if lane == 0 else f"{kind} {lane + 1}"
-                events.append(_meta("thread_name", pid, next_tid, name=label))
+                lane_name = kind if lane == 0 else f"{kind} {lane + 1}"
+                events.append(_meta("thread_name", pid, next_tid, name=lane_name))
                 events.append(_meta("thread_sort_index", pid, next_tid, sort_index=10 * k + lane))
                 next_tid += 1
         first = tids["compute", 0]

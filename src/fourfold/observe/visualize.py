@@ -123,8 +123,8 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
 
         order = sorted(legend.items(), key=lambda item: _legend_rank(item[1][0]))
         handles = [Patch(facecolor=color) for color, _ in order]
-        labels = [_join(labels) for _, labels in order]
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(handles), 6), frameon=False,
+        entries = [_join(kinds) for _, kinds in order]
+        fig.legend(handles, entries, loc="outside lower center", ncols=min(len(handles), 6), frameon=False,
                    fontsize=8)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
