@@ -1,19 +1,68 @@
-"""Saving and loading weights without ever losing a file.
+"""Checkpoints that survive a crash and load under any layout.
 
-Writes go to a temporary file in the same directory, then ``os.replace`` (atomic on POSIX), so a crash mid-write
-leaves the previous checkpoint intact. Loads use ``weights_only=True``: a checkpoint is data, never code.
+Two kinds of file:
+
+* ``model.pt`` (:func:`save_checkpoint` / :func:`load_checkpoint`): the final, whole model of a run, one file.
+* a **training checkpoint** (:func:`save` / :func:`load`), a directory ``OUT/checkpoints/step-000040/``::
+
+      rank-00000.pt ... rank-00007.pt   each rank's own pieces (no rank gathers the whole model)
+      manifest.json                      written last: step, config, layout, every file's size and sha256,
+                                         and where each piece of each tensor lies
+
+  A piece is a tensor-parallel shard (or the whole tensor when it is replicated) of a model tensor or of its
+  optimiser state, keyed by the **unsharded model's own name** and described by its global shape and how it
+  was cut (:class:`~fourfold.parallel.tensor.Layout`, shard index, shard count): never by stage or rank.
+  Data-parallel replicas write nothing (rank dp=0 of each replica group writes); replicated tensors are written
+  by tp rank 0 only. Loading under any other layout (dp, tp, pp, 3D, one process) rebuilds each tensor this
+  rank holds from the pieces it needs, one tensor at a time, from memory-mapped files.
+
+A checkpoint without its ``manifest.json`` does not exist: the manifest is written through tmp + rename after
+every rank's file is complete, so a crash mid-save leaves the previous checkpoint the newest. Loads check every
+file they open against its sha256 (:class:`CheckpointError` "damaged: file, expected, got") and use
+``weights_only=True``: a checkpoint is data, never code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fourfold.files import atomic_path
+from fourfold.files import atomic_path, write_text_atomic
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT", "CheckpointError", "find_latest", "load", "load_checkpoint", "read_manifest", "save",
+           "save_checkpoint", "sha256_file"]
+
+FORMAT = "fourfold-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size); one process without a process group is rank 0 of 1."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, damaged, or does not match the model it is loaded into."""
+
+
+# ---------------------------------------------------------------------------------------------- model.pt
 
 
 def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, config: dict[str, Any],
@@ -29,3 +78,280 @@ def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, c
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs)."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------- training checkpoints
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
+    out = list(shape)
+    if layout.dim is not None:
+        out[layout.dim] *= count
+    return out
+
+
+def _pieces(engine: Any, optimizer: torch.optim.Optimizer | None) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """``(key, this rank's tensor, layout)`` of everything a checkpoint holds: the model's state under its own
+    names (``model/NAME``) and each parameter's optimiser state (``optim/NAME/KEY``, shaped like the parameter
+    or replicated)."""
+    from fourfold.parallel.tensor.layers import REPLICATED
+
+    for name, t in engine.local_state_dict().items():
+        yield f"model/{name}", t, engine.layouts.get(name, REPLICATED)
+    if optimizer is not None:
+        for name, p in engine.named_parameters():
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    same = value.shape == p.shape
+                    yield f"optim/{name}/{key}", value, engine.layouts.get(name, REPLICATED) if same else REPLICATED
+
+
+def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimizer | None, *,
+         config: dict[str, Any], keep: int = 2) -> Path:
+    """Write the checkpoint of ``step`` under ``root`` (``root/step-NNNNNN``) and keep the newest ``keep``.
+
+    A collective: every rank of the engine's mesh calls it. Returns the checkpoint's directory.
+    """
+    mesh, coord = engine.mesh, engine.ranks.coord
+    rank, world = _world()
+    where = Path(root) / f"step-{step:06d}"
+    where.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    if coord.dp == 0:  # one replica writes; the others hold the same numbers
+        for key, t, layout in _pieces(engine, optimizer):
+            if layout.dim is None and coord.tp != 0:
+                continue
+            index, count = (coord.tp, mesh.tp) if layout.dim is not None else (0, 1)
+            piece = f"{key}#{index}"
+            if piece in tensors:
+                continue  # a tied tensor listed twice on this rank
+            tensors[piece] = t.detach().to("cpu", copy=True)
+            meta[piece] = {"shape": _global_shape(t.shape, layout, count), "dim": layout.dim, "parts": layout.parts,
+                           "index": index, "count": count, "dtype": str(t.dtype).removeprefix("torch.")}
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    name = f"rank-{rank:05d}.pt"
+    with atomic_path(where / name) as tmp:
+        torch.save({"tensors": tensors, "rng": rng}, tmp)
+    mine = {"file": name, "bytes": (where / name).stat().st_size, "sha256": sha256_file(where / name),
+            "meta": meta, "aliases": _aliases(engine)}
+    everyone = _gather(mine)
+    if rank == 0:
+        index: dict[str, dict[str, Any]] = {}
+        for got in everyone:
+            for piece, m in got["meta"].items():
+                index.setdefault(piece, {**m, "file": got["file"]})  # a tied copy on two stages: the first
+        aliases = {k: v for got in everyone for k, v in got["aliases"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+        manifest = {"format": FORMAT, "step": step, "config": config, "world_size": world,
+                    "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+                    "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
+                    "files": {g["file"]: {"bytes": g["bytes"], "sha256": g["sha256"]} for g in everyone},
+                    "aliases": aliases, "pieces": index}
+        write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n")
+        _prune(Path(root), keep)
+    _gather(None)  # a barrier: the checkpoint exists (manifest written) on return, on every rank
+    return where
+
+
+def _aliases(engine: Any) -> dict[str, str]:
+    """Tied tensors this rank holds under several names (a head sharing the embedding's weight): every other
+    name -> the first. The optimiser's state is saved under the first only; a layout that holds the tie as
+    two copies (a pipeline's first and last stage) finds it through this map."""
+    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    out = {}
+    for name, t in engine.local_state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in first and t.numel() > 0:
+            out[name] = first[key]
+        first.setdefault(key, name)
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, tuple):
+        return list(x)
+    raise TypeError(f"cannot write {type(x).__name__} into a checkpoint manifest")
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest."""
+    complete = _complete(root)
+    newest = complete[-1][0] if complete else -1
+    for _, path in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.iterdir():
+        m = _STEP_DIR.fullmatch(path.name)
+        if m and int(m.group(1)) < newest and not (path / MANIFEST).exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for path in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.fullmatch(path.name)
+        if m and (path / MANIFEST).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_latest(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: a checkpoint directory, or a run's ``OUT`` (or its ``checkpoints/``),
+    whose newest complete checkpoint is taken. Raises :class:`CheckpointError` saying what was found."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not p.exists():
+        raise CheckpointError(f"resume: {p} does not exist. Pass a run's --out directory or one checkpoint in it.")
+    complete = _complete(root)
+    if not complete:
+        partial = sorted(q.name for q in root.iterdir() if _STEP_DIR.fullmatch(q.name)) if root.is_dir() else []
+        extra = f" ({', '.join(partial)} have no {MANIFEST}: saves that did not finish)" if partial else ""
+        raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
+                              "to write some.")
+    return complete[-1][1]
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the checkpoint :func:`find_latest` finds for ``path`` (its directory under ``"dir"``)."""
+    where = find_latest(path)
+    try:
+        manifest = json.loads((where / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"damaged: {where / MANIFEST} cannot be read ({e}).") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where / MANIFEST}: format must be {FORMAT!r}, got {manifest.get('format')!r}.")
+    return {**manifest, "dir": str(where)}
+
+
+class _Files:
+    """The checkpoint's files, each checked against the manifest's sha256 the first time it is opened."""
+
+    def __init__(self, where: Path, files: dict[str, dict[str, Any]]) -> None:
+        self.where, self.files, self.open = where, files, {}
+
+    def get(self, name: str) -> dict[str, Any]:
+        if name not in self.open:
+            path, want = self.where / name, self.files.get(name)
+            if want is None or not path.is_file():
+                raise CheckpointError(f"damaged: {path} is missing (the manifest lists {sorted(self.files)}).")
+            got = sha256_file(path)
+            if got != want["sha256"]:
+                raise CheckpointError(f"damaged: {path}: sha256 expected {want['sha256']}, got {got} "
+                                      f"({path.stat().st_size} bytes, expected {want['bytes']}).")
+            self.open[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self.open[name]
+
+
+def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None = None, *,
+         restore_rng: bool = True) -> dict[str, Any]:
+    """Load the checkpoint ``path`` names into this rank's part of ``engine`` (and ``optimizer``), under any
+    layout. A collective. Returns the manifest (``"step"``: the step it was saved after).
+
+    Refused with :class:`CheckpointError`, on every rank alike, when the model's tensors (names, global shapes,
+    dtypes) differ from the checkpoint's, naming them. RNG states are restored when the layout is the same.
+    """
+    from fourfold.parallel.tensor.layers import REPLICATED, Layout, shard, unshard
+
+    manifest = read_manifest(path)
+    where, pieces = Path(manifest["dir"]), manifest["pieces"]
+    _check_model(engine, pieces, where)
+    files = _Files(where, manifest["files"])
+    coord, mesh = engine.ranks.coord, engine.mesh
+
+    def whole(key: str) -> torch.Tensor:
+        first = pieces[f"{key}#0"]
+        parts = [files.get(pieces[f"{key}#{i}"]["file"])["tensors"][f"{key}#{i}"] for i in range(first["count"])]
+        return unshard(parts, Layout(first["dim"], first["parts"]))
+
+    def mine(key: str, layout: Any) -> torch.Tensor:
+        full = whole(key)
+        return shard(full, layout, coord.tp, mesh.tp) if layout.dim is not None else full
+
+    with torch.no_grad():
+        for name, t in engine.local_state_dict().items():
+            t.copy_(mine(f"model/{name}", engine.layouts.get(name, REPLICATED)))
+        if optimizer is not None:
+            _load_optimizer(engine, optimizer, manifest, pieces, mine, where)
+    rank, world = _world()
+    if restore_rng and manifest["world_size"] == world and \
+            manifest["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}:
+        rng = files.get(f"rank-{rank:05d}.pt")["rng"]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return manifest
+
+
+def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
+                    pieces: dict[str, Any], mine: Any, where: Path) -> None:
+    from fourfold.parallel.tensor.layers import REPLICATED
+
+    saved = manifest["optimizer"]
+    if saved["class"] != type(optimizer).__name__:
+        raise CheckpointError(f"{where}: optimizer must be {saved['class']} to resume this checkpoint, got "
+                              f"{type(optimizer).__name__}.")
+    for group, values in zip(optimizer.param_groups, saved["param_groups"], strict=False):
+        for k, v in values.items():
+            if k in group and not isinstance(group[k], torch.Tensor):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    aliases = manifest.get("aliases", {})
+    for name, p in engine.named_parameters():
+        tie = aliases.get(name, name)  # the name the checkpoint's state is under when it held the tie as one
+        saved_as = [n for n in (name, tie, *(a for a, b in aliases.items() if b == tie)) if f"model/{n}#0" in pieces]
+        prefix = next((f"optim/{n}/" for n in saved_as if any(k.startswith(f"optim/{n}/") for k in pieces)),
+                      f"optim/{name}/")
+        keys = sorted({k[len(prefix):].rsplit("#", 1)[0] for k in pieces if k.startswith(prefix)})
+        param_shape = pieces[f"model/{name}#0"]["shape"]
+        state = {}
+        for key in keys:  # state shaped like the parameter is cut like it here; the rest (AdamW's step) is whole
+            shaped = pieces[f"{prefix}{key}#0"]["shape"] == param_shape
+            layout = engine.layouts.get(name, REPLICATED) if shaped else REPLICATED
+            state[key] = mine(f"{prefix}{key}", layout).clone().to(p.device)
+        if state:
+            optimizer.state[p] = state
+
+
+def _check_model(engine: Any, pieces: dict[str, Any], where: Path) -> None:
+    """The model's tensors (union over every rank: names, global shapes, dtypes) against the checkpoint's."""
+    from fourfold.parallel.tensor.layers import REPLICATED
+
+    mesh = engine.mesh
+    mine = {}
+    for name, t in engine.local_state_dict().items():
+        layout = engine.layouts.get(name, REPLICATED)
+        mine[name] = (_global_shape(t.shape, layout, mesh.tp if layout.dim is not None else 1),
+                      str(t.dtype).removeprefix("torch."))
+    model: dict[str, Any] = {}
+    for got in _gather(mine):
+        model.update(got)
+    saved = {k[len("model/"):-2]: (v["shape"], v["dtype"]) for k, v in pieces.items()
+             if k.startswith("model/") and k.endswith("#0")}
+    missing = sorted(set(model) - set(saved))
+    extra = sorted(set(saved) - set(model))
+    differ = sorted(n for n in set(model) & set(saved) if list(model[n][0]) != list(saved[n][0])
+                    or model[n][1] != saved[n][1])
+    if missing or extra or differ:
+        def show(names: list[str]) -> str:
+            return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+        said = [f"missing from the checkpoint: {show(missing)}" if missing else "",
+                f"not in the model: {show(extra)}" if extra else "",
+                "different: " + ", ".join(f"{n} {saved[n][1]}{saved[n][0]} in the checkpoint, {model[n][1]}"
+                                          f"{model[n][0]} in the model" for n in differ[:6])
+                + (f" and {len(differ) - 6} more" if len(differ) > 6 else "") if differ else ""]
+        raise CheckpointError(f"{where} does not match the model: " + "; ".join(s for s in said if s) +
+                              ". Build the model from the checkpoint's config (manifest.json).")

@@ -1,0 +1,173 @@
+"""Training checkpoints: saved under one layout, resumed under any other, equal to the uninterrupted run.
+
+* The resume matrix: 2 AdamW steps under each of {one process, dp2, tp2, pp2 1f1b, dp2 x tp2}, checkpoint, then
+  step 3 resumed under each layout from each checkpoint: the loss and every final parameter equal the
+  uninterrupted one-process run to 1e-10 (float64). Spawns: one per world size to save, one per world size to
+  resume (each runs every layout of its size).
+* Same layout in float32 (dp2, pp2): the resumed step is bitwise the uninterrupted one.
+* One process, no spawn: a damaged file, a missing manifest, a model that does not match, pruning to ``keep``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold import Mesh, parallelize
+from fourfold.checkpoint import CheckpointError, find_latest, load, save
+from fourfold.models import GPTConfig, TinyGPT
+from fourfold.testing import run_ranks
+from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+LAYOUTS = {"one": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2), "dp2tp2": (2, 2, 1)}
+BY_WORLD = {w: [n for n, (dp, tp, pp) in LAYOUTS.items() if dp * tp * pp == w] for w in (1, 2, 4)}
+SAVE_AT = 2
+
+
+def _engine(ctx, name: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+    dp, tp, pp = LAYOUTS[name]
+    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
+    engine = parallelize(TinyGPT(CFG, seed=seed, dtype=dtype), ranks, schedule="1f1b", microbatches=2, timeout_s=30)
+    return engine, optimizer(engine.parameters()), ranks.coord.dp, dp
+
+
+def _steps(engine, opt, dp_rank: int, dp: int, first: int, last: int) -> list[float]:
+    losses = []
+    for x, y in batches(CFG)[first:last]:
+        loss = engine.step(shard(x, dp_rank, dp), shard(y, dp_rank, dp))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _save_all(ctx, root: str) -> dict:
+    out = {}
+    for name in BY_WORLD[ctx.world_size]:
+        engine, opt, dp_rank, dp = _engine(ctx, name)
+        out[name] = _steps(engine, opt, dp_rank, dp, 0, SAVE_AT)
+        save(Path(root) / name, SAVE_AT, engine, opt, config={"layout": name})
+    for name in ("dp2", "pp2") if ctx.world_size == 2 else ():  # float32: save at 2, go on to 3
+        engine, opt, dp_rank, dp = _engine(ctx, name, torch.float32)
+        _steps(engine, opt, dp_rank, dp, 0, SAVE_AT)
+        save(Path(root) / f"{name}-f32", SAVE_AT, engine, opt, config={"layout": name})
+        out[f"{name}-f32"] = _steps(engine, opt, dp_rank, dp, SAVE_AT, 3)[0], engine.state_dict()
+    return out
+
+
+def _resume_all(ctx, root: str) -> dict:
+    out = {}
+    for name in BY_WORLD[ctx.world_size]:
+        for saved in LAYOUTS:
+            engine, opt, dp_rank, dp = _engine(ctx, name, seed=99)  # other weights: the load must replace them
+            step = load(Path(root) / saved, engine, opt)["step"]
+            loss = _steps(engine, opt, dp_rank, dp, step, 3)
+            state = engine.state_dict()  # a collective: every rank gathers, rank 0 reports
+            out[f"{saved} -> {name}"] = loss, state if ctx.rank == 0 else None
+    for name in ("dp2", "pp2") if ctx.world_size == 2 else ():
+        engine, opt, dp_rank, dp = _engine(ctx, name, torch.float32, seed=99)
+        step = load(Path(root) / f"{name}-f32", engine, opt)["step"]
+        out[f"{name}-f32"] = _steps(engine, opt, dp_rank, dp, step, 3)[0], engine.state_dict()
+    return out
+
+
+@functools.cache
+def _matrix(root: str) -> tuple[dict, dict]:
+    saved, resumed = {}, {}
+    for world in (1, 2, 4):
+        saved.update(run_ranks(functools.partial(_save_all, root=root), world, timeout_s=120)[0])
+    for world in (1, 2, 4):
+        resumed.update(run_ranks(functools.partial(_resume_all, root=root), world, timeout_s=180)[0])
+    return saved, resumed
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    return _matrix(str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.timeout(600)
+def test_every_layout_resumes_every_other_layouts_checkpoint_exactly(matrix):
+    saved, resumed = matrix
+    want_losses, want_state = reference_run(CFG, batches(CFG))
+    failures = []
+    for name in LAYOUTS:
+        if max(abs(a - b) for a, b in zip(saved[name], want_losses[:SAVE_AT], strict=True)) > TOL64:
+            failures.append(f"{name}: steps 1-2 {saved[name]} != {want_losses[:SAVE_AT]}")
+    assert len(resumed) >= len(LAYOUTS) ** 2
+    for label, (losses, state) in resumed.items():
+        if label.endswith("-f32"):
+            continue
+        if abs(losses[0] - want_losses[SAVE_AT]) > TOL64:
+            failures.append(f"{label}: step 3 loss {losses[0]!r} != {want_losses[SAVE_AT]!r}")
+        worst, err = max_error(state, want_state)
+        if err > TOL64:
+            failures.append(f"{label}: {worst} off by {err:.3g} after step 3")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["dp2", "pp2"])
+def test_same_layout_resume_is_bitwise_in_float32(matrix, name):
+    saved, resumed = matrix
+    want_loss, want_state = saved[f"{name}-f32"]
+    got_loss, got_state = resumed[f"{name}-f32"]
+    assert got_loss == want_loss, f"{name} float32: resumed step 3 loss {got_loss!r}, uninterrupted {want_loss!r}"
+    for key, w in want_state.items():
+        assert torch.equal(got_state[key], w), f"{name} float32: {key} differs after the resumed step"
+
+
+# ------------------------------------------------------------------ one process: what a bad checkpoint does
+
+
+def _one(tmp: Path, cfg: GPTConfig = CFG, step: int = 1, keep: int = 2):
+    engine = parallelize(TinyGPT(cfg, seed=0, dtype=torch.float64))
+    opt = optimizer(engine.parameters())
+    _steps(engine, opt, 0, 1, 0, 1)
+    return save(tmp, step, engine, opt, config={}, keep=keep), engine, opt
+
+
+def test_a_damaged_file_is_refused_naming_it_and_both_checksums(tmp_path):
+    where, engine, opt = _one(tmp_path)
+    victim = where / "rank-00000.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    want = json.loads((where / "manifest.json").read_text())["files"]["rank-00000.pt"]["sha256"]
+    with pytest.raises(CheckpointError, match=r"damaged: .*rank-00000\.pt: sha256 expected " + want + ", got"):
+        load(where, engine, opt)
+
+
+def test_a_checkpoint_without_its_manifest_does_not_exist(tmp_path):
+    first, engine, opt = _one(tmp_path, step=1)
+    second, *_ = _one(tmp_path, step=2)
+    (second / "manifest.json").unlink()  # as if the save of step 2 was killed before its last write
+    assert find_latest(tmp_path) == first
+    assert load(tmp_path, engine, opt)["step"] == 1
+    (first / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint .*step-000001, step-000002 have no manifest"):
+        find_latest(tmp_path)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensors(tmp_path):
+    where, *_ = _one(tmp_path)
+    bigger = GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, d_model=16)
+    engine = parallelize(TinyGPT(bigger, seed=0, dtype=torch.float64))
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: blocks\.2\."):
+        load(where, engine)
+    wider = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=32)
+    engine = parallelize(TinyGPT(wider, seed=0, dtype=torch.float64))
+    with pytest.raises(CheckpointError, match=r"different: .*qkv\.weight float64\[48, 16\] in the checkpoint, "
+                       r"float64\[96, 32\] in the model.* and \d+ more"):
+        load(where, engine)
+
+
+def test_only_the_newest_keep_checkpoints_stay(tmp_path):
+    for step in (1, 2, 3):
+        _one(tmp_path, step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
