@@ -147,17 +147,17 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
             "meta": meta, "aliases": _aliases(engine)}
     everyone = _gather(mine)
     if rank == 0:
-        index: dict[str, dict[str, Any]] = {}
+        located: dict[str, dict[str, Any]] = {}
         for got in everyone:
             for piece, m in got["meta"].items():
-                index.setdefault(piece, {**m, "file": got["file"]})  # a tied copy on two stages: the first
+                located.setdefault(piece, {**m, "file": got["file"]})  # a tied copy on two stages: the first
         aliases = {k: v for got in everyone for k, v in got["aliases"].items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         manifest = {"format": FORMAT, "step": step, "config": config, "world_size": world,
                     "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
                     "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
                     "files": {g["file"]: {"bytes": g["bytes"], "sha256": g["sha256"]} for g in everyone},
-                    "aliases": aliases, "pieces": index}
+                    "aliases": aliases, "pieces": located}
         write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n")
         _prune(Path(root), keep)
     _gather(None)  # a barrier: the checkpoint exists (manifest written) on return, on every rank
@@ -241,7 +241,8 @@ class _Files:
     """The checkpoint's files, each checked against the manifest's sha256 the first time it is opened."""
 
     def __init__(self, where: Path, files: dict[str, dict[str, Any]]) -> None:
-        self.where, self.files, self.open = where, files, {}
+        self.where, self.files = where, files
+        self.open: dict[str, dict[str, Any]] = {}
 
     def get(self, name: str) -> dict[str, Any]:
         if name not in self.open:
