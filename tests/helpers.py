@@ -10,11 +10,15 @@ and the error measure. A layout passes when its losses and final state equal :fu
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from fourfold.models import GPTConfig, TinyGPT
 
-__all__ = ["LR", "TOL64", "WEIGHT_DECAY", "batches", "max_error", "optimizer", "reference_run", "shard"]
+__all__ = ["LR", "TOL64", "WEIGHT_DECAY", "batches", "max_error", "optimizer", "process_tree", "reference_run",
+           "shard"]
 
 LR, WEIGHT_DECAY = 1e-2, 0.1
 TOL64 = 1e-10  # float64: every layout equals one process to this, losses and every parameter
@@ -61,3 +65,22 @@ def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tu
         if e > err:
             worst, err = name, e
     return worst, err
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and all its descendants, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo.extend(children.get(p, []))
+    return found

@@ -19,6 +19,7 @@ import torch
 
 from fourfold import train as train_mod
 from fourfold.checkpoint import load_checkpoint
+from helpers import process_tree
 
 SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
          "--no-progress"]
@@ -64,7 +65,7 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     assert train_mod.main(args) == 0
     before = (out / "model.pt").read_bytes()
     assert train_mod.main(args) == 2
-    assert "already holds an earlier run's metrics.jsonl, model.pt" in capsys.readouterr().err
+    assert "already holds an earlier run's checkpoints, metrics.jsonl, model.pt" in capsys.readouterr().err
     assert (out / "model.pt").read_bytes() == before
     assert train_mod.main([*args, "--overwrite"]) == 0
 
@@ -85,25 +86,6 @@ def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, mes
     assert train_mod.main(["--out", str(tmp_path), *SMALL, *flags]) == 2
     assert message in capsys.readouterr().err
     assert time.perf_counter() - start < 5  # no process was spawned
-
-
-def _tree(pid: int) -> set[int]:
-    """pid and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        found.add(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 def _listening_addresses(pids: set[int]) -> set[str]:
@@ -145,7 +127,7 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     seen: set[str] = set()
     try:
         while proc.poll() is None:
-            seen |= _listening_addresses(_tree(proc.pid))
+            seen |= _listening_addresses(process_tree(proc.pid))
             time.sleep(0.05)
         output = proc.stdout.read()
     finally:

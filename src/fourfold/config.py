@@ -88,6 +88,13 @@ class TrainConfig:
     trace: bool = field(default=True, metadata=_help("record per-rank spans and write trace.json"))
     save: bool = field(default=True, metadata=_help("save the final weights to OUT/model.pt"))
     progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
+    checkpoint_every: int = field(default=0, metadata=_help(
+        "save a training checkpoint (model, optimiser, RNG, step) to OUT/checkpoints every N steps and at the "
+        "end (0: only at the end)"))
+    keep: int = field(default=2, metadata=_help("training checkpoints to keep, the newest"))
+    resume: str | None = field(default=None, metadata=_help(
+        "continue from the newest complete checkpoint of this run directory (or this checkpoint) up to "
+        "--steps, under any layout; into the same --out the run's files are continued"))
     verify: int = field(default=0, metadata=_help(
         "after the run, re-run its first K steps in one process (rank 0) and print the largest loss and "
         "parameter differences per step (0: off)"))
@@ -99,6 +106,13 @@ class TrainConfig:
         if self.verify < 0 or self.verify > self.steps:
             raise ValueError(f"verify must be between 0 and steps, got verify={self.verify}, steps={self.steps}. "
                              f"Pass --verify {min(max(self.verify, 0), self.steps)}.")
+        if self.checkpoint_every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint_every must be >= 0 and keep >= 1, got checkpoint_every="
+                             f"{self.checkpoint_every}, keep={self.keep}.")
+        if self.resume is not None and self.verify:
+            raise ValueError(f"verify re-runs a run's first steps from its initial weights; a resumed run starts "
+                             f"from a checkpoint, got verify={self.verify} with resume={self.resume!r}. Drop "
+                             "--verify, or verify the run that wrote the checkpoint.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
         if self.bucket_mb <= 0:
@@ -118,8 +132,13 @@ class LaunchConfig:
     node_rank: int = field(default=0, metadata=_help("this machine's index, 0..nnodes-1"))
     rdzv_endpoint: str | None = field(default=None, metadata=_help(
         "host:port of the rendezvous, required when nnodes > 1"))
+    max_restarts: int = field(default=0, metadata=_help(
+        "restart every rank this many times when one fails; a restarted run resumes from OUT's newest "
+        "checkpoint (see --checkpoint-every)"))
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got max_restarts={self.max_restarts}.")
         if self.nproc < 1 or self.nnodes < 1:
             raise ValueError(f"nproc and nnodes must be >= 1, got nproc={self.nproc}, nnodes={self.nnodes}.")
         if not 0 <= self.node_rank < self.nnodes:

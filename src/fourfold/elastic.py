@@ -85,7 +85,8 @@ def _register() -> None:
 
 def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[str]:
     """The torchrun command line for ``launch`` running ``python -m module argv``."""
-    args = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes), "--max-restarts", "0",
+    args = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes),
+            "--max-restarts", str(launch.max_restarts),
             "--rdzv-id", f"fourfold-{uuid.uuid4().hex[:8]}"]
     if launch.nnodes == 1:
         args += ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
@@ -104,6 +105,10 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
     if launch.nproc > 1:
         # torchrun would set this too, with a warning; one thread per rank avoids oversubscribing the cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if launch.max_restarts > 0:
+        # torch 2.13 shares the rendezvous store with the workers; a restarted round would find the last
+        # round's keys there (and gloo's restart hangs). Each round gets its own store instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))

@@ -170,6 +170,8 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
 
+    if not explicit and "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # started by torchrun's agent: its death ends this rank
     if dist.is_initialized():
         raise RuntimeError("fourfold.launch.init() was called twice in one process: the default process group "
                            "already exists. Reuse the DistContext from the first call, or close() it first.")
@@ -197,4 +199,22 @@ def _default_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     if rank == 0 and not agent_store and _is_loopback(addr):
         return loopback_store(int(port), world_size=world_size, timeout_s=timeout_s)
     # A client of the torchrun agent's store, or of rank 0's on another machine.
-    return dist.TCPStore(addr, int(port), world_size, rank == 0 and not agent_store, timeout=timeout)
+    store = dist.TCPStore(addr, int(port), world_size, rank == 0 and not agent_store, timeout=timeout)
+    if agent_store:  # the agent's store outlives a restart: each attempt keeps to its own keys
+        return dist.PrefixStore(f"/worker/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    return store
+
+
+def die_with_parent() -> None:
+    """Linux: ask the kernel to kill this process when its parent (torchrun's agent) dies, even by SIGKILL, so
+    no rank trains on unsupervised. Exits at once if the parent is gone already."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -34,8 +35,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fourfold import launch
-from fourfold.checkpoint import save_checkpoint
+from fourfold import checkpoint, launch
+from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.engine import Engine, bytes_by_axis, parallelize
@@ -103,11 +104,55 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     out = Path(t.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
-    existing = sorted(p.name for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank"))
-    if existing and not t.overwrite:
+    resume = resume_from(cfg)
+    if resume is not None:
+        _check_resume(cfg, resume)
+    existing = sorted(p.name for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
+                      or p.name == "checkpoints")
+    continuing = restart_count() > 0 or (resume is not None and continues_run(cfg, resume))  # its own files
+    if existing and not t.overwrite and not continuing:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
-                         "replace them, or another --out.")
+                         "replace them, --resume to continue it, or another --out.")
     return mesh
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this job's ranks (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def resume_from(cfg: Config) -> dict[str, Any] | None:
+    """The manifest of the checkpoint this run starts from: ``--resume``'s, or after an automatic restart OUT's
+    newest (None when there is none yet: the restarted run starts over). Refuses a missing or damaged one."""
+    t = cfg.train
+    if t.resume is None and restart_count() == 0:
+        return None
+    try:
+        return checkpoint.read_manifest(t.resume if t.resume is not None else t.out)
+    except CheckpointError as e:
+        if t.resume is None:
+            return None  # restarted before the first checkpoint was written
+        raise ValueError(str(e)) from None
+
+
+def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
+    """True when the checkpoint lies in ``--out``'s own checkpoints: the run's files are continued there."""
+    return Path(manifest["dir"]).resolve().parent == (Path(cfg.train.out) / "checkpoints").resolve()
+
+
+def _check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
+    saved = manifest["config"]
+    here = cfg.to_dict()
+    differ = [f"{k}={saved['model'].get(k)!r} there, {v!r} here" for k, v in here["model"].items()
+              if saved.get("model", {}).get(k) != v]
+    if saved.get("train", {}).get("dtype") != cfg.train.dtype:
+        differ.append(f"dtype={saved.get('train', {}).get('dtype')!r} there, {cfg.train.dtype!r} here")
+    if differ:
+        raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
+                         f"{'; '.join(differ)}. Pass the same model flags (they are in its manifest.json).")
+    if manifest["step"] >= cfg.train.steps:
+        raise ValueError(f"resume: the checkpoint {manifest['dir']} is at step {manifest['step']}, got "
+                         f"steps={cfg.train.steps}. Pass --steps {manifest['step'] + 1} or more.")
 
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> None:
@@ -156,20 +201,29 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
+    resume = resume_from(cfg)
+    first = 1
+    if resume is not None:  # every rank: its own pieces, cut for this layout
+        first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
+    continuing = resume is not None and continues_run(cfg, resume)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if not continuing:  # a fresh run (--overwrite): the earlier run's checkpoints must not be resumed
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
-               "parameter_bytes_rank0": engine.counters()["parameter_bytes"]}
+               "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
+               "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
+               "restarts": restart_count()}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
-    metrics_file = open(out / "metrics.jsonl", "w") if ctx.is_main else None  # noqa: SIM115
-    bar = tqdm(total=t.steps, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
+    metrics_file = _open_metrics(out / "metrics.jsonl", first - 1 if continuing else 0) if ctx.is_main else None
+    bar = tqdm(total=t.steps, initial=first - 1, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
                file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
     dist.barrier()
     tracer.start()  # after the barrier, so every rank's t=0 is (nearly) the same instant
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(first, t.steps + 1):
             tracer.set_step(step)
             first_span = len(tracer.spans)
             start = time.perf_counter()
@@ -197,6 +251,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             if metrics_file is not None:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
+            if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                checkpoint.save(out / "checkpoints", step, engine, optimizer, config=cfg.to_dict(), keep=t.keep)
             bar.update(1)
             bar.set_postfix(loss=f"{global_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
     finally:
@@ -205,6 +261,22 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             metrics_file.close()
     _write_outputs(cfg, ctx, engine, tracer, out, result)
     return result
+
+
+def _open_metrics(path: Path, keep_through: int) -> Any:
+    """metrics.jsonl for writing: a fresh file, or (continuing a run) its rows up to step ``keep_through``
+    kept, the rows a crashed run wrote after its checkpoint dropped, so every step appears once."""
+    if keep_through == 0 or not path.exists():
+        return open(path, "w")  # noqa: SIM115
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= keep_through:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    write_text_atomic(path, "".join(kept))
+    return open(path, "a")  # noqa: SIM115
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> TinyGPT:

@@ -1,0 +1,154 @@
+"""``fourfold train`` survives faults: --resume (in place and under another layout), automatic restart after a
+rank is killed, no rank left training when the launcher is killed, and bad --resume input refused before start.
+
+Reading a failure: a resumed loss that differs from the uninterrupted run's in the last digits means state
+missing from the checkpoint (the optimiser's, the RNG's) or the wrong data position; rows missing or doubled in
+metrics.jsonl mean the continued file was not cut back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fourfold import train as train_mod
+from fourfold.testing import run_ranks
+from helpers import TOL64, process_tree
+
+SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--no-progress", "--dtype", "float64"]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in _rows(out)]
+
+
+def _train_on_ranks(ctx, argv: list[str]) -> list[float]:
+    from fourfold.config import parse_args
+
+    return train_mod.train(parse_args(argv), ctx).losses
+
+
+@pytest.mark.timeout(180)
+def test_resume_continues_in_place_bitwise_and_under_another_layout_exactly(tmp_path):
+    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
+    assert train_mod.main([*SMALL, "--steps", "4", "--out", str(full)]) == 0
+    assert train_mod.main([*SMALL, "--steps", "2", "--out", str(part)]) == 0  # checkpoint at the end: step 2
+    assert train_mod.main([*SMALL, "--steps", "4", "--resume", str(part), "--out", str(part)]) == 0
+    assert [r["step"] for r in _rows(part)] == [1, 2, 3, 4]  # continued, each step once
+    assert _losses(part) == _losses(full)  # same layout: bitwise
+    run = json.loads((part / "run.json").read_text())
+    assert run["resumed_from"]["step"] == 2
+    # the same checkpoint under tp=2 x pp=2, into a fresh directory
+    argv = [*SMALL, "--steps", "4", "--tp", "2", "--pp", "2", "--microbatches", "2", "--resume", str(part / "checkpoints"
+            / "step-000002"), "--out", str(other)]
+    losses = run_ranks(_train_on_ranks, 4, argv, timeout_s=120)[0]
+    assert [r["step"] for r in _rows(other)] == [3, 4]
+    assert max(abs(a - b) for a, b in zip(losses, _losses(full)[2:], strict=True)) <= TOL64, losses
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--resume", "{tmp}/nowhere"], "does not exist"),
+    (["--resume", "{tmp}"], "no complete checkpoint in"),
+    (["--resume", "{run}", "--steps", "2"], "is at step 2, got steps=2. Pass --steps 3 or more"),
+    (["--resume", "{run}", "--d-model", "64"], "saved from another model: d_model=32 there, 64 here"),
+    (["--resume", "{run}", "--verify", "1"], "verify re-runs a run's first steps"),
+    (["--resume", "{run}", "--out", "{run}", "--keep", "0"], "keep >= 1"),
+])
+def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys, flags, message):
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "2", "--out", str(run)]) == 0
+    capsys.readouterr()
+    argv = [*SMALL, "--steps", "4", "--nproc", "2", "--out", str(tmp_path / "new"),
+            *[f.format(tmp=tmp_path, run=run) for f in flags]]
+    start = time.perf_counter()
+    assert _exit_code(argv) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
+
+
+def _exit_code(argv: list[str]) -> int:
+    """main()'s return value, or its SystemExit code (flags argparse refuses)."""
+    try:
+        return train_mod.main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fourfold", "train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_rows(out: Path, n: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if len((out / "metrics.jsonl").read_text().splitlines()) >= n:
+                return
+        except OSError:
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"the run did not reach {n} steps (exit {proc.poll()}): "
+                         f"{proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+def _workers(launcher: int) -> list[int]:
+    return sorted(process_tree(launcher) - {launcher})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_unchanged(tmp_path):
+    steps = ["--steps", "60", "--checkpoint-every", "5"]
+    ref = tmp_path / "ref"
+    assert train_mod.main([*SMALL, *steps, "--out", str(ref)]) == 0
+    out = tmp_path / "killed"
+    proc = _start([*SMALL, *steps, "--nproc", "2", "--max-restarts", "1", "--out", str(out)])
+    try:
+        _wait_for_rows(out, 12, proc)
+        victim = _workers(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    run = json.loads((out / "run.json").read_text())
+    assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 10, run
+    assert [r["step"] for r in _rows(out)] == list(range(1, 61))
+    got, want = _losses(out), _losses(ref)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL64
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")
+@pytest.mark.timeout(120)
+def test_killing_the_launcher_leaves_no_rank_training(tmp_path):
+    out = tmp_path / "orphans"
+    proc = _start([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)])
+    try:
+        _wait_for_rows(out, 3, proc)
+        workers = _workers(proc.pid)
+        assert workers, "no worker processes found"
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() and
+                                                  "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
+                                                  for w in workers):
+            time.sleep(0.1)
+        alive = [w for w in workers if Path(f"/proc/{w}").exists()
+                 and Path(f"/proc/{w}/stat").read_text().split()[2] != "Z"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left (the test's own cleanup, not the feature)
+        proc.wait()
+    assert not alive, f"ranks {alive} kept running after the launcher was killed"
