@@ -171,3 +171,36 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path):
     for step in (1, 2, 3):
         _one(tmp_path, step=step, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+
+
+_SAVER = """
+import sys, torch
+from fourfold import parallelize
+from fourfold.checkpoint import save
+from fourfold.models import GPTConfig, TinyGPT
+engine = parallelize(TinyGPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16), seed=0))
+opt = torch.optim.AdamW(engine.parameters())
+print("ready", flush=True)
+for step in range(1, 100000):
+    save(sys.argv[1], step, engine, opt, config={}, keep=2)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_s", [0.3, 0.75])
+def test_a_save_killed_midway_leaves_the_newest_complete_checkpoint_loadable(tmp_path, after_s):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(after_s)  # somewhere inside a save: rank file, manifest or pruning
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    where = find_latest(tmp_path)
+    engine = parallelize(TinyGPT(CFG, seed=1, dtype=torch.float32))
+    opt = torch.optim.AdamW(engine.parameters())
+    manifest = load(where, engine, opt)  # every file checked against its sha256
+    assert manifest["step"] >= 1 and where.name == f"step-{manifest['step']:06d}"

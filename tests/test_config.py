@@ -72,3 +72,41 @@ def test_every_section_round_trips_through_a_dict():
     d = Config().to_dict()
     assert set(d) == {"model", "train", "launch"}
     assert d["train"]["steps"] == Config().train.steps
+
+
+@pytest.mark.parametrize("toml,message", [
+    ("[train]\nsteps = true", "steps must be an integer, got True (bool) in"),
+    ("[train]\nsteps = 3.5", "steps must be an integer, got 3.5 (float) in"),
+    ('[launch]\nnproc = "2"', "nproc must be an integer, got '2' (str) in"),
+    ('[train]\ndtype = "float16"', "dtype must be one of float32, float64, got 'float16' in"),
+    ("[train]\nout = 5", "out must be text, got 5 (int) in"),
+    ("[train]\nlr = inf", "lr must be a finite number, got inf in"),
+    ('[train]\nout = ""', "out must name a directory, got an empty string"),
+])
+def test_toml_values_are_checked_like_flags(tmp_path, capsys, toml, message):
+    f = tmp_path / "run.toml"
+    f.write_text(toml + "\n")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(f)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "inf"], "lr must be a finite number, got inf"),
+    (["--timeout", "nan"], "timeout must be a finite number, got nan"),
+    (["--timeout", "inf"], "timeout must be a finite number, got inf"),
+    (["--out", ""], "out must name a directory, got an empty string"),
+    (["--max-restarts", "-1"], "max_restarts must be >= 0"),
+])
+def test_non_finite_and_empty_flags_are_refused(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_a_float_field_takes_a_toml_integer(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nlr = 1\n")
+    cfg = parse_args(["--config", str(f)])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)

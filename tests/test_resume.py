@@ -152,3 +152,12 @@ def test_killing_the_launcher_leaves_no_rank_training(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # whatever is left (the test's own cleanup, not the feature)
         proc.wait()
     assert not alive, f"ranks {alive} kept running after the launcher was killed"
+
+
+def test_a_non_finite_loss_stops_the_run_at_its_step_and_metrics_stay_json(tmp_path, capsys):
+    out = tmp_path / "nan"
+    assert train_mod.main([*SMALL, "--steps", "5", "--lr", "1e300", "--no-trace", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    rows = _rows(out)  # every line parses as JSON
+    assert rows[-1]["loss"] is None and "non-finite loss" in rows[-1]["error"]
+    assert f"step {rows[-1]['step']}: the loss is nan" in err and len(rows) < 5

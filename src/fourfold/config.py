@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -38,7 +39,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Config", "LaunchConfig", "TrainConfig", "add_flags", "load", "parse_args", "without_section_flags"]
+__all__ = ["Config", "LaunchConfig", "TrainConfig", "add_flags", "check_value", "load", "parse_args",
+           "without_section_flags"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -121,6 +123,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got lr={self.lr}.")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got timeout={self.timeout}.")
+        if not self.out.strip():
+            raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 
 
 @dataclass(frozen=True)
@@ -252,11 +256,43 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         if "." in dest:
             section, key = dest.split(".", 1)
             values[section][key] = value
+    for section, table in values.items():
+        hints = typing.get_type_hints(SECTIONS[section])
+        for key, value in table.items():
+            table[key] = check_value(f"{key}", value, hints[key], file)
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
     except TypeError as e:  # a wrongly typed value in the file
         raise ValueError(f"bad value in {file or 'flags'}: {e}") from None
     return Config(**parts)
+
+
+def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:
+    """``value`` as field ``name`` of type ``tp`` takes it (an int where a float goes), or a ValueError saying
+    what was expected, what was given, and where: TOML values are checked as strictly as flags."""
+    where = f" in {file}" if file is not None else ""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        return check_value(name, value, next(a for a in args if a is not type(None)), file)
+    if typing.get_origin(tp) is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, args))}, got {value!r}{where}.")
+        return value
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+    ok = (isinstance(value, bool) if tp is bool else
+          isinstance(value, int) and not isinstance(value, bool) if tp is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
+          isinstance(value, tp))
+    if not ok:
+        raise ValueError(f"{name} must be {kinds.get(tp, tp.__name__)}, got {value!r} "
+                         f"({type(value).__name__}){where}.")
+    if tp is float:
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}{where}.")
+        return float(value)
+    return value
 
 
 class _Parser(argparse.ArgumentParser):

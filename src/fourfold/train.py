@@ -22,6 +22,7 @@ layout; that is what makes "the same numbers as one process" testable.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -114,6 +115,10 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
                          "replace them, --resume to continue it, or another --out.")
     return mesh
+
+
+class NonFiniteLoss(RuntimeError):
+    """The global loss became NaN or infinite: the run stops at that step with exit code 1."""
 
 
 def restart_count() -> int:
@@ -244,6 +249,14 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 row.update({"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
                             "peak_activation_bytes_by_rank": list(res.peak_activation_bytes_by_rank),
                             "peak_in_flight_by_rank": list(res.peak_in_flight_by_rank)})
+            if not math.isfinite(global_loss):  # every rank has the same global loss: all stop here together
+                row["loss"] = None  # metrics.jsonl stays JSON (NaN is not)
+                row["error"] = f"non-finite loss {global_loss}"
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(row) + "\n")
+                raise NonFiniteLoss(f"step {step}: the loss is {global_loss}; training stopped (the weights are "
+                                    f"no longer usable). Lower --lr (now {t.lr:g}), or resume from an earlier "
+                                    "checkpoint with --resume.")
             if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
                 result.snapshots.append(engine.state_dict())
             result.losses.append(global_loss)
@@ -346,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"fourfold train: error: {e}", file=sys.stderr)
+        return 1
     if result.rank != 0:
         return 0
     print(result.summary(), flush=True)
