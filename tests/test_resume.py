@@ -161,3 +161,30 @@ def test_a_non_finite_loss_stops_the_run_at_its_step_and_metrics_stay_json(tmp_p
     rows = _rows(out)  # every line parses as JSON
     assert rows[-1]["loss"] is None and "non-finite loss" in rows[-1]["error"]
     assert f"step {rows[-1]['step']}: the loss is nan" in err and len(rows) < 5
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_path, capsys):
+    from fourfold.files import run_lock
+
+    out = tmp_path / "busy"
+    with run_lock(out):  # as a running `fourfold train --out busy` holds it
+        assert train_mod.main([*SMALL, "--steps", "1", "--out", str(out)]) == 2
+        assert f"out {out} is in use by another run (pid {os.getpid()}" in capsys.readouterr().err
+    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(out)]) == 0  # released
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")
+@pytest.mark.timeout(120)
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    out = tmp_path / "interrupted"
+    proc = _start([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)])
+    try:
+        _wait_for_rows(out, 3, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output, output
+    assert output.count("interrupted (Ctrl-C)") == 1, output

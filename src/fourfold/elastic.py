@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 
 from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -106,12 +108,16 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         # torchrun would set this too, with a warning; one thread per rank avoids oversubscribing the cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if launch.max_restarts > 0:
-        # torch 2.13 shares the rendezvous store with the workers; a restarted round would find the last
-        # round's keys there (and gloo's restart hangs). Each round gets its own store instead.
+        # Restarts with gloo on torch 2.13 need the agent's rendezvous store kept apart from the workers'.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
+    except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        print(f"fourfold: stopped by signal {e.sigval.name}; the ranks were stopped with it.", flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         print(f"fourfold: rank {rank} failed (exit code {failure.exitcode}); its error is printed above.",

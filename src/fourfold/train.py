@@ -21,6 +21,7 @@ layout; that is what makes "the same numbers as one process" testable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.engine import Engine, bytes_by_axis, parallelize
-from fourfold.files import write_text_atomic
+from fourfold.files import run_lock, write_text_atomic
 from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.gpt_plan import check_tinygpt_tp
@@ -54,6 +55,7 @@ __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_LOCK_HELD = "FOURFOLD_OUT_LOCKED"  # set for the ranks we launch: their launcher holds OUT's lock
 
 
 @dataclass
@@ -346,23 +348,39 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     worker = "RANK" in os.environ  # started by torchrun (ours or the user's)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    # One run per OUT: the process that starts the run holds the lock (ranks we launch inherit it; with a
+    # hand-run torchrun, rank 0 takes it).
+    lock = (run_lock(cfg.train.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.train.out
+            else contextlib.nullcontext())
     try:
         if not worker and cfg.launch.world_size > 1:
             preflight(cfg, cfg.launch.world_size)
             from fourfold.elastic import launch_workers
 
-            # Workers need no launch flags (and torchrun's parser would trip over --nproc).
-            return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
+            with lock:
+                os.environ[_LOCK_HELD] = cfg.train.out
+                # Workers need no launch flags (and torchrun's parser would trip over --nproc).
+                return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
         if not worker:
             preflight(cfg, 1)
-        result = train(cfg)
+        with lock:
+            result = train(cfg)
     except ValueError as e:
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if main_rank:
             print(f"fourfold train: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if main_rank and not worker:
+            print(f"fourfold train: interrupted (Ctrl-C); the newest complete checkpoint in {cfg.train.out} "
+                  "can be resumed with --resume.", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if not worker:
+            os.environ.pop(_LOCK_HELD, None)
     if result.rank != 0:
         return 0
     print(result.summary(), flush=True)
