@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.bench.harness import (
+    add_output_flags,
     fit_line,
     fmt_time,
     format_bytes,
@@ -61,14 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=50, help="timed calls per size and algorithm; capped at "
                    "max(20, ITERS*1MB/size) above 1 MB (default: 50)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
-    p.add_argument("--out", default="runs/bench-allreduce", help="where bench.json and bench.png go "
-                   "(overwritten; default: runs/bench-allreduce)")
     p.add_argument("--cost-model", default=None, metavar="PATH", help="where to save the fitted model (default: "
                    "$FOURFOLD_COST_MODEL or ~/.cache/fourfold/cost_model.json)")
     p.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
                    help="save the fitted cost model for auto to use in later runs (default: yes)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
-    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    add_output_flags(p, "allreduce")
     return p
 
 

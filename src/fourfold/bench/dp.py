@@ -46,9 +46,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    add_output_flags,
     fmt_time,
     format_bytes,
     machine,
+    name_list,
     paired_ratio,
     run_or_launch,
     start_rank,
@@ -117,18 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-layers", type=int, default=4, help="MLP Linear(width, width) layers (default: 4)")
     p.add_argument("--mlp-batch", type=int, default=64, help="MLP global batch in rows (default: 64)")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
-    p.add_argument("--out", default="runs/bench-dp", help="where bench.json and bench.png go (overwritten; "
-                   "default: runs/bench-dp)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
-    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    add_output_flags(p, "dp")
     return p
 
 
 def _check(ns: argparse.Namespace) -> argparse.Namespace:
     """Turn the flags into values (``ns.models``: names, ``ns.variants``: Variants) or raise ValueError."""
-    ns.models = [m.strip() for m in ns.models.split(",") if m.strip()]
-    if not ns.models or any(m not in ("gpt", "mlp") for m in ns.models) or len(set(ns.models)) != len(ns.models):
-        raise ValueError(f"models must be distinct names among gpt, mlp, got {ns.models}. E.g. --models gpt.")
+    ns.models = name_list(ns.models, ("gpt", "mlp"), "models", "gpt")
     if not ns.bucket_mb > 0:
         raise ValueError(f"bucket-mb must be > 0, got {ns.bucket_mb}. 25 is DDP's default.")
     ns.variants = [parse_variant(v, ns.bucket_mb) for v in ns.variants.split(",") if v.strip()]

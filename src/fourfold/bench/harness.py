@@ -19,8 +19,8 @@ from typing import Any
 
 from fourfold.files import write_text_atomic
 
-__all__ = ["fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "paired_ratio", "parse_size",
-           "run_or_launch", "start_rank", "timed_rounds", "write_report"]
+__all__ = ["add_output_flags", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
+           "paired_ratio", "parse_size", "run_or_launch", "start_rank", "timed_rounds", "write_report"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -36,6 +36,27 @@ def parse_size(text: str) -> int:
     if n < 4 or n % 4:
         raise ValueError(f"size must be a positive multiple of 4 bytes (float32 elements), got {text!r} = {n} B.")
     return n
+
+
+def add_output_flags(parser: Any, bench: str, writes: str = "bench.json and bench.png") -> None:
+    """The flags every benchmark ends with: ``--out`` (default ``runs/bench-NAME``), ``--timeout`` and the
+    hidden ``--command`` (the user's command line, for bench.json)."""
+    import argparse
+
+    parser.add_argument("--out", default=f"runs/bench-{bench}", help=f"where {writes} go (overwritten; default: "
+                        f"runs/bench-{bench})")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
+    parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+
+
+def name_list(text: str, valid: Sequence[str], flag: str, example: str) -> list[str]:
+    """``"a, b"`` -> ``["a", "b"]``: at least one name, each among ``valid``, none twice; else a ValueError
+    naming ``flag``, the valid names and ``example``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in valid for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{flag} must be distinct names among {', '.join(valid)}, got {names}. E.g. --{flag} "
+                         f"{example}.")
+    return names
 
 
 def format_bytes(n: float) -> str:

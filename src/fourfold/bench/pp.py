@@ -61,9 +61,11 @@ from typing import Any
 
 from fourfold.bench.dp import GRAD_RTOL
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    add_output_flags,
     fmt_time,
     format_bytes,
     machine,
+    name_list,
     paired_ratio,
     run_or_launch,
     start_rank,
@@ -102,10 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag, default, what in _SIZES:
         p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
-    p.add_argument("--out", default="runs/bench-pp", help="where bench.json and the PNGs go (overwritten; "
-                   "default: runs/bench-pp)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
-    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    add_output_flags(p, "pp", "bench.json and the PNGs")
     return p
 
 
@@ -113,10 +112,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     """Turn the flags into values (``ns.variants``: names, ``ns.config``: the GPTConfig) or raise ValueError."""
     from fourfold.models import GPTConfig
 
-    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    if not ns.variants or any(v not in VARIANTS for v in ns.variants) or len(set(ns.variants)) != len(ns.variants):
-        raise ValueError(f"variants must be distinct names among {', '.join(VARIANTS)}, got {ns.variants}. "
-                         "E.g. --variants fourfold-1f1b,torch-1f1b.")
+    ns.variants = name_list(ns.variants, VARIANTS, "variants", "fourfold-1f1b,torch-1f1b")
     if ns.nproc < 2:
         raise ValueError(f"nproc must be >= 2 (a pipeline of one stage has nothing to overlap), got {ns.nproc}. "
                          "Pass --nproc 2.")

@@ -60,9 +60,11 @@ from typing import Any
 
 from fourfold.bench.dp import GRAD_RTOL, Workload, _workload
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    add_output_flags,
     fmt_time,
     format_bytes,
     machine,
+    name_list,
     paired_ratio,
     run_or_launch,
     start_rank,
@@ -129,10 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag, default, what in _SIZES:
         p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
-    p.add_argument("--out", default="runs/bench-tp", help="where bench.json and bench.png go (overwritten; "
-                   "default: runs/bench-tp)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any call may wait (default: 120)")
-    p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # the user's command, for bench.json
+    add_output_flags(p, "tp")
     return p
 
 
@@ -141,13 +140,8 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     from fourfold.models import GPTConfig
     from fourfold.models.gpt_plan import check_tinygpt_tp
 
-    ns.models = [m.strip() for m in ns.models.split(",") if m.strip()]
-    if not ns.models or any(m not in ("gpt", "mlp") for m in ns.models) or len(set(ns.models)) != len(ns.models):
-        raise ValueError(f"models must be distinct names among gpt, mlp, got {ns.models}. E.g. --models gpt.")
-    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    if any(v not in VARIANTS for v in ns.variants) or len(set(ns.variants)) != len(ns.variants):
-        raise ValueError(f"variants must be distinct names among {', '.join(VARIANTS)}, got {ns.variants}. "
-                         "E.g. --variants single,fourfold-mlp,dtensor-mlp.")
+    ns.models = name_list(ns.models, ("gpt", "mlp"), "models", "gpt")
+    ns.variants = name_list(ns.variants, VARIANTS, "variants", "single,fourfold-mlp,dtensor-mlp")
     ns.variants = ["single", *(v for v in ns.variants if v != "single")]  # the reference of the check
     if ns.nproc < 2:
         raise ValueError(f"nproc must be >= 2 (tensor parallelism over one rank splits nothing), got {ns.nproc}. "
