@@ -211,9 +211,10 @@ class _Replica:
 
 def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -> _Replica:
     import torch
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from fourfold.engine import parallelize
+    from fourfold.engine import Loss, parallelize
     from fourfold.observe.trace import Tracer
 
     model, tracer = w.build(), Tracer(ranks.rank)
@@ -230,24 +231,11 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
         with tracer.span("compute", "backward"):
             loss.backward()  # DDP reduces its buckets in here, as gradients become ready
         if v.kind == "ddp":  # the global mean loss, as the engine gives it: the same work on both sides
-            return _LoggedLoss(loss.detach().to(torch.float64).reshape(1))
+            value = loss.detach().to(torch.float64).reshape(1)
+            return Loss(value, ranks.mesh.dp, dist.all_reduce(value, async_op=True), timeout_s)  # waited in item()
         return None
 
     return _Replica(v, list(model.parameters()), run, torch.optim.SGD(model.parameters(), lr=lr), tracer)
-
-
-class _LoggedLoss:
-    """What a DDP training loop that logs the global loss does: start its all-reduce after backward, wait for
-    it (``item``) after the optimizer, as :class:`fourfold.engine.Loss` does."""
-
-    def __init__(self, value: Any) -> None:
-        import torch.distributed as dist
-
-        self.value, self.work = value, dist.all_reduce(value, async_op=True)
-
-    def item(self) -> float:
-        self.work.wait()
-        return self.value.item()
 
 
 def _step(r: _Replica, x: Any, y: Any, it: int, *, grads: dict[str, list[Any]]) -> None:
