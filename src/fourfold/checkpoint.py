@@ -92,6 +92,7 @@ def sha256_file(path: Path) -> str:
 
 
 def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
+    """The whole tensor's shape from one of ``count`` pieces cut by ``layout`` (a replicated one is whole)."""
     out = list(shape)
     if layout.dim is not None:
         out[layout.dim] *= count
@@ -309,21 +310,24 @@ def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dic
         for k, v in values.items():
             if k in group and not isinstance(group[k], torch.Tensor):
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    states: dict[str, set[str]] = {}  # parameter name -> its saved state keys ("exp_avg", "step", ...)
+    for piece in pieces:
+        if piece.startswith("optim/") and piece.endswith("#0"):
+            name, key = piece[len("optim/"):-len("#0")].rsplit("/", 1)
+            states.setdefault(name, set()).add(key)
     aliases = manifest.get("aliases", {})
     for name, p in engine.named_parameters():
-        tie = aliases.get(name, name)  # the name the checkpoint's state is under when it held the tie as one
-        saved_as = [n for n in (name, tie, *(a for a, b in aliases.items() if b == tie)) if f"model/{n}#0" in pieces]
-        prefix = next((f"optim/{n}/" for n in saved_as if any(k.startswith(f"optim/{n}/") for k in pieces)),
-                      f"optim/{name}/")
-        keys = sorted({k[len(prefix):].rsplit("#", 1)[0] for k in pieces if k.startswith(prefix)})
+        tie = aliases.get(name, name)  # the checkpoint held the tie as one tensor: its state is under that name
+        saved_as = next((n for n in (name, tie, *(a for a, b in aliases.items() if b == tie)) if n in states), None)
+        if saved_as is None:
+            continue
         param_shape = pieces[f"model/{name}#0"]["shape"]
         state = {}
-        for key in keys:  # state shaped like the parameter is cut like it here; the rest (AdamW's step) is whole
-            shaped = pieces[f"{prefix}{key}#0"]["shape"] == param_shape
+        for key in sorted(states[saved_as]):  # shaped like the parameter: cut like it here; the rest is whole
+            shaped = pieces[f"optim/{saved_as}/{key}#0"]["shape"] == param_shape
             layout = engine.layouts.get(name, REPLICATED) if shaped else REPLICATED
-            state[key] = mine(f"{prefix}{key}", layout).clone().to(p.device)
-        if state:
-            optimizer.state[p] = state
+            state[key] = mine(f"optim/{saved_as}/{key}", layout).to(p.device)  # a new tensor already
+        optimizer.state[p] = state
 
 
 def _check_model(engine: Any, pieces: dict[str, Any], where: Path) -> None:
@@ -334,8 +338,7 @@ def _check_model(engine: Any, pieces: dict[str, Any], where: Path) -> None:
     mine = {}
     for name, t in engine.local_state_dict().items():
         layout = engine.layouts.get(name, REPLICATED)
-        mine[name] = (_global_shape(t.shape, layout, mesh.tp if layout.dim is not None else 1),
-                      str(t.dtype).removeprefix("torch."))
+        mine[name] = (_global_shape(t.shape, layout, mesh.tp), str(t.dtype).removeprefix("torch."))
     model: dict[str, Any] = {}
     for got in _gather(mine):
         model.update(got)
