@@ -8,12 +8,14 @@ metrics.jsonl mean the continued file was not cut back to the checkpoint's step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,9 +88,25 @@ def _exit_code(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-def _start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fourfold", "train", *argv], stdout=subprocess.PIPE,
+@contextlib.contextmanager
+def _launched(argv: list[str]) -> Iterator[subprocess.Popen]:
+    """``fourfold train ARGV`` in a session of its own; whatever of it is left is killed on the way out."""
+    proc = subprocess.Popen([sys.executable, "-m", "fourfold", "train", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:  # the test's own cleanup, not the feature under test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _wait_for_rows(out: Path, n: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
@@ -115,14 +133,11 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_un
     ref = tmp_path / "ref"
     assert train_mod.main([*SMALL, *steps, "--out", str(ref)]) == 0
     out = tmp_path / "killed"
-    proc = _start([*SMALL, *steps, "--nproc", "2", "--max-restarts", "1", "--out", str(out)])
-    try:
+    with _launched([*SMALL, *steps, "--nproc", "2", "--max-restarts", "1", "--out", str(out)]) as proc:
         _wait_for_rows(out, 12, proc)
         victim = _workers(proc.pid)[-1]
         os.kill(victim, signal.SIGKILL)
         output, _ = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, output
     run = json.loads((out / "run.json").read_text())
     assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 10, run
@@ -135,22 +150,15 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_un
 @pytest.mark.timeout(120)
 def test_killing_the_launcher_leaves_no_rank_training(tmp_path):
     out = tmp_path / "orphans"
-    proc = _start([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)])
-    try:
+    with _launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
         _wait_for_rows(out, 3, proc)
         workers = _workers(proc.pid)
         assert workers, "no worker processes found"
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() and
-                                                  "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
-                                                  for w in workers):
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
             time.sleep(0.1)
-        alive = [w for w in workers if Path(f"/proc/{w}").exists()
-                 and Path(f"/proc/{w}/stat").read_text().split()[2] != "Z"]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left (the test's own cleanup, not the feature)
-        proc.wait()
+        alive = [w for w in workers if _alive(w)]
     assert not alive, f"ranks {alive} kept running after the launcher was killed"
 
 
@@ -177,14 +185,10 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_pa
 @pytest.mark.timeout(120)
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     out = tmp_path / "interrupted"
-    proc = _start([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)])
-    try:
+    with _launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
         _wait_for_rows(out, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, output
     assert "Traceback" not in output, output
     assert output.count("interrupted (Ctrl-C)") == 1, output
