@@ -149,11 +149,11 @@ def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
 
 def _check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     saved = manifest["config"]
-    here = cfg.to_dict()
-    differ = [f"{k}={saved['model'].get(k)!r} there, {v!r} here" for k, v in here["model"].items()
-              if saved.get("model", {}).get(k) != v]
-    if saved.get("train", {}).get("dtype") != cfg.train.dtype:
-        differ.append(f"dtype={saved.get('train', {}).get('dtype')!r} there, {cfg.train.dtype!r} here")
+    model, dtype = saved.get("model", {}), saved.get("train", {}).get("dtype")
+    differ = [f"{k}={model.get(k)!r} there, {v!r} here" for k, v in cfg.to_dict()["model"].items()
+              if model.get(k) != v]
+    if dtype != cfg.train.dtype:
+        differ.append(f"dtype={dtype!r} there, {cfg.train.dtype!r} here")
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
                          f"{'; '.join(differ)}. Pass the same model flags (they are in its manifest.json).")
