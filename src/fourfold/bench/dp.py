@@ -33,9 +33,7 @@ A benchmark, not a test: it prints figures and refuses nothing but bad flags and
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
 import sys
 import time
 from collections import defaultdict
@@ -49,10 +47,10 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
     fmt_time,
     format_bytes,
-    machine,
     name_list,
     paired_ratio,
     run_or_launch,
+    run_record,
     start_rank,
     timed_rounds,
     write_report,
@@ -424,11 +422,7 @@ def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], ela
         hidden = "-" if t["hidden_fraction"] is None else f"{t['hidden_fraction']:.2f}"
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}x{miss}; paired by round "
               f"{t['paired']:.3f}; hidden {hidden}")
-    load_after = os.getloadavg()
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
-    result = {"command": ns.command, "argv": sys.argv,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "elapsed_s": elapsed, "machine": machine(g), "load_before": load_before, "load_after": load_after,
+    result = {**run_record(ns, g, elapsed, load_before),
               "settings": {"variants": [v._asdict() for v in ns.variants], "bucket_mb": ns.bucket_mb,
                            "rounds": ns.rounds, "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})",
                            "dtype": "float32", "timing": "slowest rank per step, median over rounds; other "

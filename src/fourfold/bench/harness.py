@@ -20,7 +20,7 @@ from typing import Any
 from fourfold.files import write_text_atomic
 
 __all__ = ["add_output_flags", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
-           "paired_ratio", "parse_size", "run_or_launch", "start_rank", "timed_rounds", "write_report"]
+           "paired_ratio", "parse_size", "run_or_launch", "run_record", "start_rank", "timed_rounds", "write_report"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -155,6 +155,19 @@ def paired_ratio(times_s: Sequence[float], reference_s: Sequence[float]) -> floa
     """The median over rounds of ``times_s[k] / reference_s[k]``: both steps ran in round k, back to back, so
     load that comes and goes over a run moves this less than the ratio of the two medians."""
     return statistics.median(a / b for a, b in zip(times_s, reference_s, strict=True))
+
+
+def run_record(ns: Any, world_size: int, elapsed: float, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """What every bench.json starts with (the command, when, how long, the machine, its load before and after);
+    prints the load line under the targets."""
+    import datetime
+
+    load_after = os.getloadavg()
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
+    return {"command": ns.command, "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "elapsed_s": elapsed, "machine": machine(world_size), "load_before": load_before,
+            "load_after": load_after}
 
 
 def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:

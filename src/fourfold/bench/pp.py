@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import statistics
 import sys
@@ -64,10 +63,10 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
     fmt_time,
     format_bytes,
-    machine,
     name_list,
     paired_ratio,
     run_or_launch,
+    run_record,
     start_rank,
     timed_rounds,
     write_report,
@@ -468,13 +467,8 @@ def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
         extra = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else \
             f"; {t['fraction_of_gpipe']:.3f} of GPipe's" if "fraction_of_gpipe" in t else ""
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){extra}")
-    load_after = os.getloadavg()
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
-    out = Path(ns.out)
-    write_report(out, {
-        "command": ns.command, "argv": sys.argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "elapsed_s": elapsed,
-        "machine": machine(result["pp"]), "load_before": load_before, "load_after": load_after,
+    write_report(Path(ns.out), {
+        **run_record(ns, result["pp"], elapsed, load_before),
         "settings": {"model": dataclasses.asdict(ns.config), "variants": ns.variants, "rounds": ns.rounds,
                      "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                      "timing": "slowest rank per step (pipeline step + optimizer), median over rounds"},

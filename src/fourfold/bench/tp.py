@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import os
 import sys
 import time
 import warnings
@@ -63,10 +61,10 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
     fmt_time,
     format_bytes,
-    machine,
     name_list,
     paired_ratio,
     run_or_launch,
+    run_record,
     start_rank,
     timed_rounds,
     write_report,
@@ -528,11 +526,7 @@ def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], ela
         miss = "" if t["met"] or not isinstance(t["value"], float) else f" ({t['value'] / t['limit'] - 1:+.1%})"
         paired = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else ""
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){miss}{paired}")
-    load_after = os.getloadavg()
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
-    result = {"command": ns.command, "argv": sys.argv,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "elapsed_s": elapsed, "machine": machine(p), "load_before": load_before, "load_after": load_after,
+    result = {**run_record(ns, p, elapsed, load_before),
               "settings": {"tp": p, "variants": ns.variants, "rounds": ns.rounds, "warmup": ns.warmup,
                            "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
                            "timing": "slowest rank per step (forward+backward+optimizer), median over rounds"},
