@@ -38,7 +38,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fourfold import checkpoint, launch
-from fourfold.checkpoint import CheckpointError, save_checkpoint
+from fourfold.checkpoint import save_checkpoint
+from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.engine import Engine, bytes_by_axis, parallelize
@@ -109,7 +110,7 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     resume = resume_from(cfg)
     if resume is not None:
-        _check_resume(cfg, resume)
+        check_resume(cfg, resume)
     existing = sorted(p.name for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
                       or p.name == "checkpoints")
     continuing = restart_count() > 0 or (resume is not None and continues_run(cfg, resume))  # its own files
@@ -121,45 +122,6 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
 
 class NonFiniteLoss(RuntimeError):
     """The global loss became NaN or infinite: the run stops at that step with exit code 1."""
-
-
-def restart_count() -> int:
-    """How many times torchrun's agent has restarted this job's ranks (``--max-restarts``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def resume_from(cfg: Config) -> dict[str, Any] | None:
-    """The manifest of the checkpoint this run starts from: ``--resume``'s, or after an automatic restart OUT's
-    newest (None when there is none yet: the restarted run starts over). Refuses a missing or damaged one."""
-    t = cfg.train
-    if t.resume is None and restart_count() == 0:
-        return None
-    try:
-        return checkpoint.read_manifest(t.resume if t.resume is not None else t.out)
-    except CheckpointError as e:
-        if t.resume is None:
-            return None  # restarted before the first checkpoint was written
-        raise ValueError(str(e)) from None
-
-
-def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
-    """True when the checkpoint lies in ``--out``'s own checkpoints: the run's files are continued there."""
-    return Path(manifest["dir"]).resolve().parent == (Path(cfg.train.out) / "checkpoints").resolve()
-
-
-def _check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
-    saved = manifest["config"]
-    model, dtype = saved.get("model", {}), saved.get("train", {}).get("dtype")
-    differ = [f"{k}={model.get(k)!r} there, {v!r} here" for k, v in cfg.to_dict()["model"].items()
-              if model.get(k) != v]
-    if dtype != cfg.train.dtype:
-        differ.append(f"dtype={dtype!r} there, {cfg.train.dtype!r} here")
-    if differ:
-        raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
-                         f"{'; '.join(differ)}. Pass the same model flags (they are in its manifest.json).")
-    if manifest["step"] >= cfg.train.steps:
-        raise ValueError(f"resume: the checkpoint {manifest['dir']} is at step {manifest['step']}, got "
-                         f"steps={cfg.train.steps}. Pass --steps {manifest['step'] + 1} or more.")
 
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> None:

@@ -1,33 +1,16 @@
-"""Checkpoints that survive a crash and load under any layout.
+"""Training checkpoints of an :class:`~fourfold.engine.Engine`, saved under one layout and loaded under any.
 
-Two kinds of file:
-
-* ``model.pt`` (:func:`save_checkpoint` / :func:`load_checkpoint`): the final, whole model of a run, one file.
-* a **training checkpoint** (:func:`save` / :func:`load`), a directory ``OUT/checkpoints/step-000040/``::
-
-      rank-00000.pt ... rank-00007.pt   each rank's own pieces (no rank gathers the whole model)
-      manifest.json                      written last: step, config, layout, every file's size and sha256,
-                                         and where each piece of each tensor lies
-
-  A piece is a tensor-parallel shard (or the whole tensor when it is replicated) of a model tensor or of its
-  optimiser state, keyed by the **unsharded model's own name** and described by its global shape and how it
-  was cut (:class:`~fourfold.parallel.tensor.Layout`, shard index, shard count): never by stage or rank.
-  Data-parallel replicas write nothing (rank dp=0 of each replica group writes); replicated tensors are written
-  by tp rank 0 only. Loading under any other layout (dp, tp, pp, 3D, one process) rebuilds each tensor this
-  rank holds from the pieces it needs, one tensor at a time, from memory-mapped files.
-
-A checkpoint without its ``manifest.json`` does not exist: the manifest is written through tmp + rename after
-every rank's file is complete, so a crash mid-save leaves the previous checkpoint the newest. Loads check every
-file they open against its sha256 (:class:`CheckpointError` "damaged: file, expected, got") and use
-``weights_only=True``: a checkpoint is data, never code.
+Each rank writes its own pieces: a tensor-parallel shard (or the whole tensor when it is replicated) of a model
+tensor or of its optimiser state, keyed by the **unsharded model's own name** (``model/NAME#i``,
+``optim/NAME/KEY#i``) and described by its global shape and how it was cut (dim, fused parts, index, count):
+never by stage or rank. Data-parallel replicas write nothing (dp rank 0 of each replica group writes);
+replicated tensors are written by tp rank 0 only. Loading rebuilds each tensor this rank holds from the pieces
+it needs, one tensor at a time, from memory-mapped files, and cuts it for this layout.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,14 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fourfold.checkpoint.store import (
+    FORMAT,
+    MANIFEST,
+    CheckedFiles,
+    CheckpointError,
+    prune,
+    read_manifest,
+    sha256_file,
+)
 from fourfold.files import atomic_path, write_text_atomic
 
-__all__ = ["FORMAT", "CheckpointError", "find_latest", "load", "load_checkpoint", "read_manifest", "save",
-           "save_checkpoint", "sha256_file"]
-
-FORMAT = "fourfold-checkpoint/1"
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(\d+)")
+__all__ = ["load", "save"]
 
 
 def _world() -> tuple[int, int]:
@@ -56,39 +43,6 @@ def _gather(obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, damaged, or does not match the model it is loaded into."""
-
-
-# ---------------------------------------------------------------------------------------------- model.pt
-
-
-def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, config: dict[str, Any],
-                    step: int) -> Path:
-    """Save ``{"model", "config", "step"}`` atomically; tensors are moved to CPU first."""
-    state = {k: v.detach().cpu() for k, v in model_state.items()}
-    payload = {"model": state, "config": config, "step": step}
-    with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
-    return Path(path)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# ------------------------------------------------------------------------------------- training checkpoints
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
@@ -160,7 +114,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
                     "files": {g["file"]: {"bytes": g["bytes"], "sha256": g["sha256"]} for g in everyone},
                     "aliases": aliases, "pieces": located}
         write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n")
-        _prune(Path(root), keep)
+        prune(Path(root), keep)
     _gather(None)  # a barrier: the checkpoint exists (manifest written) on return, on every rank
     return where
 
@@ -187,77 +141,6 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"cannot write {type(x).__name__} into a checkpoint manifest")
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest."""
-    complete = _complete(root)
-    newest = complete[-1][0] if complete else -1
-    for _, path in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
-    for path in root.iterdir():
-        m = _STEP_DIR.fullmatch(path.name)
-        if m and int(m.group(1)) < newest and not (path / MANIFEST).exists():
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _complete(root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for path in root.iterdir() if root.is_dir() else []:
-        m = _STEP_DIR.fullmatch(path.name)
-        if m and (path / MANIFEST).is_file():
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-def find_latest(path: str | Path) -> Path:
-    """The checkpoint ``path`` names: a checkpoint directory, or a run's ``OUT`` (or its ``checkpoints/``),
-    whose newest complete checkpoint is taken. Raises :class:`CheckpointError` saying what was found."""
-    p = Path(path)
-    if (p / MANIFEST).is_file():
-        return p
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    if not p.exists():
-        raise CheckpointError(f"resume: {p} does not exist. Pass a run's --out directory or one checkpoint in it.")
-    complete = _complete(root)
-    if not complete:
-        partial = sorted(q.name for q in root.iterdir() if _STEP_DIR.fullmatch(q.name)) if root.is_dir() else []
-        extra = f" ({', '.join(partial)} have no {MANIFEST}: saves that did not finish)" if partial else ""
-        raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
-                              "to write some.")
-    return complete[-1][1]
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of the checkpoint :func:`find_latest` finds for ``path`` (its directory under ``"dir"``)."""
-    where = find_latest(path)
-    try:
-        manifest = json.loads((where / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"damaged: {where / MANIFEST} cannot be read ({e}).") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{where / MANIFEST}: format must be {FORMAT!r}, got {manifest.get('format')!r}.")
-    return {**manifest, "dir": str(where)}
-
-
-class _Files:
-    """The checkpoint's files, each checked against the manifest's sha256 the first time it is opened."""
-
-    def __init__(self, where: Path, files: dict[str, dict[str, Any]]) -> None:
-        self.where, self.files = where, files
-        self.open: dict[str, dict[str, Any]] = {}
-
-    def get(self, name: str) -> dict[str, Any]:
-        if name not in self.open:
-            path, want = self.where / name, self.files.get(name)
-            if want is None or not path.is_file():
-                raise CheckpointError(f"damaged: {path} is missing (the manifest lists {sorted(self.files)}).")
-            got = sha256_file(path)
-            if got != want["sha256"]:
-                raise CheckpointError(f"damaged: {path}: sha256 expected {want['sha256']}, got {got} "
-                                      f"({path.stat().st_size} bytes, expected {want['bytes']}).")
-            self.open[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return self.open[name]
-
-
 def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None = None, *,
          restore_rng: bool = True) -> dict[str, Any]:
     """Load the checkpoint ``path`` names into this rank's part of ``engine`` (and ``optimizer``), under any
@@ -271,7 +154,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     manifest = read_manifest(path)
     where, pieces = Path(manifest["dir"]), manifest["pieces"]
     _check_model(engine, pieces, where)
-    files = _Files(where, manifest["files"])
+    files = CheckedFiles(where, manifest["files"])
     coord, mesh = engine.ranks.coord, engine.mesh
 
     def whole(key: str) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""A checkpoint on disk: ``ROOT/step-NNNNNN/`` holding one file per rank and ``manifest.json``, written last.
+
+A directory without its manifest is not a checkpoint (a save that did not finish). Files are checked against
+the manifest's sha256 the first time they are opened, and loaded with ``weights_only=True`` (data, never code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "find_latest", "prune", "read_manifest", "sha256_file"]
+
+FORMAT = "fourfold-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, damaged, or does not match the model it is loaded into."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest."""
+    complete = _complete(root)
+    newest = complete[-1][0] if complete else -1
+    for _, path in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.iterdir():
+        m = _STEP_DIR.fullmatch(path.name)
+        if m and int(m.group(1)) < newest and not (path / MANIFEST).exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for path in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.fullmatch(path.name)
+        if m and (path / MANIFEST).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_latest(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: a checkpoint directory, or a run's ``OUT`` (or its ``checkpoints/``),
+    whose newest complete checkpoint is taken. Raises :class:`CheckpointError` saying what was found."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not p.exists():
+        raise CheckpointError(f"resume: {p} does not exist. Pass a run's --out directory or one checkpoint in it.")
+    complete = _complete(root)
+    if not complete:
+        partial = sorted(q.name for q in root.iterdir() if _STEP_DIR.fullmatch(q.name)) if root.is_dir() else []
+        extra = f" ({', '.join(partial)} have no {MANIFEST}: saves that did not finish)" if partial else ""
+        raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
+                              "to write some.")
+    return complete[-1][1]
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the checkpoint :func:`find_latest` finds for ``path`` (its directory under ``"dir"``)."""
+    where = find_latest(path)
+    try:
+        manifest = json.loads((where / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"damaged: {where / MANIFEST} cannot be read ({e}).") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where / MANIFEST}: format must be {FORMAT!r}, got {manifest.get('format')!r}.")
+    return {**manifest, "dir": str(where)}
+
+
+class CheckedFiles:
+    """The checkpoint's files, each checked against the manifest's sha256 the first time it is opened."""
+
+    def __init__(self, where: Path, files: dict[str, dict[str, Any]]) -> None:
+        self.where, self.files = where, files
+        self.open: dict[str, dict[str, Any]] = {}
+
+    def get(self, name: str) -> dict[str, Any]:
+        if name not in self.open:
+            path, want = self.where / name, self.files.get(name)
+            if want is None or not path.is_file():
+                raise CheckpointError(f"damaged: {path} is missing (the manifest lists {sorted(self.files)}).")
+            got = sha256_file(path)
+            if got != want["sha256"]:
+                raise CheckpointError(f"damaged: {path}: sha256 expected {want['sha256']}, got {got} "
+                                      f"({path.stat().st_size} bytes, expected {want['bytes']}).")
+            self.open[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self.open[name]
