@@ -10,7 +10,14 @@ and the error measure. A layout passes when its losses and final state equal :fu
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +25,7 @@ import torch
 from fourfold.models import GPTConfig, TinyGPT
 
 __all__ = ["LR", "TOL64", "WEIGHT_DECAY", "batches", "max_error", "optimizer", "process_tree", "reference_run",
+           "launched", "alive", "wait_for_rows", "workers", "rank_of", "rows", "losses",
            "shard"]
 
 LR, WEIGHT_DECAY = 1e-2, 0.1
@@ -84,3 +92,62 @@ def process_tree(pid: int) -> set[int]:
         found.add(p)
         todo.extend(children.get(p, []))
     return found
+
+
+def rows(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in rows(out)]
+
+
+@contextlib.contextmanager
+def launched(argv: list[str]) -> Iterator[subprocess.Popen]:
+    """``fourfold train ARGV`` in a session of its own; whatever of it is left is killed on the way out."""
+    proc = subprocess.Popen([sys.executable, "-m", "fourfold", "train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:  # the test's own cleanup, not the feature under test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for_rows(out: Path, n: int, proc: subprocess.Popen, limit_s: float = 90) -> None:
+    """Until OUT/metrics.jsonl has ``n`` rows (the run reached step n), or fail with the run's output."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if len((out / "metrics.jsonl").read_text().splitlines()) >= n:
+                return
+        except OSError:
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"the run did not reach {n} steps (exit {proc.poll()}): "
+                         f"{proc.stdout.read() if proc.poll() is not None and proc.stdout else ''}")
+
+
+def workers(launcher: int) -> list[int]:
+    """The processes a launcher started (its descendants), in pid order."""
+    return sorted(process_tree(launcher) - {launcher})
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK in a worker's environment (None: not a rank)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return found[0] if found else None

@@ -1,5 +1,6 @@
-"""``fourfold train`` survives faults: --resume (in place and under another layout), automatic restart after a
-rank is killed, no rank left training when the launcher is killed, and bad --resume input refused before start.
+"""``fourfold train`` survives faults: --resume (in place and under another layout), no rank left training when
+the launcher is killed, Ctrl-C, NaN loss, the OUT lock, and bad --resume input refused before start. (A rank
+killed or stopped mid-run, under each layout: test_faults.py.)
 
 Reading a failure: a resumed loss that differs from the uninterrupted run's in the last digits means state
 missing from the checkpoint (the optimiser's, the RNG's) or the wrong data position; rows missing or doubled in
@@ -8,32 +9,20 @@ metrics.jsonl mean the continued file was not cut back to the checkpoint's step.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from fourfold import train as train_mod
 from fourfold.testing import run_ranks
-from helpers import TOL64, process_tree
+from helpers import TOL64, alive, launched, losses, rows, wait_for_rows, workers
 
 SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
          "--no-progress", "--dtype", "float64"]
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(out: Path) -> list[float]:
-    return [r["loss"] for r in _rows(out)]
 
 
 def _train_on_ranks(ctx, argv: list[str]) -> list[float]:
@@ -48,16 +37,16 @@ def test_resume_continues_in_place_bitwise_and_under_another_layout_exactly(tmp_
     assert train_mod.main([*SMALL, "--steps", "4", "--out", str(full)]) == 0
     assert train_mod.main([*SMALL, "--steps", "2", "--out", str(part)]) == 0  # checkpoint at the end: step 2
     assert train_mod.main([*SMALL, "--steps", "4", "--resume", str(part), "--out", str(part)]) == 0
-    assert [r["step"] for r in _rows(part)] == [1, 2, 3, 4]  # continued, each step once
-    assert _losses(part) == _losses(full)  # same layout: bitwise
+    assert [r["step"] for r in rows(part)] == [1, 2, 3, 4]  # continued, each step once
+    assert losses(part) == losses(full)  # same layout: bitwise
     run = json.loads((part / "run.json").read_text())
     assert run["resumed_from"]["step"] == 2
     # the same checkpoint under tp=2 x pp=2, into a fresh directory
     argv = [*SMALL, "--steps", "4", "--tp", "2", "--pp", "2", "--microbatches", "2", "--resume", str(part / "checkpoints"
             / "step-000002"), "--out", str(other)]
-    losses = run_ranks(_train_on_ranks, 4, argv, timeout_s=120)[0]
-    assert [r["step"] for r in _rows(other)] == [3, 4]
-    assert max(abs(a - b) for a, b in zip(losses, _losses(full)[2:], strict=True)) <= TOL64, losses
+    got = run_ranks(_train_on_ranks, 4, argv, timeout_s=120)[0]
+    assert [r["step"] for r in rows(other)] == [3, 4]
+    assert max(abs(a - b) for a, b in zip(got, losses(full)[2:], strict=True)) <= TOL64, got
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -88,87 +77,29 @@ def _exit_code(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-@contextlib.contextmanager
-def _launched(argv: list[str]) -> Iterator[subprocess.Popen]:
-    """``fourfold train ARGV`` in a session of its own; whatever of it is left is killed on the way out."""
-    proc = subprocess.Popen([sys.executable, "-m", "fourfold", "train", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        yield proc
-    finally:  # the test's own cleanup, not the feature under test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for its parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_for_rows(out: Path, n: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if len((out / "metrics.jsonl").read_text().splitlines()) >= n:
-                return
-        except OSError:
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"the run did not reach {n} steps (exit {proc.poll()}): "
-                         f"{proc.stdout.read() if proc.poll() is not None else ''}")
-
-
-def _workers(launcher: int) -> list[int]:
-    return sorted(process_tree(launcher) - {launcher})
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")
-@pytest.mark.timeout(240)
-def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_unchanged(tmp_path):
-    steps = ["--steps", "60", "--checkpoint-every", "5"]
-    ref = tmp_path / "ref"
-    assert train_mod.main([*SMALL, *steps, "--out", str(ref)]) == 0
-    out = tmp_path / "killed"
-    with _launched([*SMALL, *steps, "--nproc", "2", "--max-restarts", "1", "--out", str(out)]) as proc:
-        _wait_for_rows(out, 12, proc)
-        victim = _workers(proc.pid)[-1]
-        os.kill(victim, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, output
-    run = json.loads((out / "run.json").read_text())
-    assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 10, run
-    assert [r["step"] for r in _rows(out)] == list(range(1, 61))
-    got, want = _losses(out), _losses(ref)
-    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL64
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")
 @pytest.mark.timeout(120)
 def test_killing_the_launcher_leaves_no_rank_training(tmp_path):
     out = tmp_path / "orphans"
-    with _launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
-        _wait_for_rows(out, 3, proc)
-        workers = _workers(proc.pid)
-        assert workers, "no worker processes found"
+    with launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
+        wait_for_rows(out, 3, proc)
+        started = workers(proc.pid)
+        assert started, "no worker processes found"
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        while time.monotonic() < deadline and any(alive(w) for w in started):
             time.sleep(0.1)
-        alive = [w for w in workers if _alive(w)]
-    assert not alive, f"ranks {alive} kept running after the launcher was killed"
+        left = [w for w in started if alive(w)]
+    assert not left, f"ranks {left} kept running after the launcher was killed"
 
 
 def test_a_non_finite_loss_stops_the_run_at_its_step_and_metrics_stay_json(tmp_path, capsys):
     out = tmp_path / "nan"
     assert train_mod.main([*SMALL, "--steps", "5", "--lr", "1e300", "--no-trace", "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    rows = _rows(out)  # every line parses as JSON
-    assert rows[-1]["loss"] is None and "non-finite loss" in rows[-1]["error"]
-    assert f"step {rows[-1]['step']}: the loss is nan" in err and len(rows) < 5
+    table = rows(out)  # every line parses as JSON
+    assert table[-1]["loss"] is None and "non-finite loss" in table[-1]["error"]
+    assert f"step {table[-1]['step']}: the loss is nan" in err and len(table) < 5
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_path, capsys):
@@ -185,8 +116,8 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_pa
 @pytest.mark.timeout(120)
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     out = tmp_path / "interrupted"
-    with _launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
-        _wait_for_rows(out, 3, proc)
+    with launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
+        wait_for_rows(out, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output

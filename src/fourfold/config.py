@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fourfold.launch import DEFAULT_TIMEOUT_S
+from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.gpt import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -81,6 +81,9 @@ class TrainConfig:
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
         "seconds any collective or send/recv may wait before the run fails with a named error"))
+    hang_threshold: float = field(default=DEFAULT_HANG_S, metadata=_help(
+        "seconds a rank may wait in one operation before the hang doctor looks for the rank that never "
+        "arrived; a stopped or deadlocked one ends the run, named (0: off)"))
     data: str | None = field(default=None, metadata=_help(
         "a text file to train on (default: the built-in corpus, the Python standard library's source)"))
     out: str = field(default="runs/train", metadata=_help(
@@ -123,6 +126,9 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got lr={self.lr}.")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got timeout={self.timeout}.")
+        if self.hang_threshold < 0:
+            raise ValueError(f"hang_threshold must be >= 0 seconds (0 = off), got hang_threshold="
+                             f"{self.hang_threshold}.")
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 

@@ -11,10 +11,17 @@ TCP one at ``--rdzv-endpoint``, which must be reachable from the other machines.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import shutil
 import signal
+import socket
+import tempfile
+import threading
 import uuid
+from pathlib import Path
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -27,12 +34,14 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.config import LaunchConfig
 from fourfold.launch import loopback_store
 
 __all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "launch_workers", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
+SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
 
 
 class LoopbackRendezvous(RendezvousHandler):
@@ -88,7 +97,7 @@ def _register() -> None:
 def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[str]:
     """The torchrun command line for ``launch`` running ``python -m module argv``."""
     args = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes),
-            "--max-restarts", str(launch.max_restarts),
+            "--max-restarts", str(launch.max_restarts), "--shutdown-timeout", str(SHUTDOWN_S),
             "--rdzv-id", f"fourfold-{uuid.uuid4().hex[:8]}"]
     if launch.nnodes == 1:
         args += ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
@@ -111,6 +120,10 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         # Restarts with gloo on torch 2.13 need the agent's rendezvous store kept apart from the workers'.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    verdict = Path(tempfile.mkdtemp(prefix="fourfold-verdict-")) / "verdict.json"
+    os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
+    done = threading.Event()
+    threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True).start()
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
@@ -119,8 +132,50 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         print(f"fourfold: stopped by signal {e.sigval.name}; the ranks were stopped with it.", flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(f"fourfold: rank {rank} failed (exit code {failure.exitcode}); its error is printed above.",
-              flush=True)
+        print(f"fourfold: {_last_line(e, verdict)}", flush=True)
         return 1
+    finally:
+        done.set()
+        shutil.rmtree(verdict.parent, ignore_errors=True)
     return 0
+
+
+def _end_stopped_ranks(verdict: Path, done: threading.Event) -> None:
+    """SIGKILL the local ranks the hang doctor found stopped. torchrun's agent would, but only 30 s after its
+    SIGTERM (which a stopped process never handles), whatever ``--shutdown-timeout`` says."""
+    seen = None
+    while not done.wait(0.2):
+        try:
+            found = json.loads(verdict.read_text())
+        except (OSError, ValueError):
+            continue
+        if found == seen:
+            continue
+        seen = found
+        for host, pid in found.get("stopped", []):
+            if host == socket.gethostname() and _parent_of(pid) == os.getpid():  # our own worker, nothing else
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:  # Linux: /proc/PID/stat is "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _last_line(error: ChildFailedError, verdict: Path) -> str:
+    """The launcher's last word: the faulty rank, from the hang doctor's verdict when one of the failed ranks
+    wrote it, else the first failure (and the signal that killed it)."""
+    try:
+        found = json.loads(verdict.read_text())
+    except (OSError, ValueError):
+        found = None
+    if found and any(f.pid == found.get("pid") for f in error.failures.values()):
+        return f"hang: {found['summary']}; its output above has the stack and the ledger."
+    rank, failure = error.get_first_failure()
+    if failure.exitcode < 0:
+        return (f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()}); the others were "
+                "stopped with it.")
+    return f"rank {rank} failed (exit code {failure.exitcode}); its error is printed above."

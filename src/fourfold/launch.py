@@ -16,7 +16,9 @@ Promises:
   interface, and a TCPStore this module creates is handed a socket already bound to 127.0.0.1 (left to
   itself, PyTorch's TCPStore binds every interface);
 * ``OMP_NUM_THREADS=1`` per rank when several ranks share a machine, unless the user set it;
-* the process group is destroyed on exit (context manager, or at interpreter exit).
+* the process group is destroyed on exit (context manager, or at interpreter exit);
+* with more than one rank, the hang doctor (:mod:`fourfold.comm.doctor`) heartbeats this rank's ledger to the
+  store and, when a wait passes ``hang_s``, names the rank that never arrived.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from fourfold.comm import wait
+from fourfold.comm.doctor import DEFAULT_HANG_S, VERDICT_ENV, Doctor
+
 __all__ = [
+    "DEFAULT_HANG_S",
     "DEFAULT_TIMEOUT_S",
     "DistContext",
     "init",
@@ -59,6 +65,7 @@ class DistContext:
     backend: str
     timeout_s: float
     _owns_group: bool = field(default=True, repr=False)
+    doctor: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -70,7 +77,9 @@ class DistContext:
         return self.local_world_size == self.world_size
 
     def close(self) -> None:
-        """Destroy the process group (idempotent)."""
+        """Stop the hang doctor and destroy the process group (idempotent)."""
+        if self.doctor is not None:
+            self.doctor.stop()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -139,14 +148,18 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
     backend: str | None = None,
+    hang_s: float = DEFAULT_HANG_S,
 ) -> DistContext:
     """Join (or create) the default process group and return this rank's :class:`DistContext`.
 
     ``rank``/``world_size``/``store`` are for harnesses that start ranks themselves (the test harness uses a
-    FileStore); otherwise they come from torchrun's environment, or default to a single process.
+    FileStore); otherwise they come from torchrun's environment, or default to a single process. ``hang_s``:
+    the hang doctor's threshold (0: it only heartbeats, and explains waits that reach ``timeout_s``).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
+    if not hang_s >= 0:
+        raise ValueError(f"hang_s must be >= 0 seconds (0 = off), got {hang_s}.")
     user_threads = os.environ.get("OMP_NUM_THREADS", "")
     explicit = rank is not None or world_size is not None  # a harness placed us; ignore stray torchrun vars
     rank = _env_int("RANK", 0) if rank is None else rank
@@ -180,7 +193,12 @@ def init(
         store = _default_store(rank, world_size, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
-    ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s)
+    wait.set_default_timeout(timeout_s)
+    doctor = None
+    if world_size > 1:
+        doctor = Doctor(store, rank, world_size, hang_s=hang_s, attempt=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+                        verdict_path=os.environ.get(VERDICT_ENV)).start()
+    ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s, doctor=doctor)
     atexit.register(ctx.close)
     return ctx
 

@@ -78,8 +78,9 @@ class RankTimeout(RuntimeError, TimeoutError):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0,
               backend: str = "gloo", dist_timeout_s: float | None = None,
-              env: Mapping[str, str] | None = None, **kwargs: Any) -> list[Any]:
+              env: Mapping[str, str] | None = None, hang_s: float = 0.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ranks ``0..world_size-1`` and return their results in rank order.
+    ``hang_s``: the hang doctor's threshold (0, the default here: it heartbeats and explains timeouts only).
 
     Raises :class:`RankError` when a rank fails, :class:`RankTimeout` when ``timeout_s`` (wall clock for the
     whole run, start-up included) passes first.
@@ -118,7 +119,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             conns.append(recv)
             rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(world_size)}
-            rank_args = (rank, world_size, payload, rank_env, tmp, backend, dist_timeout_s, send, alive_r)
+            rank_args = (rank, world_size, payload, rank_env, tmp, backend, (dist_timeout_s, hang_s), send, alive_r)
             proc = ctx.Process(target=_rank_main, args=rank_args, name=f"fourfold-rank-{rank}")
             proc.start()
             procs.append(proc)  # started ones only: _stop joins them
@@ -135,7 +136,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 
 def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[str, str], tmp: str, backend: str,
-               dist_timeout_s: float, conn: Connection, alive: Connection) -> None:
+               timeouts: tuple[float, float], conn: Connection, alive: Connection) -> None:
     """The body of one rank's process."""
     threading.Thread(target=_exit_with_parent, args=(alive,), daemon=True).start()
     os.environ.clear()  # a forkserver child would otherwise see the server's environment, not the caller's
@@ -153,8 +154,8 @@ def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[s
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch is imported already: the variable is late
         fn, args, kwargs = payload
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-        ctx = launch.init("cpu", timeout_s=dist_timeout_s, store=store, rank=rank, world_size=world_size,
-                          backend=backend)
+        ctx = launch.init("cpu", timeout_s=timeouts[0], store=store, rank=rank, world_size=world_size,
+                          backend=backend, hang_s=timeouts[1])
         result = fn(ctx, *args, **kwargs)
         try:  # plain pickle copies tensors by value; multiprocessing's would share memory that dies with us
             message = pickle.dumps(("ok", result))

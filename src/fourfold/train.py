@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
+from fourfold.comm.doctor import HangFound
+from fourfold.comm.ledger import LEDGER
+from fourfold.comm.wait import barrier
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.engine import Engine, bytes_by_axis, parallelize
@@ -147,9 +149,13 @@ def _divisor_near(n: int, m: int) -> int:
 def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
     """Train with ``cfg`` on the current process group (created from the environment if ``ctx`` is None)."""
     own = ctx is None
-    ctx = ctx or launch.init(cfg.train.device, timeout_s=cfg.train.timeout)
+    ctx = ctx or launch.init(cfg.train.device, timeout_s=cfg.train.timeout, hang_s=cfg.train.hang_threshold)
     try:
         return _train(cfg, ctx)
+    except Exception as e:
+        if ctx.doctor is not None and ctx.doctor.verdict_given():  # a consequence: the finder's line says why
+            raise HangFound(f"rank {ctx.rank}: ended by the hang doctor ({type(e).__name__}: {e})") from e
+        raise
     finally:
         if own:
             ctx.close()
@@ -158,7 +164,7 @@ def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
 def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     t = cfg.train
     mesh = preflight(cfg, ctx.world_size)  # on every rank, so bad input fails everywhere, not as a hang
-    dist.barrier()  # nobody writes to OUT before every rank has checked it
+    barrier("check OUT before writing")  # nobody writes to OUT before every rank has checked it
     ranks = mesh.build(t.timeout)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
@@ -189,11 +195,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     metrics_file = _open_metrics(out / "metrics.jsonl", first - 1 if continuing else 0) if ctx.is_main else None
     bar = tqdm(total=t.steps, initial=first - 1, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
                file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    dist.barrier()
+    barrier("start the clock")
     tracer.start()  # after the barrier, so every rank's t=0 is (nearly) the same instant
     try:
         for step in range(first, t.steps + 1):
             tracer.set_step(step)
+            LEDGER.step = step
             first_span = len(tracer.spans)
             start = time.perf_counter()
             x, y = loader.shard(step - 1)
@@ -302,7 +309,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
-    dist.barrier()
+    barrier("finish the run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
+    except HangFound:
+        return 1  # the rank that found the hang printed the one line; the launcher's last line names the rank
     except NonFiniteLoss as e:
         if main_rank:
             print(f"fourfold train: error: {e}", file=sys.stderr)

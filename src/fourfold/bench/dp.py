@@ -271,8 +271,7 @@ def _span_figures(spans: list[Any]) -> list[float]:
 
 def _run(ns: argparse.Namespace) -> None:
     """One rank: every workload, every variant interleaved; rank 0 reports."""
-    import torch.distributed as dist
-
+    from fourfold.comm.wait import barrier
     from fourfold.mesh import Mesh
 
     ctx, say, started, load_before = start_rank("[bench dp]", ns.timeout)
@@ -286,7 +285,7 @@ def _run(ns: argparse.Namespace) -> None:
             print(_table(workloads[-1]), flush=True)
     if main_rank:
         _report(ns, g, workloads, time.monotonic() - started, load_before)
-    dist.barrier()
+    barrier("finish the benchmark")
     ctx.close()
 
 
@@ -295,10 +294,12 @@ def _measure(w: Workload, ns: argparse.Namespace, ranks: Any, say: Callable[...,
     import torch
     import torch.distributed as dist
 
+    from fourfold.comm.wait import barrier
+
     replicas = [_replica(v, w, ns.lr, ranks, ns.timeout) for v in ns.variants]
     params = sum(p.numel() for p in replicas[0].params)
     say(f"{w.describe}: {params / 1e6:.2f} M parameters, {format_bytes(params * 4)} of float32 gradients")
-    dist.barrier()
+    barrier("start the timed rounds")
     for r in replicas:
         r.tracer.start()
     grads: dict[str, list[torch.Tensor]] = {}

@@ -135,11 +135,13 @@ def timed_rounds(steps: Sequence[Callable[[Any, Any, int], object]], batch: Call
     import torch
     import torch.distributed as dist
 
+    from fourfold.comm.wait import barrier
+
     elapsed = torch.zeros(len(steps), rounds, dtype=torch.float64)  # (variants, rounds): this rank's seconds
     for it in range(warmup + rounds):
         x, y = batch(it)  # the same batch for every variant this round
         for j in [(it + k) % len(steps) for k in range(len(steps))]:
-            dist.barrier()
+            barrier("line up a timed round")
             t0 = time.perf_counter()
             steps[j](x, y, it)
             if it >= warmup:

@@ -211,9 +211,11 @@ def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
     import torch
     import torch.distributed as dist
 
+    from fourfold.comm.wait import barrier
+
     header, payload, times = torch.zeros(_HEADER_INTS, dtype=torch.int64), torch.zeros(shape), []
     for _ in range(reps + 3):
-        dist.barrier()
+        barrier("line up a timed exchange")
         t0 = time.perf_counter()
         if rank < 2:
             for sender in (0, 1):  # 0 -> 1, then back
@@ -227,8 +229,7 @@ def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
 
 def _run(ns: argparse.Namespace) -> None:
     """One rank: build every variant, run the rounds interleaved, check step 1; rank 0 reports."""
-    import torch.distributed as dist
-
+    from fourfold.comm.wait import barrier
     from fourfold.data import BatchLoader, load_corpus
     from fourfold.mesh import Mesh
     from fourfold.models import TinyGPT
@@ -264,7 +265,7 @@ def _run(ns: argparse.Namespace) -> None:
                 f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}), worst gradient "
                 f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
 
-    dist.barrier()
+    barrier("compare the variants")
     for v in variants:
         if v.tracer is not None:
             v.tracer.start()
@@ -280,7 +281,7 @@ def _run(ns: argparse.Namespace) -> None:
     if rank == 0:
         print(_table(result), flush=True)
         _report(ns, result, time.monotonic() - started, load_before)
-    dist.barrier()
+    barrier("finish the benchmark")
     ctx.close()
 
 
@@ -329,15 +330,13 @@ def _row(v: _Variant, times: dict[str, Any], timed: range, p: int, m: int, comm_
 
 def _bubble(v: _Variant, timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
     """Measured (trace), the runtime's own, simulated and textbook bubbles of a fourfold variant. A collective."""
-    import torch.distributed as dist
-
+    from fourfold.comm.wait import gather_objects
     from fourfold.parallel.schedule import make_schedule, simulate, theory_bubble
 
     origin = v.tracer.origin_ns  # perf_counter_ns is one clock for every process of a machine: times compare
     mine = [(s.rank, s.kind, s.name, s.args.get("what"), s.args.get("stage"), s.microbatch, s.step,
              s.start_ns + origin, s.end_ns + origin) for s in v.tracer.spans if s.step in timed]
-    every: list[Any] = [None] * p
-    dist.all_gather_object(every, mine)
+    every = gather_objects(mine, op="gather the timed spans")
     spans = [s for got in every for s in got]
     busy = [[0] * len(timed) for _ in range(p)]  # (p, rounds): F and B time, ns
     first, last = [min(s[7] for s in spans if s[6] == it) for it in timed], [0] * len(timed)

@@ -348,6 +348,7 @@ def _checks(variants: list[_Variant], rank: int, p: int) -> list[dict[str, Any]]
     import torch
     import torch.distributed as dist
 
+    from fourfold.comm.wait import gather_objects
     from fourfold.parallel.tensor import REPLICATED, shard
 
     ref = variants[0].probe
@@ -364,8 +365,7 @@ def _checks(variants: list[_Variant], rank: int, p: int) -> list[dict[str, Any]]
         where.append(name)
     every = [torch.empty_like(worst) for _ in range(p)]
     dist.all_gather(every, worst)
-    names: list[list[str]] = [[] for _ in range(p)]
-    dist.all_gather_object(names, where)  # each rank's worst parameter per variant
+    names: list[list[str]] = gather_objects(where, op="gather each rank's worst parameter per variant")
     stacked = torch.stack(every)  # (p, variants, 2)
     out = []
     for i, v in enumerate(variants):
@@ -403,9 +403,9 @@ def _memory(v: _Variant, single: _Variant) -> dict[str, Any]:
 
 def _run(ns: argparse.Namespace) -> None:
     """One rank: every workload, every variant interleaved; rank 0 reports."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fourfold.comm.wait import barrier
     from fourfold.mesh import Mesh
 
     ctx, say, started, load_before = start_rank("[bench tp]", ns.timeout)
@@ -420,7 +420,7 @@ def _run(ns: argparse.Namespace) -> None:
             print(_table(workloads[-1], p), flush=True)
     if main_rank:
         _report(ns, p, workloads, time.monotonic() - started, load_before)
-    dist.barrier()
+    barrier("finish the benchmark")
     ctx.close()
 
 

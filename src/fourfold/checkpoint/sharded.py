@@ -27,6 +27,7 @@ from fourfold.checkpoint.store import (
     read_manifest,
     sha256_file,
 )
+from fourfold.comm.wait import gather_objects
 from fourfold.files import atomic_path, write_text_atomic
 
 __all__ = ["load", "save"]
@@ -37,12 +38,8 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
-    return everyone
+def _gather(obj: Any, op: str) -> list[Any]:
+    return gather_objects(obj, op=op) if dist.is_initialized() else [obj]
 
 
 def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
@@ -100,7 +97,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         torch.save({"tensors": tensors, "rng": rng}, tmp)
     mine = {"file": name, "bytes": (where / name).stat().st_size, "sha256": sha256_file(where / name),
             "meta": meta, "aliases": _aliases(engine)}
-    everyone = _gather(mine)
+    everyone = _gather(mine, "checkpoint save: gather the piece tables")
     if rank == 0:
         located: dict[str, dict[str, Any]] = {}
         for got in everyone:
@@ -115,7 +112,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
                     "aliases": aliases, "pieces": located}
         write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n")
         prune(Path(root), keep)
-    _gather(None)  # a barrier: the checkpoint exists (manifest written) on return, on every rank
+    _gather(None, "checkpoint save: wait for every rank's files")  # a barrier: the checkpoint exists (manifest written) on return, on every rank
     return where
 
 
@@ -223,7 +220,7 @@ def _check_model(engine: Any, pieces: dict[str, Any], where: Path) -> None:
         layout = engine.layouts.get(name, REPLICATED)
         mine[name] = (_global_shape(t.shape, layout, mesh.tp), str(t.dtype).removeprefix("torch."))
     model: dict[str, Any] = {}
-    for got in _gather(mine):
+    for got in _gather(mine, "checkpoint load: gather the model table"):
         model.update(got)
     saved = {k[len("model/"):-2]: (v["shape"], v["dtype"]) for k, v in pieces.items()
              if k.startswith("model/") and k.endswith("#0")}

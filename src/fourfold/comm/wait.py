@@ -7,15 +7,29 @@ names this rank, the operation and the peer it was waiting for.
 
 ``awaited`` reads as a sentence before ``rank <peer>`` ("send to", "receive the gradient of ... from"); with no
 peer (a collective), it names the operation and the group's ranks.
+
+Every wait enters this process's ledger (:mod:`fourfold.comm.ledger`) first, so the hang doctor
+(:mod:`fourfold.comm.doctor`) can see it; when the wait times out, the doctor's account of the ranks that never
+arrived is added to the error.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["CommError", "bounded_wait"]
+import torch
+import torch.distributed as dist
+
+from fourfold.comm.ledger import LEDGER
+
+__all__ = ["CommError", "barrier", "bounded_wait", "default_timeout_s", "gather_objects", "group_ranks",
+           "set_default_timeout"]
+
+_DEFAULT_TIMEOUT_S = [120.0]
+_EXPLAIN: list[Callable[[Any], str]] = []  # the running doctor's explain(), if any
 
 HINT = ("The peer is dead, stuck, or running a different operation; its own error (if any) says which.")
 
@@ -24,17 +38,86 @@ class CommError(RuntimeError):
     """A send, receive or collective that did not complete within the timeout (peer dead, stuck, out of step)."""
 
 
+def set_default_timeout(timeout_s: float) -> None:
+    """The timeout of waits that are not handed one (tensor-parallel collectives); set by ``launch.init``."""
+    _DEFAULT_TIMEOUT_S[0] = timeout_s
+
+
+def default_timeout_s() -> float:
+    return _DEFAULT_TIMEOUT_S[0]
+
+
+def set_explainer(explain: Callable[[Any], str] | None) -> None:
+    """Install (or remove, with None) the doctor whose account of a stuck wait joins its :class:`CommError`."""
+    _EXPLAIN.clear()
+    if explain is not None:
+        _EXPLAIN.append(explain)
+
+
+_RANKS: dict[Any, tuple[int, ...]] = {}
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the whole world), cached."""
+    if group not in _RANKS:
+        _RANKS[group] = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return _RANKS[group]
+
+
 def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: str, peer: int | None = None,
-                 group_ranks: Sequence[int] | None = None, hint: str = HINT) -> None:
+                 group_ranks: Sequence[int] | None = None, hint: str = HINT,
+                 tensor: torch.Tensor | None = None) -> None:
     """Wait for ``work`` (a ``dist.Work``) at most ``timeout_s`` seconds, or raise :class:`CommError` naming
-    ``rank``, ``op`` and ``peer`` (or ``group_ranks`` for a collective). ``None`` work (nothing posted) returns."""
+    ``rank``, ``op`` and ``peer`` (or ``group_ranks`` for a collective). ``None`` work (nothing posted) returns.
+    ``tensor`` (optional) gives the ledger the shape and dtype moved."""
     if work is None:
         return
+    entry = LEDGER.enter(op, awaited, peer=peer, group=group_ranks if peer is None else None, tensor=tensor)
     try:
         work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
     except RuntimeError as e:
         who = f" rank {peer}" if peer is not None else (
             f" ranks {list(group_ranks)}" if group_ranks is not None else "")
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        waited = time.time() - entry.since
+        if waited < 0.9 * timeout_s:  # not a timeout: the connection broke (a peer exited or was killed)
+            raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: a peer's connection "
+                            f"broke. {hint} [{cause}]") from e
         raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {timeout_s:g} s. {hint} "
-                        f"[{cause}]") from e
+                        f"{_explain(entry)}[{cause}]") from e
+    finally:
+        LEDGER.leave(entry)
+
+
+def _explain(entry: Any) -> str:
+    if not _EXPLAIN:
+        return ""
+    try:
+        text = _EXPLAIN[0](entry)
+    except Exception:  # the store is gone too: the error stands without the doctor's account
+        return ""
+    return f"Hang doctor: {text} " if text else ""
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str) -> list[Any]:
+    """``dist.all_gather_object`` under the ledger: every rank's ``obj``, in group-rank order. Bounded by the
+    process group's timeout (``--timeout``); the doctor sees the wait like any other."""
+    ranks = group_ranks(group)
+    everyone: list[Any] = [None] * len(ranks)
+    entry = LEDGER.enter(op, "gather objects from the group of", group=ranks)
+    try:
+        dist.all_gather_object(everyone, obj, group=group)
+    except RuntimeError as e:
+        raise CommError(f"rank {dist.get_rank()}: {op}: gather objects from the group of ranks {list(ranks)} "
+                        f"failed. {HINT} {_explain(entry)}[{str(e).splitlines()[0] if str(e) else e!r}]") from e
+    finally:
+        LEDGER.leave(entry)
+    return everyone
+
+
+def barrier(op: str, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.barrier`` through the bounded, named wait: ``op`` says what the ranks are lining up for."""
+    ranks = group_ranks(group)
+    if len(ranks) > 1:
+        bounded_wait(dist.barrier(group=group, async_op=True), default_timeout_s(), rank=dist.get_rank(), op=op,
+                     awaited="line up with the ranks", group_ranks=ranks)

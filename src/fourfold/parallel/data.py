@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.observe.trace import Tracer
 
 __all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "sync_gradients"]
@@ -266,8 +266,7 @@ def _check_same_layout(named: list[tuple[str, nn.Parameter]], comm: Communicator
     if comm.size == 1:
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-    everyone: list[Any] = [None] * comm.size
-    dist.all_gather_object(everyone, mine, group=comm.group)
+    everyone = gather_objects(mine, comm.group, op="compare the replicas' parameters")
     reference = dict((n, rest) for n, *rest in everyone[0])
     for r, layout in enumerate(everyone[1:], start=1):
         theirs = dict((n, rest) for n, *rest in layout)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.trace import Tracer
@@ -413,8 +413,7 @@ def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: d
                   ) -> dict[str, torch.Tensor]:
     """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
     (so in the model's key order, interleaved stages included), on every rank of ``group``. A collective."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, list(parts), group=group)
+    everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict")
     out: dict[str, torch.Tensor] = {}
     for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
         out.update(part)

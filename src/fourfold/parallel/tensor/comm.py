@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from fourfold.comm.wait import bounded_wait, default_timeout_s, group_ranks
 from fourfold.observe.trace import Tracer
 
 __all__ = [
@@ -66,6 +67,13 @@ def _span(tracer: Tracer | None, op: str, t: torch.Tensor, phase: Phase, site: s
                        numel=t.numel())
 
 
+def _wait(work: Any, name: str, t: torch.Tensor, group: Group, phase: Phase, site: str) -> None:
+    """Every tensor-parallel collective ends in the one bounded, named wait (and in the hang doctor's ledger)."""
+    bounded_wait(work, default_timeout_s(), rank=dist.get_rank(), op=f"tensor-parallel {name} in {phase}"
+                 f"{f' of {site}' if site else ''}", awaited="the tensor-parallel group of",
+                 group_ranks=group_ranks(group), tensor=t)
+
+
 def _chunk(n: int, p: int, dim: int, what: str) -> int:
     if n % p:
         raise ValueError(f"{what} dimension {dim} must be divisible by tp, got {n} and {p}. Pad it to "
@@ -80,7 +88,7 @@ def all_reduce(x: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = d
         return x
     out = x.clone(memory_format=torch.contiguous_format)
     with _span(tracer, "all_reduce", out, phase, site):
-        dist.all_reduce(out, op=op, group=group)
+        _wait(dist.all_reduce(out, op=op, group=group, async_op=True), "all-reduce", out, group, phase, site)
     return out
 
 
@@ -93,7 +101,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None
     front = x.movedim(dim, 0).contiguous()  # the collective lays the ranks' pieces out along dim 0
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
     with _span(tracer, "all_gather", front, phase, site):
-        _all_gather_single(out, front, group=group)
+        _wait(_all_gather_single(out, front, group=group, async_op=True), "all-gather", front, group, phase, site)
     return out.movedim(0, dim)
 
 
@@ -106,7 +114,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | 
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((_chunk(front.shape[0], p, dim, "reduce-scattered"), *front.shape[1:]))
     with _span(tracer, "reduce_scatter", front, phase, site):
-        _reduce_scatter_single(out, front, group=group)
+        _wait(_reduce_scatter_single(out, front, group=group, async_op=True), "reduce-scatter", front, group, phase,
+              site)
     return out.movedim(0, dim)
 
 

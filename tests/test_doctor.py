@@ -1,0 +1,114 @@
+"""The hang doctor's reasoning (:func:`fourfold.comm.doctor.diagnose`) on hand-made heartbeats, and its account
+inside a timed-out wait's error on real ranks. (A stopped rank in a launched run, per layout: test_faults.py.)
+
+Reading a failure: a wrong culprit means the chain of waits was followed wrongly (a rank that arrived in the same
+collective counted as missing, or a waiting rank not followed to the rank it waits for).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fourfold.comm.doctor import diagnose
+from fourfold.comm.ledger import Ledger, describe
+from fourfold.comm.wait import CommError, bounded_wait
+from fourfold.testing import run_ranks
+
+NOW = 1000.0
+
+
+def _wait(op: str, *, group=None, peer=None, seq=1, since=NOW - 12, awaited="receive from"):
+    return {"op": op, "awaited": awaited, "peer": peer, "group": group, "seq": seq, "shape": [2, 8],
+            "dtype": "float64", "since": since}
+
+
+def _beat(now=None, *, last=None, step=3, stack="train.py:200 _train"):
+    return {"n": 7, "t": NOW, "host": "h", "pid": 1, "step": step, "now": now, "last": last,
+            "idle_since": NOW - 5, "stack": "" if now else stack}
+
+
+def test_a_stopped_rank_is_found_and_its_last_entry_named():
+    me = _wait("loss all-reduce", group=[0, 1], seq=7)
+    beats = {1: _beat(last=_wait("bucket 0", group=[0, 1], seq=6, since=NOW - 20))}
+    f = diagnose(0, me, beats, {1: 11.0}, hang_s=10, now=NOW)
+    assert f is not None and f.fatal and f.faulty == [1] and f.stopped == [("h", 1)]
+    assert "rank 1 never entered it: it is stopped (no heartbeat for 11.0 s" in f.line
+    assert "'bucket 0' (collective #6 of ranks [0, 1]" in f.line and "at step 3" in f.line
+    assert f.summary.startswith("rank 1 is stopped (no heartbeat for 11 s; last computing at step 3)")
+
+
+def test_the_chain_of_waits_is_followed_to_the_stopped_rank():
+    me = _wait("0B2", peer=1)                                    # 0 waits for 1
+    beats = {1: _beat(_wait("1B2", peer=2, since=NOW - 11)),     # 1 waits for 2 ...
+             2: _beat(_wait("2F3", peer=3, since=NOW - 20)),     # 2 waits for 3 ...
+             3: _beat()}                                         # ... which is stopped
+    f = diagnose(0, me, beats, {3: 12.0}, hang_s=10, now=NOW)
+    assert f is not None and f.faulty == [3]
+    assert f.line.index("rank 1 never entered") < f.line.index("rank 2 never entered") < f.line.index(
+        "rank 3 never entered it: it is stopped")
+
+
+def test_ranks_waiting_on_each_other_are_a_deadlock():
+    me = _wait("all-reduce A", group=[0, 1], seq=4)
+    beats = {1: _beat(_wait("all-reduce B", group=[1, 0, 2], seq=2, since=NOW - 11)),
+             2: _beat(_wait("all-reduce B", group=[1, 0, 2], seq=2, since=NOW - 11))}
+    f = diagnose(0, me, beats, {}, hang_s=10, now=NOW)
+    assert f is not None and f.fatal and f.faulty == [0, 1]  # 1 waits in B for 0, which waits in A for 1
+    assert "rank 0 and rank 1 are in a deadlock" in f.line
+    assert f.summary.startswith("ranks 0 and 1 are deadlocked in 'all-reduce A' and 'all-reduce B'")
+
+
+def test_arrived_ranks_are_not_blamed_and_a_computing_rank_is_slow_not_hung():
+    me = _wait("loss all-reduce", group=[0, 1, 2], seq=5)
+    arrived = _beat(_wait("loss all-reduce", group=[0, 1, 2], seq=5, since=NOW - 11))
+    assert diagnose(0, me, {1: arrived, 2: arrived}, {}, hang_s=10, now=NOW) is None
+    f = diagnose(0, me, {1: arrived, 2: _beat()}, {}, hang_s=10, now=NOW)
+    assert f is not None and not f.fatal
+    assert "rank 2 has not entered it yet: it is computing" in f.line and "train.py:200 _train" in f.line
+
+
+def test_a_rank_that_never_started_or_left_is_named():
+    me = _wait("recv", peer=1)
+    assert diagnose(0, me, {1: None}, {}, hang_s=10, now=NOW).faulty == [1]
+    f = diagnose(0, me, {1: {"exited": True, "n": 3}}, {}, hang_s=10, now=NOW)
+    assert f.faulty == [1] and "has left the run" in f.line
+
+
+def test_the_ledger_numbers_waits_per_group_and_names_shape_and_dtype():
+    ledger = Ledger()
+    ledger.reset(rank=2)
+    a = ledger.enter("x", "the group of", group=(0, 2), tensor=torch.zeros(3, 4))
+    ledger.leave(a)
+    b = ledger.enter("y", "the group of", group=(0, 2))
+    assert (a.seq, b.seq, ledger.current) == (1, 2, b)
+    assert describe(a.as_dict()) == "'x' (collective #1 of ranks [0, 2], float32[3, 4])"
+    ledger.leave(b)
+    assert ledger.current is None and ledger.last is b
+
+
+def _late_peer(ctx):
+    """Rank 1 computes (sleeps) past rank 0's timeout; rank 0's error carries the doctor's account."""
+    t = torch.ones(4)
+    if ctx.rank == 1:
+        time.sleep(6)
+        return "slept"
+    time.sleep(1.5)  # rank 1's doctor has beaten while sleeping
+    try:
+        bounded_wait(dist.all_reduce(t, async_op=True), 2.0, rank=0, op="loss all-reduce",
+                     awaited="the group of", group_ranks=[0, 1])
+    except CommError as e:
+        return str(e)
+    return "completed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_timed_out_wait_says_what_the_missing_rank_is_doing():
+    message, _ = run_ranks(_late_peer, 2, timeout_s=60, dist_timeout_s=30)
+    assert "did not complete within 2 s" in message, message
+    assert "Hang doctor:" in message and "rank 1 has not entered it yet: it is computing" in message, message
+    assert "_late_peer" in message, message  # its stack

@@ -1,0 +1,88 @@
+"""The fault suite (``pytest -m faults``; part of ``make test``): for each layout (dp, tp, pp, dp x tp x pp), a
+launched ``fourfold train`` with one rank
+
+* SIGKILLed mid-run with ``--max-restarts 1``: the run comes back from its last checkpoint by itself and its
+  metrics equal the uninterrupted run's (float64, 1e-10);
+* SIGSTOPped mid-run: the hang doctor ends the job within ``--hang-threshold`` + 10 s, and the launcher's last
+  line names the stopped rank; the rank that found it names the operation it waited in.
+
+Reading a failure: a restarted run whose losses differ means the checkpoint lost state (see test_checkpoint.py);
+a stopped run that outlives the limit means the doctor did not look (its heartbeat thread died, or the wait
+never entered the ledger) or the launcher did not kill the stopped rank (torchrun alone waits 30 s).
+(SIGKILL during a checkpoint save: test_checkpoint.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from fourfold import train as train_mod
+from helpers import TOL64, launched, losses, rank_of, rows, wait_for_rows, workers
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux /proc")]
+
+SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--no-progress", "--dtype", "float64"]
+LAYOUTS = {
+    "dp": ["--nproc", "2"],
+    "tp": ["--nproc", "2", "--tp", "2"],
+    "pp": ["--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
+    "3d": ["--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
+}
+HANG_S = 3.0
+
+
+def _last_rank(launcher: int) -> tuple[int, int]:
+    """(pid, rank) of the highest rank of a launched run."""
+    ranks = {rank_of(p): p for p in workers(launcher)}
+    top = max(r for r in ranks if r is not None)
+    return ranks[top], top
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_unchanged(tmp_path, layout):
+    steps = ["--steps", "40", "--checkpoint-every", "5"]
+    ref = tmp_path / "ref"
+    assert train_mod.main([*SMALL, *steps, "--no-trace", "--out", str(ref)]) == 0
+    out = tmp_path / "killed"
+    with launched([*SMALL, *steps, *LAYOUTS[layout], "--max-restarts", "1", "--out", str(out)]) as proc:
+        wait_for_rows(out, 8, proc)
+        pid, _ = _last_rank(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    run = json.loads((out / "run.json").read_text())
+    assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 5, run
+    assert [r["step"] for r in rows(out)] == list(range(1, 41))
+    got, want = losses(out), losses(ref)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL64
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_threshold(tmp_path, layout):
+    out = tmp_path / "stopped"
+    argv = [*SMALL, "--steps", "100000", "--no-trace", "--hang-threshold", str(HANG_S), *LAYOUTS[layout],
+            "--out", str(out)]
+    with launched(argv) as proc:
+        wait_for_rows(out, 3, proc)
+        pid, victim = _last_rank(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        output, _ = proc.communicate(timeout=HANG_S + 60)
+        took = time.monotonic() - stopped
+    assert proc.returncode == 1, output
+    assert took <= HANG_S + 10, f"the job took {took:.1f} s to end after rank {victim} stopped:\n{output}"
+    last = output.strip().splitlines()[-1]
+    assert f"rank {victim} is stopped" in last and last.startswith("fourfold: hang:"), output
+    found = [line for line in output.splitlines() if "has waited" in line and "never entered it" in line]
+    assert len(found) == 1, output  # one rank reports; the others end quietly
+    assert f"rank {victim} never entered it: it is stopped" in found[0], found[0]
