@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -358,3 +359,16 @@ def test_schedule_command_refuses_what_cannot_run(capsys):
     with pytest.raises(SystemExit):
         main(["--schedule", "1f1b", "--microbatchs", "6"])
     assert "Did you mean '--microbatches'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--schedule", "1f1b", "--f", "inf"])
+    assert "--f must be a finite time, got inf" in capsys.readouterr().err
+
+
+def test_schedule_command_refuses_huge_sizes_at_once(capsys):
+    from fourfold.cli.schedule import main
+
+    start = time.perf_counter()
+    with pytest.raises(SystemExit):
+        main(["--schedule", "all", "--pp", "64", "--microbatches", "4096"])
+    assert "makes 1,572,864 actions to place and draw" in capsys.readouterr().err
+    assert time.perf_counter() - start < 1

@@ -70,6 +70,43 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     assert train_mod.main([*args, "--overwrite"]) == 0
 
 
+def test_an_overwrite_run_keeps_the_earlier_run_aside_until_it_finishes(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--steps", "2", "--out", str(out), "--no-trace", "--dtype", "float64", *SMALL]
+    assert train_mod.main(args) == 0
+    first = (out / "metrics.jsonl").read_text()
+    assert train_mod.main([*args, "--overwrite", "--lr", "1e300"]) == 1  # crashes at a NaN loss
+    aside = list(out.glob(".replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == first  # the earlier run, whole
+    assert not (out / "model.pt").exists()  # and nothing of it mixed with the crashed run's files
+    assert "is kept in .replaced-" in capsys.readouterr().err
+    assert train_mod.main([*args, "--overwrite"]) == 0
+    assert not list(out.glob(".replaced-*")) and (out / "model.pt").exists()
+
+
+def test_an_out_under_a_file_is_refused_before_start(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    assert train_mod.main(["--out", str(tmp_path / "file" / "run"), "--steps", "1", *SMALL]) == 2
+    assert "which is under the file" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a free port that nobody will join
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    argv = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
+            "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    assert train_mod.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "machine 0 of 2: waiting up to 2 s for the others" in err
+    assert "not every machine joined within 2 s" in err
+    assert time.perf_counter() - start < 30
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3"], "batch_size must be divisible by dp, got batch_size=8, dp=3. Pass --batch-size 9"),
     (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),
@@ -80,6 +117,7 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--microbatches", "1"], "microbatches"),
     (["--strategy", "model"], "strategy 'model' places layers on pipeline ranks, got pp=1"),
     (["--nproc", "2", "--tp", "2", "--n-head", "3", "--d-model", "33"], "divisible by tp"),
+    (["--vocab-size", "100"], "byte tokenizer makes tokens 0..255, got vocab_size=100. Pass --vocab-size 256"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
     start = time.perf_counter()
@@ -114,15 +152,8 @@ LOOPBACK = {"0100007F",                                     # 127.0.0.1
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc to list sockets")
-@pytest.mark.timeout(180)
-def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_only(tmp_path):
-    common = ["--steps", "3", "--dtype", "float64", *SMALL]
-    one = tmp_path / "one"
-    assert train_mod.main([*common, "--out", str(one)]) == 0
-
-    two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--allreduce", "ring", *common, "--out",
-           str(two)]
+def _run_listening_on_loopback_only(cmd: list[str]) -> str:
+    """Run ``cmd`` to its end, watching the listening sockets of its process tree; its output."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[str] = set()
     try:
@@ -135,6 +166,27 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     assert proc.returncode == 0, output
     assert seen, "no listening socket was observed during the run"
     assert seen <= LOOPBACK, f"a single-machine run listened beyond loopback: {seen - LOOPBACK}"
+    return output
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_by_hand_with_the_loopback_rendezvous_listens_on_loopback_only(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+           "fourfold-loopback", "--rdzv-endpoint", "127.0.0.1:0", "-m", "fourfold.train", "--steps", "2",
+           "--no-trace", *SMALL, "--out", str(tmp_path / "run")]
+    assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in _run_listening_on_loopback_only(cmd)
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_only(tmp_path):
+    common = ["--steps", "3", "--dtype", "float64", *SMALL]
+    one = tmp_path / "one"
+    assert train_mod.main([*common, "--out", str(one)]) == 0
+
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--allreduce", "ring", *common, "--out",
+           str(two)]
+    output = _run_listening_on_loopback_only(cmd)
     assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in output
     a, b = _losses(one), _losses(two)
     assert len(b) == 3

@@ -142,6 +142,8 @@ class LaunchConfig:
     node_rank: int = field(default=0, metadata=_help("this machine's index, 0..nnodes-1"))
     rdzv_endpoint: str | None = field(default=None, metadata=_help(
         "host:port of the rendezvous, required when nnodes > 1"))
+    rdzv_timeout: int = field(default=300, metadata=_help(
+        "with nnodes > 1: seconds to wait for the other machines to join before giving up"))
     max_restarts: int = field(default=0, metadata=_help(
         "restart every rank this many times when one fails; a restarted run resumes from OUT's newest "
         "checkpoint (see --checkpoint-every)"))
@@ -149,6 +151,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got max_restarts={self.max_restarts}.")
+        if self.rdzv_timeout < 1:
+            raise ValueError(f"rdzv_timeout must be >= 1 second, got rdzv_timeout={self.rdzv_timeout}.")
         if self.nproc < 1 or self.nnodes < 1:
             raise ValueError(f"nproc and nnodes must be >= 1, got nproc={self.nproc}, nnodes={self.nnodes}.")
         if not 0 <= self.node_rank < self.nnodes:

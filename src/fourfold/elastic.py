@@ -18,15 +18,18 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import DistError, PrefixStore, Store
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -38,7 +41,7 @@ from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.config import LaunchConfig
 from fourfold.launch import loopback_store
 
-__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "launch_workers", "torchrun_args"]
+__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "launch_workers", "loopback_handler", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
@@ -87,6 +90,12 @@ def _create_loopback(params: RendezvousParameters) -> RendezvousHandler:
     return LoopbackRendezvous(params.run_id, float(params.config.get("timeout", 600)))
 
 
+def loopback_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The entry point (group ``torchrun.handlers``) that lets a hand-run torchrun use the loopback rendezvous:
+    ``torchrun --rdzv-backend fourfold-loopback --rdzv-endpoint 127.0.0.1:0 --nproc-per-node N ...``."""
+    return _create_loopback
+
+
 def _register() -> None:
     try:
         rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback)
@@ -104,7 +113,7 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
     else:
         assert launch.rdzv_endpoint  # LaunchConfig refuses nnodes > 1 without one
         args += ["--rdzv-backend", "static", "--rdzv-endpoint", launch.rdzv_endpoint,
-                 "--node-rank", str(launch.node_rank)]
+                 "--node-rank", str(launch.node_rank), "--rdzv-conf", f"timeout={launch.rdzv_timeout}"]
     return [*args, "--module", module, *argv]
 
 
@@ -124,6 +133,10 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
     done = threading.Event()
     threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True).start()
+    if launch.nnodes > 1:
+        print(f"fourfold: machine {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout} s for "
+              f"the others at {launch.rdzv_endpoint} (start the same command with --node-rank 0..."
+              f"{launch.nnodes - 1} on each).", file=sys.stderr, flush=True)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
@@ -133,6 +146,12 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         print(f"fourfold: {_last_line(e, verdict)}", flush=True)
+        return 1
+    except (DistError, RendezvousError) as e:  # the machines never met: the store timed out or refused
+        print(f"fourfold: the rendezvous at {launch.rdzv_endpoint or 'loopback'} failed: not every machine joined "
+              f"within {launch.rdzv_timeout} s (nnodes={launch.nnodes}, this is node {launch.node_rank}). Start "
+              f"the others, check that the endpoint is reachable from each, or raise --rdzv-timeout. "
+              f"[{str(e).splitlines()[0] if str(e) else type(e).__name__}]", file=sys.stderr, flush=True)
         return 1
     finally:
         done.set()

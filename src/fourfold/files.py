@@ -7,16 +7,31 @@ file or the new one, never half of one.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOCK_NAME", "atomic_path", "run_lock", "write_text_atomic"]
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "move_aside", "open_metrics",
+           "run_lock", "write_text_atomic"]
 
 LOCK_NAME = ".fourfold.lock"
+OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
+REPLACED = ".replaced-"  # OUT/.replaced-<time>/: an earlier run that an --overwrite run moved aside
+
+
+def earlier_outputs(out: Path) -> list[Path]:
+    """The files and directories of an earlier run in ``out``."""
+    return sorted(p for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
+                  or p.name in ("checkpoints", "timeline.png"))
 
 
 @contextmanager
@@ -63,3 +78,51 @@ def run_lock(out: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         f.close()
+
+
+def check_writable(out: Path) -> None:
+    """OUT, or the nearest directory above it that exists, must be a writable directory."""
+    here = out.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise ValueError(f"out must be a directory, got {out}, which is under the file {here}. Pass another --out.")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"out must be writable, got {out}: {here} is not writable by this user. Pass another "
+                         "--out.")
+
+
+def move_aside(out: Path) -> Path | None:
+    """Move an earlier run's files to OUT/.replaced-<time>/, so a crash of this run never leaves a mix of two
+    runs; the directory is removed when this run finishes."""
+    earlier = earlier_outputs(out)
+    if not earlier:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=out))
+    for p in earlier:
+        p.rename(aside / p.name)
+    print(f"fourfold train: --overwrite: the earlier run in {out} is kept in {aside.name}/ until this run "
+          "finishes.", file=sys.stderr, flush=True)
+    return aside
+
+
+def drop_replaced(out: Path) -> None:
+    """Remove the earlier runs moved aside by :func:`move_aside` (called once a run in ``out`` is complete)."""
+    for aside in out.glob(f"{REPLACED}*"):
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def open_metrics(path: Path, keep_through: int) -> Any:
+    """metrics.jsonl for writing: a fresh file, or (continuing a run) its rows up to step ``keep_through``
+    kept, the rows a crashed run wrote after its checkpoint dropped, so every step appears once."""
+    if keep_through == 0 or not path.exists():
+        return open(path, "w")  # noqa: SIM115
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= keep_through:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    write_text_atomic(path, "".join(kept))
+    return open(path, "a")  # noqa: SIM115

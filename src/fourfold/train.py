@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -43,9 +42,18 @@ from fourfold.comm.doctor import HangFound
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import barrier
 from fourfold.config import Config, parse_args, without_section_flags
-from fourfold.data import BatchLoader, load_corpus
+from fourfold.data import BatchLoader, ByteTokenizer, load_corpus
 from fourfold.engine import Engine, bytes_by_axis, parallelize
-from fourfold.files import run_lock, write_text_atomic
+from fourfold.files import (
+    OUTPUTS,
+    check_writable,
+    drop_replaced,
+    earlier_outputs,
+    move_aside,
+    open_metrics,
+    run_lock,
+    write_text_atomic,
+)
 from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.gpt_plan import check_tinygpt_tp
@@ -56,7 +64,6 @@ from fourfold.parallel.schedule import pipeline_schedule
 
 __all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
 
-OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _LOCK_HELD = "FOURFOLD_OUT_LOCKED"  # set for the ranks we launch: their launcher holds OUT's lock
 
@@ -110,11 +117,15 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     out = Path(t.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
+    check_writable(out)
+    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"vocab_size must cover the data's tokens: the byte tokenizer makes tokens 0..255, got "
+                         f"vocab_size={cfg.model.vocab_size}. Pass --vocab-size {ByteTokenizer.vocab_size} (or "
+                         "more).")
     resume = resume_from(cfg)
     if resume is not None:
         check_resume(cfg, resume)
-    existing = sorted(p.name for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
-                      or p.name == "checkpoints")
+    existing = [p.name for p in earlier_outputs(out)]
     continuing = restart_count() > 0 or (resume is not None and continues_run(cfg, resume))  # its own files
     if existing and not t.overwrite and not continuing:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
@@ -183,8 +194,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     continuing = resume is not None and continues_run(cfg, resume)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if not continuing:  # a fresh run (--overwrite): the earlier run's checkpoints must not be resumed
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
+            move_aside(out)
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
@@ -192,7 +203,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
                "restarts": restart_count()}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
-    metrics_file = _open_metrics(out / "metrics.jsonl", first - 1 if continuing else 0) if ctx.is_main else None
+    metrics_file = open_metrics(out / "metrics.jsonl", first - 1 if continuing else 0) if ctx.is_main else None
     bar = tqdm(total=t.steps, initial=first - 1, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
                file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
     barrier("start the clock")
@@ -244,23 +255,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         if metrics_file is not None:
             metrics_file.close()
     _write_outputs(cfg, ctx, engine, tracer, out, result)
+    if ctx.is_main:  # this run is complete: the earlier one it replaces can go
+        drop_replaced(out)
     return result
-
-
-def _open_metrics(path: Path, keep_through: int) -> Any:
-    """metrics.jsonl for writing: a fresh file, or (continuing a run) its rows up to step ``keep_through``
-    kept, the rows a crashed run wrote after its checkpoint dropped, so every step appears once."""
-    if keep_through == 0 or not path.exists():
-        return open(path, "w")  # noqa: SIM115
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= keep_through:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by the crash
-    write_text_atomic(path, "".join(kept))
-    return open(path, "a")  # noqa: SIM115
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> TinyGPT:

@@ -16,6 +16,7 @@ against.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
     )
 
     Figure, FigureCanvasAgg = _matplotlib()  # first: its ImportError says how to install matplotlib
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
     end = max(t.makespan for t in timelines)
     heights = [t.schedule.pp + 1.2 for t in timelines]
@@ -104,15 +106,20 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
     axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
     for ax, t in zip(axes, timelines, strict=True):
         s = t.schedule
+        boxes: dict[str, tuple[list[Rectangle], list[tuple[float, float, float]]]] = {}  # op -> boxes, colours
         for r, row in enumerate(t.ranks):
             for a, start, stop in row:
-                color = _mix(_MICROBATCH_COLORS[a.microbatch % len(_MICROBATCH_COLORS)], SHADE[a.op])
-                ax.add_patch(Rectangle((start, r - 0.4), stop - start, 0.8, facecolor=color, hatch=HATCH[a.op],
-                                       edgecolor="white", linewidth=0.6))
+                rects, colors = boxes.setdefault(a.op, ([], []))
+                rects.append(Rectangle((start, r - 0.4), stop - start, 0.8))
+                colors.append(_mix(_MICROBATCH_COLORS[a.microbatch % len(_MICROBATCH_COLORS)], SHADE[a.op]))
                 label = f"{a.op}{a.microbatch}" if s.virtual == 1 else str(a)
                 if (stop - start) / end * 900 > 6.5 * len(label):  # about 900 px of axis: label if it fits
                     ax.text((start + stop) / 2, r, label, ha="center", va="center", fontsize=6.5,
                             color="white" if a.op == "F" else "black", zorder=3)
+        hatched = sum(len(rects) for rects, _ in boxes.values()) <= 2000  # more: too thin to see, slow to draw
+        for op, (rects, colors) in boxes.items():  # one collection per hatch: thousands of boxes draw at once
+            ax.add_collection(PatchCollection(rects, facecolors=colors, edgecolor="white", linewidth=0.6,
+                                              hatch=HATCH[op] if hatched else None))
         ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
         ax.set_ylim(s.pp - 0.5, -0.5)  # rank 0 on top
         ax.set_xlim(0, end * 1.005)
@@ -145,6 +152,9 @@ def _mix(color: str, white: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * white for c in rgb)  # type: ignore[return-value]
 
 
+MAX_ACTIONS = 12_000  # F, B and W actions of all ranks: above it the grid is unreadable and slow to draw
+
+
 def main(argv: list[str] | None = None) -> int:
     from fourfold.config import make_parser
 
@@ -164,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, metavar="PATH",
                         help="PNG path (default runs/schedule-NAME-pPxmM.png)")
     args = parser.parse_args(argv)
+    for flag in ("f", "b", "w", "comm"):
+        value = getattr(args, flag)
+        if not math.isfinite(value):
+            parser.error(f"--{flag} must be a finite time, got {value}.")
+    actions = args.pp * args.microbatches * max(args.virtual or 1, 2 if args.schedule in ("interleaved", "all")
+                                                else 1) * 3
+    if actions > MAX_ACTIONS:
+        parser.error(f"--pp {args.pp} x --microbatches {args.microbatches} makes {actions:,} actions to place and "
+                     f"draw; fourfold schedule shows at most {MAX_ACTIONS:,} (a bigger grid is unreadable). Pass "
+                     "fewer: the bubble formula (pp-1)/(m+pp-1) gives the big case's figure, e.g. --pp 8 "
+                     "--microbatches 32.")
     names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
     timelines = []
     for name in names:
