@@ -1,4 +1,4 @@
-"""The hang doctor's reasoning (:func:`fourfold.comm.doctor.diagnose`) on hand-made heartbeats, and its account
+"""The hang doctor's reasoning (:func:`fourfold.observe.doctor.diagnose`) on hand-made heartbeats, and its account
 inside a timed-out wait's error on real ranks. (A stopped rank in a launched run, per layout: test_faults.py.)
 
 Reading a failure: a wrong culprit means the chain of waits was followed wrongly (a rank that arrived in the same
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold.comm.doctor import diagnose
 from fourfold.comm.ledger import Ledger, describe
 from fourfold.comm.wait import CommError, bounded_wait
+from fourfold.observe.doctor import diagnose
 from fourfold.testing import run_ranks
 
 NOW = 1000.0

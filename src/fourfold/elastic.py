@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed import DistError, PrefixStore, Store
@@ -37,11 +36,11 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.config import LaunchConfig
 from fourfold.launch import loopback_store
+from fourfold.observe.doctor import VERDICT_ENV
 
-__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "launch_workers", "loopback_handler", "torchrun_args"]
+__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_workers", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
@@ -86,19 +85,13 @@ class LoopbackRendezvous(RendezvousHandler):
         return True
 
 
-def _create_loopback(params: RendezvousParameters) -> RendezvousHandler:
+def create_loopback(params: RendezvousParameters) -> RendezvousHandler:
     return LoopbackRendezvous(params.run_id, float(params.config.get("timeout", 600)))
-
-
-def loopback_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The entry point (group ``torchrun.handlers``) that lets a hand-run torchrun use the loopback rendezvous:
-    ``torchrun --rdzv-backend fourfold-loopback --rdzv-endpoint 127.0.0.1:0 --nproc-per-node N ...``."""
-    return _create_loopback
 
 
 def _register() -> None:
     try:
-        rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback)
+        rendezvous_handler_registry.register(LOOPBACK_BACKEND, create_loopback)
     except ValueError:
         pass  # registered already (a second launch in this process)
 

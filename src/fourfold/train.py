@@ -38,7 +38,6 @@ from tqdm import tqdm
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
-from fourfold.comm.doctor import HangFound
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import barrier
 from fourfold.config import Config, parse_args, without_section_flags
@@ -58,6 +57,7 @@ from fourfold.mesh import Mesh
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
+from fourfold.observe.doctor import HangFound
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.parallel.schedule import pipeline_schedule

@@ -9,7 +9,7 @@ names this rank, the operation and the peer it was waiting for.
 peer (a collective), it names the operation and the group's ranks.
 
 Every wait enters this process's ledger (:mod:`fourfold.comm.ledger`) first, so the hang doctor
-(:mod:`fourfold.comm.doctor`) can see it; when the wait times out, the doctor's account of the ranks that never
+(:mod:`fourfold.observe.doctor`) can see it; when the wait times out, the doctor's account of the ranks that never
 arrived is added to the error.
 """
 
