@@ -6,6 +6,8 @@ launched ``fourfold train`` with one rank
 * SIGSTOPped mid-run: the hang doctor ends the job within ``--hang-threshold`` + 10 s, and the launcher's last
   line names the stopped rank; the rank that found it names the operation it waited in.
 
+and, without restarts, a SIGKILLed rank is named with its signal in the launcher's last line.
+
 Reading a failure: a restarted run whose losses differ means the checkpoint lost state (see test_checkpoint.py);
 a stopped run that outlives the limit means the doctor did not look (its heartbeat thread died, or the wait
 never entered the ledger) or the launcher did not kill the stopped rank (torchrun alone waits 30 s).
@@ -86,3 +88,17 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_threshold(tmp_path,
     found = [line for line in output.splitlines() if "has waited" in line and "never entered it" in line]
     assert len(found) == 1, output  # one rank reports; the others end quietly
     assert f"rank {victim} never entered it: it is stopped" in found[0], found[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_without_restarts_is_named_with_its_signal_in_the_last_line(tmp_path):
+    out = tmp_path / "killed"
+    with launched([*SMALL, "--steps", "100000", "--no-trace", *LAYOUTS["dp"], "--out", str(out)]) as proc:
+        wait_for_rows(out, 3, proc)
+        pid, victim = _last_rank(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    last = output.strip().splitlines()[-1]
+    assert last == f"fourfold: rank {victim} was killed by signal 9 (SIGKILL); the others were stopped with it.", \
+        output
