@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import wait
+from fourfold.comm.wait import DEFAULT_TIMEOUT_S
 from fourfold.observe.doctor import DEFAULT_HANG_S, VERDICT_ENV, Doctor
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
     "resolve_device",
 ]
 
-DEFAULT_TIMEOUT_S = 120.0
-"""Seconds any collective or send/recv may wait before it fails (fourfold's default, gloo's is 30 min)."""
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 

@@ -54,18 +54,17 @@ def describe(entry: Mapping[str, Any]) -> str:
 class Ledger:
     """This process's waits: the one in progress (``current``), the one before it (``last``), and the step."""
 
-    def __init__(self) -> None:
-        self.rank = 0
+    def __init__(self, rank: int = 0) -> None:
+        self.reset(rank)
+
+    def reset(self, rank: int) -> None:
+        """Start a new run's ledger (a process group was created): nothing waited yet."""
+        self.rank = rank
         self.current: Entry | None = None
         self.last: Entry | None = None
         self.idle_since = time.time()
         self.step: int | None = None
         self._counts: dict[tuple[Any, ...], int] = {}
-
-    def reset(self, rank: int) -> None:
-        """Start a new run's ledger (a process group was created)."""
-        self.__init__()  # type: ignore[misc]
-        self.rank = rank
 
     def enter(self, op: str, awaited: str, *, peer: int | None = None, group: Sequence[int] | None = None,
               tensor: torch.Tensor | None = None) -> Entry:

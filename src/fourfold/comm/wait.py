@@ -25,11 +25,14 @@ import torch.distributed as dist
 
 from fourfold.comm.ledger import LEDGER
 
-__all__ = ["CommError", "barrier", "bounded_wait", "default_timeout_s", "gather_objects", "group_ranks",
+__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "barrier", "bounded_wait", "default_timeout_s", "gather_objects", "group_ranks",
            "set_default_timeout"]
 
-_DEFAULT_TIMEOUT_S = [120.0]
-_EXPLAIN: list[Callable[[Any], str]] = []  # the running doctor's explain(), if any
+DEFAULT_TIMEOUT_S = 120.0
+"""Seconds any collective or send/recv may wait before it fails (fourfold's default, gloo's is 30 min)."""
+
+_timeout_s = DEFAULT_TIMEOUT_S  # of waits not handed one; launch.init sets the run's --timeout
+_explain_with: Callable[[Any], str] | None = None  # the running hang doctor's explain(), if any
 
 HINT = ("The peer is dead, stuck, or running a different operation; its own error (if any) says which.")
 
@@ -40,18 +43,18 @@ class CommError(RuntimeError):
 
 def set_default_timeout(timeout_s: float) -> None:
     """The timeout of waits that are not handed one (tensor-parallel collectives); set by ``launch.init``."""
-    _DEFAULT_TIMEOUT_S[0] = timeout_s
+    global _timeout_s
+    _timeout_s = timeout_s
 
 
 def default_timeout_s() -> float:
-    return _DEFAULT_TIMEOUT_S[0]
+    return _timeout_s
 
 
 def set_explainer(explain: Callable[[Any], str] | None) -> None:
     """Install (or remove, with None) the doctor whose account of a stuck wait joins its :class:`CommError`."""
-    _EXPLAIN.clear()
-    if explain is not None:
-        _EXPLAIN.append(explain)
+    global _explain_with
+    _explain_with = explain
 
 
 _RANKS: dict[Any, tuple[int, ...]] = {}
@@ -78,7 +81,7 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
     except RuntimeError as e:
         who = f" rank {peer}" if peer is not None else (
             f" ranks {list(group_ranks)}" if group_ranks is not None else "")
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        cause = _first_line(e)
         waited = time.time() - entry.since
         if waited < 0.9 * timeout_s:  # not a timeout: the connection broke (a peer exited or was killed)
             raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: a peer's connection "
@@ -89,11 +92,15 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
         LEDGER.leave(entry)
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _explain(entry: Any) -> str:
-    if not _EXPLAIN:
+    if _explain_with is None:
         return ""
     try:
-        text = _EXPLAIN[0](entry)
+        text = _explain_with(entry)
     except Exception:  # the store is gone too: the error stands without the doctor's account
         return ""
     return f"Hang doctor: {text} " if text else ""
@@ -109,7 +116,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str)
         dist.all_gather_object(everyone, obj, group=group)
     except RuntimeError as e:
         raise CommError(f"rank {dist.get_rank()}: {op}: gather objects from the group of ranks {list(ranks)} "
-                        f"failed. {HINT} {_explain(entry)}[{str(e).splitlines()[0] if str(e) else e!r}]") from e
+                        f"failed. {HINT} {_explain(entry)}[{_first_line(e)}]") from e
     finally:
         LEDGER.leave(entry)
     return everyone

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,11 @@ def diagnose(me: int, entry: Mapping[str, Any], beats: Mapping[int, Mapping[str,
     it never beat); ``stale``: rank -> seconds since its last beat, for ranks that stopped beating. None when
     every rank needed has arrived (the transport itself is slow or stuck: ``--timeout`` decides)."""
     now = time.time() if now is None else now
-    beats = {**beats, me: {"now": dict(entry), "step": None}}  # my own wait, as the others would read it
+    mine = {"now": dict(entry), "step": None}  # my own wait, as the others would read it
+
+    def beat_of(r: int) -> Mapping[str, Any] | None:
+        return mine if r == me else beats.get(r)
+
     head = f"rank {me} has waited {now - entry['since']:.1f} s in {describe(entry)}"
     parts: list[str] = []
     faulty: list[int] = []
@@ -118,9 +122,9 @@ def diagnose(me: int, entry: Mapping[str, Any], beats: Mapping[int, Mapping[str,
     todo: list[tuple[int, Mapping[str, Any]]] = [(me, entry)]
     while todo:
         rank, wait_ = todo.pop(0)
-        missing = [r for r in _needed(rank, wait_) if not _arrived(rank, wait_, beats.get(r))]
+        missing = [r for r in _needed(rank, wait_) if not _arrived(rank, wait_, beat_of(r))]
         for r in missing:
-            beat = beats.get(r)
+            beat = beat_of(r)
             if beat is None:
                 parts.append(f"rank {r} never started (no heartbeat)")
                 faulty.append(r)
@@ -227,42 +231,39 @@ class Doctor:
             except Exception:  # the store went away (the run is ending): nothing left to watch
                 return
 
-    def read(self) -> tuple[dict[int, dict[str, Any] | None], dict[int, float]]:
-        """Every other rank's last beat, and how long the stopped ones have been silent."""
-        beats: dict[int, dict[str, Any] | None] = {}
-        stale: dict[int, float] = {}
+    def _read(self, rank: int) -> dict[str, Any] | None:
+        return json.loads(self.store.get(str(rank))) if self.store.check([str(rank)]) else None
+
+    def _silence(self, rank: int, beat: Mapping[str, Any] | None, now: float, mono: float) -> float:
+        """Seconds since ``rank`` last beat (0 for a rank that never beat or left: not a stopped one)."""
+        if beat is None or beat.get("exited"):
+            return 0.0
+        if beat.get("host") == self.host:  # one clock: the beat's own time says how old it is
+            return now - beat["t"]
+        n, first = self._seen.get(rank, (None, mono))  # another machine's clock: how long the counter stood
+        if n != beat["n"]:
+            self._seen[rank] = (beat["n"], mono)
+            first = mono
+        return mono - first
+
+    def _diagnose(self, entry: Entry) -> Finding | None:
+        """:func:`diagnose` on the beats of the ranks its chain of waits reaches, each read once, on first use:
+        one look reads a handful of keys, not one per rank of the world."""
+        beats = _OnFirstUse(self._read)
         now, mono = time.time(), time.monotonic()
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            beat = json.loads(self.store.get(str(r))) if self.store.check([str(r)]) else None
-            beats[r] = beat
-            if beat is None or beat.get("exited"):
-                continue
-            if beat.get("host") == self.host:  # one clock: the beat's own time says how old it is
-                age = now - beat["t"]
-            else:  # another machine's clock: count how long its counter has not moved
-                n, first = self._seen.get(r, (None, mono))
-                if n != beat["n"]:
-                    self._seen[r] = (beat["n"], mono)
-                    first = mono
-                age = mono - first
-            if age > STALE_S:
-                stale[r] = age
-        return beats, stale
+        stale = _OnFirstUse(lambda r: self._silence(r, beats[r], now, mono), keep=lambda age: age > STALE_S)
+        return diagnose(self.rank, entry.as_dict(), beats, stale, hang_s=self.hang_s)
 
     def explain(self, entry: Entry) -> str:
         """The doctor's account of ``entry`` (a wait of this rank), for a timed-out wait's error."""
-        beats, stale = self.read()
-        finding = diagnose(self.rank, entry.as_dict(), beats, stale, hang_s=self.hang_s or 0.0)
+        finding = self._diagnose(entry)
         return finding.line if finding else "every rank it needs is in the same operation."
 
     def _look(self) -> None:
         entry = LEDGER.current
         if not self.hang_s or entry is None or time.time() - entry.since < self.hang_s:
             return
-        beats, stale = self.read()
-        finding = diagnose(self.rank, entry.as_dict(), beats, stale, hang_s=self.hang_s)
+        finding = self._diagnose(entry)
         if finding is None or LEDGER.current is not entry:
             return
         if finding.fatal:
@@ -289,6 +290,28 @@ class Doctor:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+class _OnFirstUse(Mapping[int, Any]):
+    """rank -> ``fetch(rank)``, fetched when first asked for and kept; ranks whose value fails ``keep`` are
+    absent. Iterating it is not supported: a diagnosis asks for the ranks it needs by name."""
+
+    def __init__(self, fetch: Callable[[int], Any], keep: Callable[[Any], bool] = lambda _: True) -> None:
+        self._fetch, self._keep = fetch, keep
+        self._got: dict[int, Any] = {}
+
+    def __getitem__(self, rank: int) -> Any:
+        if rank not in self._got:
+            self._got[rank] = self._fetch(rank)
+        if not self._keep(self._got[rank]):
+            raise KeyError(rank)
+        return self._got[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("ask for ranks by name")
+
+    def __len__(self) -> int:
+        raise TypeError("ask for ranks by name")
 
 
 def _own_connection(store: dist.Store) -> dist.Store:
