@@ -16,11 +16,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing $(TORCH) (CPU build), then fourfold[dev,viz] into $(VENV) ..."
+	@echo "installing $(TORCH) (CPU build), then fourfold[dev,viz,hf] into $(VENV) ..."
 	@$(PIP) "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" || { echo "torch failed to install"; exit 1; }
-	@$(PIP) -e ".[dev,viz]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import fourfold, pytest, matplotlib" || { echo "fourfold failed to install"; exit 1; }
+	@$(PIP) -e ".[dev,viz,hf]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import fourfold, pytest, matplotlib, transformers" || { echo "fourfold failed to install"; exit 1; }
 	@touch $(STAMP)
 
 demo: $(STAMP)

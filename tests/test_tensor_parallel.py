@@ -320,8 +320,8 @@ REFUSALS = {
     "T": "sequence length must be divisible by tp with sequence parallelism, got T={seq} and tp={p}",
     "targets": "targets must be token ids in [0, {vocab})",
     "plan_name": "plan names a module the model does not have, got 'fc9'",
-    "plan_type": "TypeError: plan style 'column' shards an nn.Linear, got 'emb': Embedding",
-    "plan_style": "plan styles must be 'column', 'row' or 'vocab', got 'diagonal'",
+    "plan_type": "TypeError: plan style 'column' shards an nn.Linear (or a GPT-2 Conv1D), got 'emb': Embedding",
+    "plan_style": "plan style for 'fc1' must be one of column, column:<parts>, row, vocab, head",
     "plan_tied": "'out.weight' is tied to 'emb', which the plan shards",
 }
 

@@ -16,15 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "Mesh", "__version__", "launch", "parallelize"]
+__all__ = ["Engine", "Mesh", "Split", "SplitError", "__version__", "launch", "parallelize"]
 
 _LAZY = {"Engine": "fourfold.engine", "parallelize": "fourfold.engine", "Mesh": "fourfold.mesh",
-         "launch": "fourfold.launch"}
+         "launch": "fourfold.launch", "Split": "fourfold.parallel.pipeline.blocks",
+         "SplitError": "fourfold.parallel.pipeline.blocks"}
 
 if TYPE_CHECKING:
     from fourfold import launch
     from fourfold.engine import Engine, parallelize
     from fourfold.mesh import Mesh
+    from fourfold.parallel.pipeline.blocks import Split, SplitError
 
 
 def __getattr__(name: str) -> Any:

@@ -46,16 +46,19 @@ from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
+from fourfold.parallel.pipeline.blocks import Chain, Split, build_pieces, output_tensor, resolve_split
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import pipeline_schedule
 from fourfold.parallel.tensor import (
     Layout,
     gather_full,
+    heads,
     parameter_bytes,
     shard_layouts,
     sum_partial_grads,
     tensor_parallel,
+    vocab_parallel_cross_entropy,
 )
 
 __all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "parallelize"]
@@ -121,7 +124,7 @@ class Engine:
             result = None
             with self.tracer.span("compute", "forward"):
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
-                loss = self.loss_fn(out, targets)
+                loss = self.loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
                 loss.backward()  # bucket all-reduces start inside, as gradients become ready
             if self.dp is not None:
@@ -217,6 +220,7 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
 
 
 def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_plan: TensorPlan | None = None,
+                split: Split | None = None, example: torch.Tensor | None = None,
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, loss_fn: LossFn | None = None, balance: Balance = "params",
@@ -227,25 +231,51 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     ``mesh``: this rank's :class:`RankMesh` (``Mesh(...).build()``), a :class:`Mesh` (built here: a
     collective), or None for one process. Every rank calls it alike, with a model built the same way (same
     config, same seed). ``model`` is taken apart: use the engine, not the model, afterwards.
+
+    ``model``: TinyGPT, an ``nn.Sequential``, a Hugging Face GPT-2 / Llama causal LM (their plans and splits
+    are fourfold's), or your own module with ``tp_plan`` (``{module path: style}``, wildcards allowed) and
+    ``split`` (:class:`~fourfold.parallel.pipeline.blocks.Split`, checked on ``example`` against
+    ``model(example)`` before anything is cut). ``loss_fn(logits, targets)``: default the mean cross-entropy;
+    under tensor parallelism its vocabulary-parallel twin reads split logits, while a ``loss_fn`` of yours is
+    given them whole (gathered).
     """
+    from fourfold.models import family_of
+
     ranks = _rank_mesh(mesh, timeout_s)
     m = ranks.mesh
     tracer = tracer if tracer is not None else Tracer(ranks.rank, enabled=False)
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
+    family = family_of(model)
+    if m.tp > 1 and family is not None and family.check is not None:
+        family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
+    # 0. the pipeline's pieces, found and checked against model(example) on the whole model
+    pieces, examples = None, None
+    if m.pp > 1:
+        split = split if split is not None else (family.split(model) if family and family.split else None)
+        if split is not None:
+            found = family.examples(model) if family and family.examples and example is None else None
+            examples = found or ([example, torch.cat([example, example])] if example is not None else None)
+            if examples is None:
+                raise ValueError("a split is checked on an example input, got example=None. Pass "
+                                 "example=<one micro-batch of inputs> to parallelize")
+            pieces = resolve_split(model, split, examples[0])
     # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
     if m.tp > 1:
         model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
+        if family is not None and family.fixups is not None:
+            family.fixups(model, m.tp)
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
-    loss_fn = getattr(model, "loss_fn", None) or loss_fn or lm_loss
-    # 2. pipeline: cut the blocks into stages; keep this rank's.
+    loss_fn = getattr(model, "loss_fn", None) or _split_logits_loss(model, loss_fn, ranks.tp_group, tracer)
+    # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
     pipe = None
     if m.pp > 1:
         sched = pipeline_schedule(strategy, schedule, m.pp, microbatches, virtual)
-        pipe = build_pipeline(model, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
-                              loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
+        blocks: nn.Module = Chain(build_pieces(model, pieces), examples or ()) if pieces is not None else model
+        pipe = build_pipeline(blocks, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
+                              example=example, loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
     # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
     dp = None
     if m.dp > 1:
@@ -258,6 +288,22 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     partial = [p for n, p in named.items() if n in partial_names]
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s)
+
+
+def _split_logits_loss(model: nn.Module, loss_fn: LossFn | None, group: dist.ProcessGroup | None,
+                       tracer: Tracer) -> LossFn:
+    """The loss for a model whose plan has a ``"head"``: fourfold's vocabulary-parallel cross-entropy reads
+    the logits split (the head stops gathering them); a ``loss_fn`` of the user's keeps them gathered."""
+    shards = heads(model)
+    if not shards or loss_fn is not None:
+        return loss_fn or lm_loss
+    for head in shards:
+        head.gather_output = False
+
+    def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer)
+
+    return split_loss
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

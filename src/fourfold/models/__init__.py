@@ -1,10 +1,12 @@
-"""Model families and their plans, each plan beside its model: TinyGPT (``gpt``) and its tensor-parallel plan
-(``gpt_plan``). :func:`tensor_plan` is how the engine finds a model's plan."""
+"""Model families and their plans, each plan beside its model: TinyGPT (``gpt``, ``gpt_plan``), Hugging Face GPT-2
+and Llama (``hf``, with ``fourfold[hf]``), and plain ``nn.Sequential`` stacks. :func:`family_of` is how the
+engine finds a model's tensor-parallel plan, pipeline split and tp checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+import torch
 from torch import nn
 
 from fourfold.models.gpt import (
@@ -17,19 +19,84 @@ from fourfold.models.gpt import (
     TinyGPT,
     lm_loss,
 )
+from fourfold.models.hf import hf_family
+from fourfold.parallel.pipeline.blocks import Split
 
 
-def tensor_plan(model: nn.Module) -> Callable[..., nn.Module]:
-    """The tensor-parallel plan of ``model``'s family: ``fn(model, group, *, sequence_parallel, tracer)``."""
+@dataclass(frozen=True)
+class Family:
+    """What fourfold knows of a model family: its tensor-parallel ``plan`` (a ``{module: style}`` mapping, or
+    ``fn(model, group, *, sequence_parallel, tracer)``), its pipeline ``split`` (None: the model lists its
+    blocks itself), ``check(model, tp)`` run before sharding, ``fixups(model, tp)`` after, and ``examples``:
+    inputs showing the dims that may vary."""
+
+    name: str
+    plan: Callable[[nn.Module], Mapping[str, str] | Callable[..., nn.Module]] | None = None
+    split: Callable[[nn.Module], Split] | None = None
+    check: Callable[[nn.Module, int], None] | None = None
+    fixups: Callable[[nn.Module, int], None] | None = None
+    examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
+
+
+def sequential_plan(model: nn.Module) -> dict[str, str]:
+    """An ``nn.Sequential``'s plan: each Linear followed (through elementwise modules only: activations,
+    dropout) by another Linear makes a column -> row pair, Megatron's MLP; other layers stay replicated."""
+    children = list(model.named_children())
+    elementwise = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU)
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(children):
+        name, module = children[i]
+        if type(module) is nn.Linear:
+            j = i + 1
+            while j < len(children) and isinstance(children[j][1], elementwise):
+                j += 1
+            if j < len(children) and type(children[j][1]) is nn.Linear:
+                out[name], out[children[j][0]] = "column", "row"
+                i = j + 1
+                continue
+        i += 1
+    if not out:
+        raise ValueError("tensor parallelism of an nn.Sequential needs a Linear -> (activation) -> Linear pair "
+                         f"to split column -> row, got layers {[type(m).__name__ for _, m in children]}. Pass "
+                         "tp_plan={'index': 'column' | 'row' | 'vocab'} to parallelize, or tp=1")
+    return out
+
+
+def _tinygpt_plan(model: nn.Module) -> Callable[..., nn.Module]:
     from fourfold.models.gpt_plan import parallelize_tinygpt
 
-    plans: dict[type, Callable[..., nn.Module]] = {TinyGPT: parallelize_tinygpt}
-    for cls, plan in plans.items():
-        if isinstance(model, cls):
-            return plan
-    raise ValueError(f"tensor parallelism needs a plan for the model, got a {type(model).__name__} and no plan "
-                     f"for it. Pass tp_plan={{'module.name': 'column' | 'row' | 'vocab', ...}} to parallelize, "
-                     f"or tp=1.")
+    return parallelize_tinygpt
+
+
+def _hf(name: str) -> Family:
+    from fourfold.models import hf
+
+    def check(model: nn.Module, tp: int) -> None:
+        hf.check_tp(model.config, tp)  # type: ignore[union-attr]
+
+    split = hf.gpt2_split if name == "gpt2" else hf.llama_split
+    return Family(name, plan=hf.plan, split=split, check=check, fixups=hf.shard_fixups, examples=hf.examples)
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family ``model`` belongs to, or None (a model of the user's own: pass ``tp_plan`` and ``split``)."""
+    if isinstance(model, TinyGPT):
+        return Family("tinygpt", plan=_tinygpt_plan)
+    if isinstance(model, nn.Sequential):
+        return Family("sequential", plan=sequential_plan)
+    kind = hf_family(model)
+    return _hf(kind) if kind is not None else None
+
+
+def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module]:
+    """The tensor-parallel plan of ``model``'s family; refused for a model fourfold has no plan for."""
+    family = family_of(model)
+    if family is None or family.plan is None:
+        raise ValueError(f"tensor parallelism needs a plan for the model, got a {type(model).__name__} and no "
+                         "plan for it. Pass tp_plan={'module.path': 'column' | 'row' | 'vocab' | 'head', ...} "
+                         "to parallelize (wildcards: 'layers.*.mlp.up'), or tp=1.")
+    return family.plan(model)
 
 
 __all__ = [
@@ -37,9 +104,12 @@ __all__ = [
     "Block",
     "CausalSelfAttention",
     "Embedding",
+    "Family",
     "GPTConfig",
     "Head",
     "TinyGPT",
+    "family_of",
     "lm_loss",
+    "sequential_plan",
     "tensor_plan",
 ]

@@ -94,6 +94,8 @@ class Stage(nn.Module):
     def model_name(self, key: str) -> str:
         """A local state-dict key (``blocks.1.ln1.weight``) -> the model's (``blocks.3.ln1.weight``)."""
         _, position, rest = key.split(".", 2)
+        if getattr(self.blocks[int(position)], "model_names", False):  # a Piece: its keys are the model's
+            return rest
         return f"{self.names[int(position)]}.{rest}" if self.names[int(position)] else rest
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
@@ -105,6 +107,9 @@ class Stage(nn.Module):
 
 
 def _named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    named = getattr(model, "named_blocks", None)
+    if isinstance(model, nn.Module) and callable(named):  # a Chain of pieces (fourfold.Split)
+        return list(named())
     layers = getattr(model, "layers", None)
     if isinstance(model, nn.Module) and callable(layers):
         where = {id(m): name for name, m in model.named_modules()}

@@ -41,11 +41,12 @@ __all__ = [
     "Sharded",
     "Style",
     "VocabParallelEmbedding",
+    "is_conv1d",
     "shard",
     "unshard",
 ]
 
-Style = Literal["column", "row", "vocab"]
+Style = Literal["column", "row", "vocab", "head"]  # or "column:<parts>" for a fused weight
 
 
 class Layout(NamedTuple):
@@ -97,12 +98,15 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output`` [Y_1 ... Y_p] (B, T, out). ``sequence_parallel``: X arrives as this rank's sequence shard
     (B, T/p, in) and is all-gathered first (dL/dX reduce-scattered back). ``parts`` > 1: A is ``parts`` blocks
     side by side (fused q, k, v: parts=3), each split p ways, so Y_i = [X A^(1)_i ... X A^(parts)_i].
+    ``transposed``: the weight is stored as A itself, (in, out/p), as GPT-2's ``Conv1D`` keeps it, so the
+    state dict keeps the model's shapes. ``head``: this layer's output is the logits; it is gathered
+    (``gather_output``) unless the engine applies the vocabulary-parallel loss to the split logits.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True, parts: int = 1,
                  gather_output: bool = False, sequence_parallel: bool = False, tracer: Tracer | None = None,
-                 site: str = "", device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 site: str = "", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 transposed: bool = False, head: bool = False) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
         _divisible("out_features", out_features, self.tp, parts)
@@ -112,8 +116,10 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.parts = in_features, out_features, parts
         self.group, self.tracer, self.site = group, tracer, site
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.transposed, self.head = transposed, head
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features, **kw))  # (out/p, in)
+        shape = (in_features, out_features // self.tp) if transposed else (out_features // self.tp, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))  # (out/p, in), or (in, out/p) transposed
         self.bias = nn.Parameter(torch.empty(out_features // self.tp, **kw)) if bias else None
         bound = 1 / math.sqrt(in_features)  # nn.Linear's init for the full layer; use from_linear to match one
         for t in (self.weight, self.bias):
@@ -121,22 +127,23 @@ class ColumnParallelLinear(nn.Module):
                 nn.init.uniform_(t, -bound, bound)
 
     def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(0, self.parts), "bias": Layout(0, self.parts)}
+        return {"weight": Layout(1 if self.transposed else 0, self.parts), "bias": Layout(0, self.parts)}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> ColumnParallelLinear:
-        """This rank's columns of ``linear``: the sharded layer computes the same function."""
+    def from_linear(cls, linear: nn.Module, group: Group, **kw: Any) -> ColumnParallelLinear:
+        """This rank's columns of ``linear`` (an ``nn.Linear``, or a GPT-2 ``Conv1D``): the same function."""
         return _from_linear(cls, linear, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
         x = gather_sequence(x, self.group, **kw) if self.sequence_parallel else copy_to_tp(x, self.group, **kw)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/p)
+        y = _linear(x, self.weight, self.bias, self.transposed)  # (B, T, out/p)
         return gather_from_tp(y, self.group, **kw) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp}), "
-                f"parts={self.parts}, sequence_parallel={self.sequence_parallel}")
+                f"parts={self.parts}, sequence_parallel={self.sequence_parallel}"
+                + (", transposed" if self.transposed else "") + (", head" if self.head else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -145,21 +152,24 @@ class RowParallelLinear(nn.Module):
     Rank i's weight is columns [i in/p, (i+1) in/p) of W; its input X_i (B, T, in/p) is a column layer's output
     (``input_is_parallel``, the default) or cut here from a replicated X. The partial products X_i A_i are
     all-reduced (g), or with ``sequence_parallel`` reduce-scattered to this rank's (B, T/p, out) sequence shard;
-    the bias, replicated, is added once, after the reduction.
+    the bias, replicated, is added once, after the reduction. ``transposed``: the weight is stored as A,
+    (in/p, out), as GPT-2's ``Conv1D`` keeps it.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, tracer: Tracer | None = None,
-                 site: str = "", device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 site: str = "", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
         _divisible("in_features", in_features, self.tp)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tracer, self.site = group, tracer, site
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.transposed = transposed
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp, **kw))  # (out, in/p)
+        shape = (in_features // self.tp, out_features) if transposed else (out_features, in_features // self.tp)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))  # (out, in/p), or (in/p, out) transposed
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         bound = 1 / math.sqrt(in_features)
         for t in (self.weight, self.bias):
@@ -167,18 +177,18 @@ class RowParallelLinear(nn.Module):
                 nn.init.uniform_(t, -bound, bound)
 
     def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(1), "bias": REPLICATED}
+        return {"weight": Layout(0 if self.transposed else 1), "bias": REPLICATED}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kw: Any) -> RowParallelLinear:
-        """This rank's rows of A (columns of ``linear.weight``); the bias is copied whole."""
+    def from_linear(cls, linear: nn.Module, group: Group, **kw: Any) -> RowParallelLinear:
+        """This rank's rows of A (columns of ``linear.weight``; rows of a ``Conv1D``'s); the bias whole."""
         return _from_linear(cls, linear, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group, **kw)  # (B, T, in/p)
-        y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum X_i A_i
+        y = _linear(x, self.weight, None, self.transposed)  # (B, T, out): this rank's partial sum X_i A_i
         y = reduce_scatter_sequence(y, self.group, **kw) if self.sequence_parallel else reduce_from_tp(
             y, self.group, **kw)
         return y if self.bias is None else y + self.bias
@@ -194,11 +204,12 @@ class VocabParallelEmbedding(nn.Module):
     Rank i looks up the ids in its rows and writes zeros for the others, so the sum over ranks is the lookup:
     E[idx] = sum_i 1[idx in rows_i] E_i[idx - i V/p]. The sum is an all-reduce (output (B, T, C), replicated)
     or, with ``sequence_parallel``, a reduce-scatter to this rank's (B, T/p, C) sequence shard.
+    ``padding_idx`` acts as in ``nn.Embedding`` (its row gets no gradient) on the rank holding that row.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *, sequence_parallel: bool = False,
                  tracer: Tracer | None = None, site: str = "", device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, padding_idx: int | None = None) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
         if num_embeddings % self.tp:
@@ -207,6 +218,11 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, self.tracer, self.site, self.sequence_parallel = group, tracer, site, sequence_parallel
         self.start = self.rank * num_embeddings // self.tp  # this rank's rows: [start, start + V/p)
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        rows = range(self.start, self.start + num_embeddings // self.tp)
+        self._local_padding = padding_idx - self.start if padding_idx in rows else None
         self.weight = nn.Parameter(torch.empty(num_embeddings // self.tp, embedding_dim, device=device,
                                                dtype=dtype))  # (V/p, C)
         nn.init.normal_(self.weight)
@@ -217,20 +233,21 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Group, **kw: Any) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding``'s table."""
-        extras = {"padding_idx": embedding.padding_idx, "max_norm": embedding.max_norm,
-                  "scale_grad_by_freq": embedding.scale_grad_by_freq or None, "sparse": embedding.sparse or None}
+        extras = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq or None,
+                  "sparse": embedding.sparse or None}
         extras = {k: v for k, v in extras.items() if v is not None}
         if extras:  # each would act on the masked local ids (every other rank's token counts as id 0)
-            raise ValueError(f"VocabParallelEmbedding supports a plain nn.Embedding, got {extras}. "
-                             f"Build the embedding without {', '.join(extras)}")
+            raise ValueError(f"VocabParallelEmbedding supports nn.Embedding with padding_idx at most, got "
+                             f"{extras}. Build the embedding without {', '.join(extras)}")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=embedding.weight.device,
-                    dtype=embedding.weight.dtype, **kw)
+                    dtype=embedding.weight.dtype, padding_idx=embedding.padding_idx, **kw)
         _copy_shards(layer, embedding)
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.start + self.weight.shape[0])  # (B, T)
-        local = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)  # (B, T, C)
+        local = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight,  # (B, T, C)
+                            padding_idx=self._local_padding)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)  # rows another rank holds
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
         if self.sequence_parallel:
@@ -239,18 +256,37 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (/{self.tp}), {self.embedding_dim}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}"))
 
 
 SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:  # weight is A (in, out): Conv1D's x A + b
+        y = x @ weight
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers): a linear layer storing A = W^T, (in, out); known by shape, not import."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and getattr(module, "nf", None) == weight.shape[1])
+
+
 @torch.no_grad()
-def _from_linear(cls: type[Sharded], linear: nn.Linear, group: Group, **kw: Any) -> Any:
+def _from_linear(cls: type[Sharded], linear: nn.Module, group: Group, **kw: Any) -> Any:
     """A column- or row-parallel layer shaped like ``linear``, holding this rank's slice of its weights."""
-    layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,  # type: ignore[call-arg]
-                device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    transposed = is_conv1d(linear)
+    fan_in, fan_out = weight.shape if transposed else weight.shape[::-1]
+    layer = cls(fan_in, fan_out, group, bias=getattr(linear, "bias", None) is not None,  # type: ignore[call-arg]
+                device=weight.device, dtype=weight.dtype, transposed=transposed, **kw)
     _copy_shards(layer, linear)
     return layer
 

@@ -28,16 +28,19 @@ from fourfold.parallel.tensor.layers import (
     Layout,
     RowParallelLinear,
     Sharded,
-    Style,
     VocabParallelEmbedding,
+    is_conv1d,
     shard,
     unshard,
 )
 
 __all__ = [
+    "HF_STYLES",
     "ParameterBytes",
+    "expand_plan",
     "gather_full",
     "gather_state_dict",
+    "heads",
     "load_full_state_dict",
     "parameter_bytes",
     "shard_layouts",
@@ -47,46 +50,84 @@ __all__ = [
 ]
 
 
-def tensor_parallel(model: nn.Module, plan: Mapping[str, Style], group: Group, *,
+# Hugging Face's plan vocabulary (``model.tp_plan``) in fourfold's styles; "replicate" leaves a module whole.
+HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab", "colwise_gather_output": "head",
+             "colwise_rep": "head", "replicate": None}
+STYLES = ("column", "column:<parts>", "row", "vocab", "head")
+
+
+def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | None]:
+    """``plan`` with wildcards expanded (``*`` is one path component: ``layers.*.mlp.up_proj``) and Hugging
+    Face's style names read as fourfold's; a pattern matching no module is refused, naming the modules."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, str | None] = {}
+    for pattern, style in plan.items():
+        style = HF_STYLES.get(style, style) if isinstance(style, str) else style
+        if style is not None:
+            _parse_style(pattern, style)
+        parts = pattern.split(".")
+        hits = [n for n in names if len(n.split(".")) == len(parts)
+                and all(p == "*" or p == q for p, q in zip(parts, n.split("."), strict=True))]
+        if not hits:
+            linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding) or is_conv1d(m)]
+            raise ValueError(f"plan names a module the model does not have, got {pattern!r}. Linear and "
+                             f"Embedding modules: {', '.join(linear[:12])}{' ...' if len(linear) > 12 else ''}")
+        out.update(dict.fromkeys(hits, style))
+    return out
+
+
+def _parse_style(name: str, style: str) -> tuple[str, int]:
+    kind, _, parts = style.partition(":")
+    if kind in ("column", "row", "vocab", "head") and (not parts or (kind == "column" and parts.isdigit()
+                                                                     and int(parts) >= 1)):
+        return kind, int(parts or 1)
+    hf = ", ".join(k for k in HF_STYLES)
+    raise ValueError(f"plan style for {name!r} must be one of {', '.join(STYLES)} (or Hugging Face's {hf}), "
+                     f"got {style!r}. Shard that module with one of these, or leave it out of the plan (replicated)")
+
+
+def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
                     tracer: Tracer | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` in place: each module named in ``plan`` is replaced by its tensor-parallel version.
 
-    ``"column"``: nn.Linear -> :class:`ColumnParallelLinear` (output left split: feed it, through elementwise
-    work only, to a ``"row"`` layer, or to :func:`vocab_parallel_cross_entropy`); ``"row"``: nn.Linear ->
-    :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding ->
-    :class:`VocabParallelEmbedding`. A weight two modules share (a tied embedding and head, ``"vocab"`` and
-    ``"column"``: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is for models that
-    run their non-parallel parts on sequence shards themselves (as :func:`parallelize_tinygpt` does).
+    Styles: ``"column"``: nn.Linear (or GPT-2's Conv1D) -> :class:`ColumnParallelLinear` (output left split:
+    feed it, through elementwise work only, to a ``"row"`` layer); ``"column:3"``: the same for a fused
+    weight of 3 parts side by side (q|k|v), each split p ways; ``"row"``: -> :class:`RowParallelLinear` (its
+    input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
+    ``"head"``: a column layer whose output is the logits (the engine's loss reads them split; any other
+    caller gets them gathered). Names may hold ``*`` wildcards, and Hugging Face's style names are read too
+    (``colwise``, ``rowwise``, ``embedding_rowwise``, ``colwise_gather_output``). A weight two modules share
+    (a tied embedding and head: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is
+    for models that run their non-parallel parts on sequence shards themselves (as TinyGPT's plan does).
     Returns ``model``.
     """
     # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
     sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
-    for name, style in plan.items():
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
-            raise ValueError(f"plan names a module the model does not have, got {name!r}. Linear and Embedding "
-                             f"modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}") from None
+    for name, style in expand_plan(model, plan).items():
+        if style is None:
+            continue
+        module = model.get_submodule(name)
+        kind, parts = _parse_style(name, style)
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
-        if style in ("column", "row") and type(module) is nn.Linear:
-            cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-            new: Sharded = cls.from_linear(module, group, **kw)
-        elif style == "vocab" and type(module) is nn.Embedding:
+        linear = type(module) is nn.Linear or is_conv1d(module)
+        if kind in ("column", "head") and linear:
+            extra = {"head": True, "gather_output": True} if kind == "head" else {"parts": parts}
+            new: Sharded = ColumnParallelLinear.from_linear(module, group, **kw, **extra)
+        elif kind == "row" and linear:
+            new = RowParallelLinear.from_linear(module, group, **kw)
+        elif kind == "vocab" and type(module) is nn.Embedding:
             new = VocabParallelEmbedding.from_embedding(module, group, **kw)
-        elif style in ("column", "row", "vocab"):
-            want = "nn.Embedding" if style == "vocab" else "nn.Linear"
-            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
-                            f"Use 'column'/'row' for nn.Linear and 'vocab' for nn.Embedding")
         else:
-            raise ValueError(f"plan styles must be 'column', 'row' or 'vocab', got {style!r} for {name!r}")
+            want = "nn.Embedding" if kind == "vocab" else "nn.Linear (or a GPT-2 Conv1D)"
+            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
+                            f"Use 'column'/'row'/'head' for linear layers and 'vocab' for nn.Embedding")
         full, layout = module.weight, new.layouts()["weight"]
         assert isinstance(full, torch.Tensor)
         if id(full) in sharded:  # tied: reuse the first shard, if it was cut the same way
             other, other_layout, weight, _ = sharded[id(full)]
             if other_layout != layout:
                 raise ValueError(f"{other!r} and {name!r} share one weight, so the plan must split it the same "
-                                 f"way in both, got {other_layout} and {layout}. Shard a tied head as 'column'")
+                                 f"way in both, got {other_layout} and {layout}. Shard a tied head as 'head'")
             new.weight = weight
         else:
             sharded[id(full)] = (name, layout, new.weight, full)
@@ -98,6 +139,11 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, Style], group: Group, *
                              f"would keep the full weight and train apart. Add {name.rpartition('.')[0]!r} to "
                              "the plan")
     return model
+
+
+def heads(model: nn.Module) -> list[ColumnParallelLinear]:
+    """The model's ``"head"`` layers: column-parallel layers whose output is the logits."""
+    return [m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.head]
 
 
 def shard_layouts(model: nn.Module) -> dict[str, Layout]:

@@ -1,0 +1,190 @@
+"""Hugging Face causal LMs, kept as fourfold keeps TinyGPT: each family's tensor-parallel plan, pipeline split and
+tp checks, beside each other (as torchtitan keeps a plan per model family). Needs ``pip install fourfold[hf]``;
+nothing is downloaded: models are built from a config.
+
+* **GPT-2** (``GPT2LMHeadModel``): Conv1D layers (A stored (in, out)), the fused q|k|v ``c_attn`` split as
+  ``column:3``, learned positions, the head tied to ``wte``. transformers ships no plan for it; this is ours.
+* **Llama** (``LlamaForCausalLM``): RoPE, grouped-query attention, tied or untied head; its plan is the one the
+  model carries (``model.tp_plan``, Hugging Face's vocabulary), read by
+  :func:`~fourfold.parallel.tensor.tensor_parallel`.
+
+Both attention modules find their head count from the (split) projection's width, so a column-parallel
+q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute that must follow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from fourfold.parallel.pipeline.blocks import Split, positions
+
+__all__ = ["GPT2_PLAN", "build_hf", "check_tp", "examples", "gpt2_split", "hf_family", "llama_split",
+           "prepare", "shard_fixups"]
+
+GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "column:3",  # [W_q | W_k | W_v]: each part split by heads
+    "transformer.h.*.attn.c_proj": "row",
+    "transformer.h.*.mlp.c_fc": "column",
+    "transformer.h.*.mlp.c_proj": "row",
+    "lm_head": "head",  # tied to wte: both split by vocabulary rows
+}
+
+FAMILIES = ("gpt2", "llama")
+
+
+def hf_family(model: nn.Module) -> str | None:
+    """``"gpt2"`` or ``"llama"`` for a Hugging Face causal LM of those families, else None."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    return kind if kind in FAMILIES and hasattr(model, "lm_head") else None
+
+
+def prepare(model: nn.Module) -> None:
+    """Training needs no key/value cache: switch it off, so no forward builds one."""
+    model.config.use_cache = False  # type: ignore[union-attr]
+
+
+def plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan: fourfold's for GPT-2, the model's own (``tp_plan``) for Llama."""
+    if hf_family(model) == "gpt2":
+        return dict(GPT2_PLAN)
+    carried = dict(getattr(model, "tp_plan", None) or {})
+    if not carried:
+        raise ValueError(f"tensor parallelism needs a plan, got a {type(model).__name__} carrying none "
+                         "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
+    return carried
+
+
+def shard_fixups(model: nn.Module, tp: int) -> None:
+    """After sharding: GPT-2's attention splits its c_attn output by ``split_size``, now C/tp per part."""
+    if hf_family(model) != "gpt2":
+        return
+    for module in model.modules():
+        if hasattr(module, "split_size") and hasattr(module, "c_attn"):
+            module.split_size //= tp  # type: ignore[operator]
+            module.num_heads //= tp  # type: ignore[operator]
+
+
+def _sizes(config: Any) -> dict[str, tuple[int, str]]:
+    """What tp must divide in ``config``, with what it means."""
+    if config.model_type == "gpt2":
+        inner = config.n_inner or 4 * config.n_embd
+        return {"n_head": (config.n_head, "each rank computes whole attention heads"),
+                "n_inner": (inner, "the MLP's hidden width is split"),
+                "vocab_size": (config.vocab_size, "the embedding and head are split by vocabulary rows")}
+    kv = config.num_key_value_heads or config.num_attention_heads
+    return {"num_attention_heads": (config.num_attention_heads, "each rank computes whole attention heads"),
+            "num_key_value_heads": (kv, "each rank needs whole key/value heads for its query heads"),
+            "intermediate_size": (config.intermediate_size, "the MLP's hidden width is split"),
+            "vocab_size": (config.vocab_size, "the embedding and head are split by vocabulary rows")}
+
+
+def check_tp(config: Any, tp: int) -> None:
+    """Refuse a tp the model's shapes cannot be split by (before any process starts, when called by the CLI)."""
+    if tp <= 1 or getattr(config, "model_type", None) not in FAMILIES:
+        return
+    for name, (n, why) in _sizes(config).items():
+        if n % tp:
+            fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ValueError(f"{config.model_type} {name} must be divisible by tp ({why}), got {name}={n} and "
+                             f"tp={tp}. Use tp in {fits}, or a config whose {name} tp divides")
+
+
+def _gpt2_before(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    t = m.transformer  # type: ignore[union-attr]
+    return t.drop(t.wte(ids) + t.wpe(positions(ids)))
+
+
+def _gpt2_after(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.transformer.ln_f(h))  # type: ignore[union-attr, operator]
+
+
+def gpt2_split(model: nn.Module) -> Split:
+    """GPT-2 as embeddings (token + learned position, dropout), its blocks, then ln_f and the head."""
+    return Split(blocks="transformer.h", before=_gpt2_before, after=_gpt2_after)
+
+
+def _llama_before(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return m.model.embed_tokens(ids)  # type: ignore[union-attr, operator]
+
+
+def _llama_block(m: nn.Module, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    pos = positions(h).unsqueeze(0)
+    rope = m.model.rotary_emb(h, pos)  # type: ignore[union-attr, operator]  # (cos, sin): no parameters
+    return layer(h, position_embeddings=rope, position_ids=pos)
+
+
+def _llama_after(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.model.norm(h))  # type: ignore[union-attr, operator]
+
+
+def llama_split(model: nn.Module) -> Split:
+    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head."""
+    return Split(blocks="model.layers", before=_llama_before, block=_llama_block, after=_llama_after)
+
+
+def examples(model: nn.Module) -> list[torch.Tensor]:
+    """Two id batches differing in batch size and length (random ids, from a generator of their own)."""
+    config = model.config  # type: ignore[union-attr]
+    longest = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 16)
+    T = max(2, min(int(longest), 16))
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(config.vocab_size, (1, T), generator=gen).to(device),
+            torch.randint(config.vocab_size, (2, T - 1), generator=gen).to(device)]
+
+
+def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, seed: int = 0,
+             dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None) -> nn.Module:
+    """A freshly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` from a JSON config (the keys of
+    ``GPT2Config`` / ``LlamaConfig``); no weights are downloaded. Every rank builds the same one (``seed``)."""
+    config = hf_config(family, config_path, overrides)
+    import transformers
+
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[family]
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype)
+    prepare(model)
+    return model
+
+
+def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
+              overrides: dict[str, Any] | None = None) -> Any:
+    """The family's config from a JSON file (and ``overrides``), read without building the model."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(f"--model {family} needs Hugging Face transformers, got none installed. Install it "
+                          "with: pip install 'fourfold[hf]'") from None
+    if family not in FAMILIES:
+        raise ValueError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}.")
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            with open(config_path) as f:
+                values = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--model-config must be a readable JSON file, got {str(config_path)!r}: {e}. "
+                             "Write the config's keys as JSON (see docs/your-model.md)") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"--model-config must hold a JSON object, got {type(values).__name__} in "
+                             f"{str(config_path)!r}.")
+    values.update(overrides or {})
+    cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[family]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below
+    try:
+        config = cls(**values)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256 past a small vocabulary
+        tid = getattr(config, token, None)
+        if isinstance(tid, int) and tid >= config.vocab_size:
+            setattr(config, token, None)
+    return config

@@ -1,0 +1,125 @@
+"""Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP, a
+Hugging Face GPT-2 and a Llama (tiny configs, float64, 3 AdamW steps), each equal to the same model trained in
+one process: the losses and every parameter, by the model's own names, to 1e-9.
+
+Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
+and layout (module-level caches). Reading a failure: labels are ``model layout``. Wrong only under pp points
+at the split (fourfold.models.hf's pieces); only under tp at the plan (GPT-2's Conv1D and fused q|k|v, Llama's
+key/value heads) or the split-logits loss.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from fourfold import Mesh, parallelize
+from fourfold.loss import lm_loss
+from fourfold.models import GPTConfig
+from fourfold.parallel.pipeline.blocks import output_tensor
+from fourfold.testing import run_ranks
+from helpers import batches, max_error, optimizer, shard
+
+pytest.importorskip("transformers")
+
+DATA = GPTConfig(vocab_size=64, seq_len=8)  # the token batches every model trains on
+TOL = 1e-9
+MICRO = 2
+GPT2 = dict(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)
+LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16)
+MODELS = ("mlp", "gpt2", "llama")
+# label -> (dp, tp, pp, options)
+LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
+             "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"}),
+             "model parallel": (1, 1, 2, {"strategy": "model"})}
+LAYOUTS_4 = {"dp2 x tp2": (2, 2, 1, {}), "tp2 x pp2": (1, 2, 2, {"schedule": "1f1b"})}
+
+
+def build(name: str) -> nn.Module:
+    """The same model on every rank (seeded), in float64."""
+    if name == "mlp":
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16),
+                             nn.Linear(16, 64)).double()
+    from fourfold.models.hf import build_hf
+
+    return build_hf(name, overrides=GPT2 if name == "gpt2" else LLAMA, dtype=torch.float64)
+
+
+def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:
+    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
+    engine = parallelize(build(name), ranks, microbatches=MICRO, timeout_s=30, **options)
+    opt = optimizer(engine.parameters())
+    losses = []
+    for x, y in batches(DATA):
+        loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = engine.state_dict()
+    held = engine.counters()["parameter_bytes"]
+    return {"label": f"{name} {label}", "losses": losses, "state": state if ctx.rank == 0 else None,
+            "sharded": held["sharded"], "held": held["total"], "tp": tp, "pp": pp}
+
+
+def _all(ctx, layouts: dict) -> list[dict]:
+    return [_train(ctx, name, label, *layout) for name in MODELS for label, layout in layouts.items()]
+
+
+@functools.cache
+def _spawn(world: int) -> list[dict]:
+    layouts = LAYOUTS_2 if world == 2 else LAYOUTS_4
+    return run_ranks(_all, world, layouts, timeout_s=280)
+
+
+@functools.cache
+def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build(name)
+    opt = optimizer(model.parameters())
+    losses = []
+    for x, y in batches(DATA):
+        loss = lm_loss(output_tensor(model(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(world: int, index: int) -> None:
+    per_rank = _spawn(world)
+    got = per_rank[0][index]
+    want_losses, want = _reference(got["label"].split()[0])
+    for r, layouts in enumerate(per_rank):
+        errs = [abs(a - b) for a, b in zip(layouts[index]["losses"], want_losses, strict=True)]
+        assert max(errs) <= TOL, f"{got['label']} rank {r}: losses {layouts[index]['losses']} vs {want_losses}"
+    assert list(got["state"]) == list(want), f"{got['label']}: names {list(got['state'])} vs {list(want)}"
+    name, err = max_error(got["state"], want)
+    assert err <= TOL, f"{got['label']}: final weights off one process, worst {name}: {err:.3g}"
+    # the layout really applied: tp shards some weights, pp keeps a part of the model on each rank
+    whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight" or
+                "transformer.wte.weight" not in want)
+    assert (got["sharded"] > 0) == (got["tp"] > 1), (got["label"], got["sharded"])
+    if got["tp"] > 1 or got["pp"] > 1:
+        assert got["held"] < whole, f"{got['label']}: rank 0 holds {got['held']} of {whole} bytes"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(len(MODELS) * len(LAYOUTS_2)),
+                         ids=[f"{m} {lab}" for m in MODELS for lab in LAYOUTS_2])
+def test_two_ranks_equal_one_process(index):
+    _check(2, index)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(len(MODELS) * len(LAYOUTS_4)),
+                         ids=[f"{m} {lab}" for m in MODELS for lab in LAYOUTS_4])
+def test_four_ranks_equal_one_process(index):
+    _check(4, index)
