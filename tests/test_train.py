@@ -117,7 +117,7 @@ def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--microbatches", "1"], "microbatches"),
     (["--strategy", "model"], "strategy 'model' places layers on pipeline ranks, got pp=1"),
     (["--nproc", "2", "--tp", "2", "--n-head", "3", "--d-model", "33"], "divisible by tp"),
-    (["--vocab-size", "100"], "byte tokenizer makes tokens 0..255, got vocab_size=100. Pass --vocab-size 256"),
+    (["--vocab-size", "100"], "tokenizer makes ids 0..255, got vocab_size=100 in TinyGPT. Pass --vocab-size 256"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
     start = time.perf_counter()

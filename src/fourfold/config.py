@@ -51,6 +51,12 @@ def _help(text: str) -> dict[str, str]:
 class TrainConfig:
     """How to train: steps, global batch, optimiser, layout, outputs."""
 
+    model: str = field(default="tinygpt", metadata=_help(
+        "what to train: tinygpt (sized by the [model] flags), gpt2 or llama (Hugging Face, needs fourfold[hf]; "
+        "sized by --model-config), or MODULE:FACTORY, your own: FACTORY(**model_config) returns an nn.Module"))
+    model_config: str | None = field(default=None, metadata=_help(
+        "with --model gpt2|llama: a JSON file of the Hugging Face config's keys (vocab_size, n_layer, ...); "
+        "with MODULE:FACTORY: a JSON file of the factory's keyword arguments"))
     steps: int = field(default=20, metadata=_help("optimiser steps to run"))
     batch_size: int = field(default=16, metadata=_help(
         "global batch: sequences per optimiser step, summed over data-parallel ranks"))
@@ -129,6 +135,15 @@ class TrainConfig:
         if self.hang_threshold < 0:
             raise ValueError(f"hang_threshold must be >= 0 seconds (0 = off), got hang_threshold="
                              f"{self.hang_threshold}.")
+        module, colon, factory = self.model.partition(":")
+        if self.model not in ("tinygpt", "gpt2", "llama") and not (
+                colon and all(p.isidentifier() for p in module.split(".")) and factory.isidentifier()):
+            raise ValueError(f"model must be tinygpt, gpt2, llama or MODULE:FACTORY (an importable module and a "
+                             f"function in it), got {self.model!r}. Pass --model gpt2, or --model mypkg.models:build")
+        if self.model_config is not None and self.model == "tinygpt":
+            raise ValueError(f"model_config sizes a gpt2, llama or MODULE:FACTORY model, got model_config="
+                             f"{self.model_config!r} with model='tinygpt'. Size TinyGPT with --n-layer, --d-model, "
+                             "..., or pass --model gpt2")
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 

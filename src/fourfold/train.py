@@ -1,7 +1,8 @@
-"""Train TinyGPT on the built-in corpus, on one process or many.
+"""Train a model (TinyGPT by default; GPT-2, Llama or your own with ``--model``) on one process or many.
 
     fourfold train --steps 50                            # one process
     fourfold train --nproc 2 --steps 50                  # two data-parallel ranks, started through torchrun
+    fourfold train --nproc 2 --model gpt2 --model-config tiny.json --tp 2   # Hugging Face GPT-2, sharded
     torchrun --nproc-per-node 2 -m fourfold.train ...    # the same, launched by hand
     fourfold train --config run.toml --lr 1e-3           # defaults < file < flags
 
@@ -13,7 +14,8 @@ Outputs in ``--out``:
   bytes went (``compute_s``, ``comm_s``, ``wait_s``, and ``comm_bytes``/``comm_messages`` counted on rank 0
   for the fourfold ``--allreduce`` algorithms; ``native`` counts messages only, its bytes are the backend's);
 * ``trace-rank<r>.jsonl`` per rank and ``trace.json``, the merged timeline (open it in ui.perfetto.dev);
-* ``model.pt``: the final weights and the config, loadable with ``fourfold.checkpoint.load_checkpoint``.
+* ``model.pt``: the final weights under the model's own names, and the config, loadable with
+  ``fourfold.checkpoint.load_checkpoint`` (``GPT2LMHeadModel(config).load_state_dict(ckpt["model"])``).
 
 The same ``--seed`` and ``--batch-size`` give the same initial weights and the same global batches under every
 layout; that is what makes "the same numbers as one process" testable.
@@ -54,7 +56,7 @@ from fourfold.files import (
     write_text_atomic,
 )
 from fourfold.mesh import Mesh
-from fourfold.models.gpt import TinyGPT
+from fourfold.models.build import build_model, check_model, check_vocab, num_parameters
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
@@ -62,9 +64,8 @@ from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.parallel.schedule import pipeline_schedule
 
-__all__ = ["OUTPUTS", "TrainResult", "main", "preflight", "train"]
+__all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "preflight", "train"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _LOCK_HELD = "FOURFOLD_OUT_LOCKED"  # set for the ranks we launch: their launcher holds OUT's lock
 
 
@@ -77,6 +78,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     num_parameters: int = 0
+    label: str = "TinyGPT"  # the model, as the summary names it
     out: Path | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step
@@ -89,7 +91,7 @@ class TrainResult:
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
         picture = ", timeline.png" if self.out is not None and (self.out / "timeline.png").exists() else ""
-        return (f"trained TinyGPT ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
+        return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}, median {tps:,.0f} tokens/s, {ms:.1f} ms/step\n{sent}"
                 f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev){picture}, "
@@ -100,14 +102,18 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     """Every check that needs no process group, so bad input fails before any process starts."""
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
-    if mesh.pp > 1:
-        _check_pipeline(cfg, mesh)
-    elif t.strategy == "model":
+    stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
+    if mesh.pp == 1 and t.strategy == "model":
         raise ValueError("strategy 'model' places layers on pipeline ranks, got pp=1. Pass --pp 2 (or more).")
     if t.sequence_parallel and mesh.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
                          "--sequence-parallel.")
-    check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel)
+    if t.model == "tinygpt":
+        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel)
+    elif t.sequence_parallel:
+        raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
+                         f"got model={t.model!r}. Drop --sequence-parallel.")
+    info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
     if t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
@@ -118,10 +124,8 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
-    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(f"vocab_size must cover the data's tokens: the byte tokenizer makes tokens 0..255, got "
-                         f"vocab_size={cfg.model.vocab_size}. Pass --vocab-size {ByteTokenizer.vocab_size} (or "
-                         "more).")
+    if info.vocab_size is not None:
+        check_vocab(info, ByteTokenizer.vocab_size)
     resume = resume_from(cfg)
     if resume is not None:
         check_resume(cfg, resume)
@@ -137,20 +141,18 @@ class NonFiniteLoss(RuntimeError):
     """The global loss became NaN or infinite: the run stops at that step with exit code 1."""
 
 
-def _check_pipeline(cfg: Config, mesh: Mesh) -> None:
+def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
+    """The schedule's stages (the model's blocks are checked against them by check_model)."""
     t = cfg.train
     # refuses combinations it cannot run, naming both numbers
     schedule = pipeline_schedule(t.strategy, t.schedule, mesh.pp, t.microbatches, t.virtual)
-    m, virtual = schedule.microbatches, schedule.virtual
-    stages, blocks = schedule.stages, cfg.model.n_layer + 2
-    if stages > blocks:
-        raise ValueError(f"stages must be at most the model's blocks (embedding, {cfg.model.n_layer} layers, head),"
-                         f" got pp*virtual={mesh.pp}*{virtual}={stages} > {blocks}. Use fewer --pp or more --n-layer.")
+    m = schedule.microbatches
     shard = t.batch_size // mesh.dp
     if shard % m:
         raise ValueError(f"each data-parallel shard must divide into micro-batches, got {shard} sequences per "
                          f"shard and microbatches={m}. Pass --microbatches {_divisor_near(shard, m)} or change "
                          "--batch-size.")
+    return schedule.stages
 
 
 def _divisor_near(n: int, m: int) -> int:
@@ -179,13 +181,15 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     ranks = mesh.build(t.timeout)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
-    model = build_model(cfg, ctx.device)
-    num_parameters = model.num_parameters()
-    engine = parallelize(model, ranks, **engine_options(cfg), tracer=tracer, timeout_s=t.timeout)
     corpus = load_corpus(t.data)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
+    model = build_model(cfg, ctx.device)
+    info = check_model(cfg, mesh.tp, 1, model)  # what only the built model tells (its vocabulary)
+    count = num_parameters(model)
+    example = None if t.model == "tinygpt" else loader.shard(0)[0][:1].to(ctx.device)  # a split is checked on it
+    engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
     optimizer = make_optimizer(cfg, engine.parameters())
-    result = TrainResult(ctx.rank, mesh, num_parameters=num_parameters, out=out)
+    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     resume = resume_from(cfg)
     first = 1
@@ -260,11 +264,6 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     return result
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> TinyGPT:
-    """The run's model, as every rank and the one-process reference build it (same config, same seed)."""
-    return TinyGPT(cfg.model, seed=cfg.train.seed, dtype=DTYPES[cfg.train.dtype], device=device)
-
-
 def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
 
@@ -302,7 +301,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
             draw_step(spans, last, out / "timeline.png", f"step {last} on every rank", labels=labels,
                       color_by="microbatch" if engine.mesh.pp > 1 else "name")  # one row per rank, by stage
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
-    # model.pt is the same TinyGPT checkpoint whatever the layout.
+    # model.pt is the same checkpoint, under the model's own names, whatever the layout.
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)

@@ -61,7 +61,8 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     """Train ``cfg``'s model for ``steps`` steps on this one process: losses and the state after each step."""
     from fourfold.data import BatchLoader, load_corpus
     from fourfold.engine import parallelize
-    from fourfold.train import build_model, make_optimizer
+    from fourfold.models.build import build_model
+    from fourfold.train import make_optimizer
 
     t = cfg.train
     engine = parallelize(build_model(cfg), None)  # no mesh: one process, no strategy applied

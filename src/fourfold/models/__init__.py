@@ -80,7 +80,18 @@ def _hf(name: str) -> Family:
 
 
 def family_of(model: nn.Module) -> Family | None:
-    """The family ``model`` belongs to, or None (a model of the user's own: pass ``tp_plan`` and ``split``)."""
+    """The family ``model`` belongs to, or None (a model of the user's own: pass ``tp_plan`` and ``split``).
+
+    A model of your own may carry its plan and split as attributes, ``fourfold_tp_plan`` (``{module path:
+    style}``) and ``fourfold_split`` (a :class:`Split`): they come first, so ``fourfold train --model
+    MODULE:FACTORY`` finds them with no flag."""
+    plan, split = getattr(model, "fourfold_tp_plan", None), getattr(model, "fourfold_split", None)
+    if plan is not None or split is not None:
+        if split is not None and not isinstance(split, Split):
+            raise TypeError(f"fourfold_split must be a fourfold.Split, got {type(split).__name__}. Set "
+                            "model.fourfold_split = Split(blocks=[...], before=..., block=..., after=...)")
+        return Family("own", plan=None if plan is None else lambda m: dict(plan),
+                      split=None if split is None else lambda m: split)
     if isinstance(model, TinyGPT):
         return Family("tinygpt", plan=_tinygpt_plan)
     if isinstance(model, nn.Sequential):

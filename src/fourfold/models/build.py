@@ -1,0 +1,149 @@
+"""The model a run trains, named on the command line: ``tinygpt``, ``gpt2``, ``llama`` or ``MODULE:FACTORY``.
+
+    fourfold train --model gpt2 --model-config tiny.json --tp 2
+    fourfold train --model mypkg.models:build --model-config kwargs.json --pp 2
+
+Every rank builds the same model from the same seed; :func:`check_model` refuses what cannot run (heads tp does
+not divide, too few blocks for the stages, a vocabulary smaller than the tokenizer's, sequences longer than the
+model's positions) before any process starts. A model of your own carries its plan and split as attributes
+(``fourfold_tp_plan``, ``fourfold_split``); see docs/your-model.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from fourfold.models.gpt import TinyGPT
+
+__all__ = ["ModelInfo", "build_model", "check_model", "check_vocab", "model_info", "num_parameters"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the CLI knows of a model before building it (None: not known until it is built)."""
+
+    label: str
+    vocab_size: int | None
+    blocks: int | None  # pipeline blocks: embedding, layers, head
+    positions: int | None  # the longest sequence it takes
+
+
+def model_info(cfg: Any) -> ModelInfo:
+    """``cfg``: a :class:`fourfold.config.Config`. Reads a Hugging Face config; builds nothing."""
+    name = cfg.train.model
+    if name == "tinygpt":
+        m = cfg.model
+        return ModelInfo("TinyGPT", m.vocab_size, m.n_layer + 2, m.seq_len)
+    if name in ("gpt2", "llama"):
+        from fourfold.models.hf import hf_config
+
+        c = hf_config(name, cfg.train.model_config)
+        if name == "gpt2":
+            return ModelInfo("GPT-2", c.vocab_size, c.n_layer + 2, c.n_positions)
+        return ModelInfo("Llama", c.vocab_size, c.num_hidden_layers + 2, c.max_position_embeddings)
+    _factory(name)  # importable, callable: checked now
+    return ModelInfo(name, None, None, None)
+
+
+def _factory(name: str) -> Any:
+    module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # `--model mymodel:build` beside mymodel.py, as `python -m` would find it
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ValueError(f"model {name!r}: cannot import {module!r} ({e}). Run from the directory holding it, "
+                         "or install its package") from None
+    except AttributeError:
+        raise ValueError(f"model {name!r}: {module!r} has no {attr!r}. Name a function that returns an "
+                         "nn.Module") from None
+    if not callable(fn):
+        raise ValueError(f"model {name!r}: {attr} must be a function returning an nn.Module, got "
+                         f"{type(fn).__name__}.")
+    return fn
+
+
+def _kwargs(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model_config must be a readable JSON file, got {path!r}: {e}.") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"model_config must hold a JSON object of keyword arguments, got {type(values).__name__}.")
+    return values
+
+
+def check_model(cfg: Any, tp: int, stages: int, model: nn.Module | None = None) -> ModelInfo:
+    """Refuse, before any process starts, a model this layout cannot run; returns what it read. With the built
+    ``model`` (a model of your own: nothing is known before), its vocabulary is read from it and checked."""
+    info = model_info(cfg)
+    if model is not None and info.vocab_size is None:
+        info = replace(info, vocab_size=_vocab_of(model))
+        if info.vocab_size is not None:
+            from fourfold.data import ByteTokenizer
+
+            check_vocab(info, ByteTokenizer.vocab_size)
+    if cfg.train.model in ("gpt2", "llama"):
+        from fourfold.models.hf import check_tp, hf_config
+
+        check_tp(hf_config(cfg.train.model, cfg.train.model_config), tp)
+    if info.blocks is not None and stages > info.blocks:
+        raise ValueError(f"stages must be at most the model's blocks (embedding, {info.blocks - 2} layers, head), "
+                         f"got pp*virtual={stages} > {info.blocks}. Use fewer --pp or a model with more layers")
+    if info.positions is not None and cfg.model.seq_len > info.positions:
+        raise ValueError(f"seq_len must be at most the model's positions, got seq_len={cfg.model.seq_len} and "
+                         f"{info.positions} positions in {info.label}. Pass --seq-len {info.positions}")
+    return info
+
+
+def check_vocab(info: ModelInfo, tokens: int) -> None:
+    """The model's vocabulary must cover the tokenizer's ``tokens`` ids."""
+    if info.vocab_size is not None and info.vocab_size < tokens:
+        fix = (f"Pass --vocab-size {tokens} (or more)" if info.label == "TinyGPT" else
+               f"Set vocab_size to {tokens} (or more) in the model's config")
+        raise ValueError(f"vocab_size must cover the data's tokens: the tokenizer makes ids 0..{tokens - 1}, got "
+                         f"vocab_size={info.vocab_size} in {info.label}. {fix}.")
+
+
+def _vocab_of(model: nn.Module) -> int | None:
+    """The number of token ids ``model`` embeds: its config's, or its first nn.Embedding's."""
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return int(config.vocab_size)  # type: ignore[union-attr]
+    first = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return first.num_embeddings if first is not None else None
+
+
+def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
+    """The run's model, as every rank and the one-process reference build it (same config, same seed)."""
+    t = cfg.train
+    dtype = DTYPES[t.dtype]
+    if t.model == "tinygpt":
+        return TinyGPT(cfg.model, seed=t.seed, dtype=dtype, device=device)
+    if t.model in ("gpt2", "llama"):
+        from fourfold.models.hf import build_hf
+
+        return build_hf(t.model, t.model_config, seed=t.seed, dtype=dtype).to(device)
+    torch.manual_seed(t.seed)
+    model = _factory(t.model)(**_kwargs(t.model_config))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model {t.model!r} must return an nn.Module, got {type(model).__name__}.")
+    return model.to(device=device, dtype=dtype)
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Scalar parameters, a tied weight once."""
+    return sum(p.numel() for p in model.parameters())
