@@ -164,11 +164,14 @@ def _check_chain(out: dict, rank: int, p: int, label: str, *, sp: bool = False) 
                                     _err(row_bias, proj.bias.grad))
 
 
-def _check_embedding(out: dict, rank: int, p: int, label: str, *, sp: bool = False) -> None:
-    full = nn.Embedding(V, C, dtype=F64)
+def _check_embedding(out: dict, rank: int, p: int, label: str, *, sp: bool = False, pad: int | None = None) -> None:
+    """``pad``: nn.Embedding's padding_idx (its row gets no gradient), here on the last rank's rows."""
+    full = nn.Embedding(V, C, dtype=F64, padding_idx=pad)
     with torch.no_grad():
         full.weight.copy_(_seeded(14, V, C))
     idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(15))
+    if pad is not None:
+        idx[:, ::2] = pad  # the padding row is looked up, and must still get no gradient
     gy = _seeded(16, B, T, C)
     yr = full(idx)
     (yr * gy).sum().backward()
@@ -253,6 +256,8 @@ def _refusals(p: int) -> dict[str, str]:
         "plan_name": lambda: tensor_parallel(TiedModel(), {"fc9": "column"}, None),
         "plan_type": lambda: tensor_parallel(TiedModel(), {"emb": "column"}, None),
         "plan_style": lambda: tensor_parallel(TiedModel(), {"fc1": "diagonal"}, None),
+        "plan_hf_style": lambda: tensor_parallel(TiedModel(), {"fc1": "packed_colwise"}, None),
+        "plan_wildcard": lambda: tensor_parallel(TiedModel(), {"layers.*.fc1": "colwise"}, None),
         "plan_tied": tied_head_left_out,
     }
     out = {}
@@ -279,6 +284,7 @@ def _layers(ctx) -> dict:
     _check_chain(out, rank, p, "chain.sp", sp=True)
     _check_embedding(out, rank, p, "embedding")
     _check_embedding(out, rank, p, "embedding.sp", sp=True)
+    _check_embedding(out, rank, p, "embedding.pad", pad=V - 1)
     _check_cross_entropy(out, rank, p, "cross_entropy", scale=1.0)
     _check_cross_entropy(out, rank, p, "cross_entropy.large", scale=100.0)
     _check_plan(out, rank, p)
@@ -295,7 +301,7 @@ def _layer_results(tp: int) -> dict:
 LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.sp", "row",
                                              "row.split_input", "row.sp", "chain", "chain.sp")
                 for q in ("output", "grad_input", "grad_weight", "grad_bias")]
-LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp") for q in ("output", "grad_weight")]
+LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad") for q in ("output", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("cross_entropy", "cross_entropy.large")
                  for q in ("loss", "grad_logits")]
 LAYER_CHECKS += ["plan.loss", "plan.still_tied", "plan.grad_weight"]
@@ -322,6 +328,10 @@ REFUSALS = {
     "plan_name": "plan names a module the model does not have, got 'fc9'",
     "plan_type": "TypeError: plan style 'column' shards an nn.Linear (or a GPT-2 Conv1D), got 'emb': Embedding",
     "plan_style": "plan style for 'fc1' must be one of column, column:<parts>, row, vocab, head",
+    "plan_hf_style": "(or Hugging Face's colwise, rowwise, embedding_rowwise, colwise_gather_output, colwise_rep, "
+                     "replicate), got 'packed_colwise'. Shard that module with one of these, or leave it out",
+    "plan_wildcard": "plan names a module the model does not have, got 'layers.*.fc1'. Linear and Embedding "
+                     "modules: emb, fc1, fc2, out",
     "plan_tied": "'out.weight' is tied to 'emb', which the plan shards",
 }
 

@@ -365,7 +365,8 @@ https://ui.perfetto.dev), trace-rank<r>.jsonl, model.pt. An earlier run there is
 
 def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> Config:
     """Parse ``fourfold train``'s flags (``--config FILE`` first, then every field) into a :class:`Config`."""
-    parser = make_parser(prog, "Train TinyGPT on the built-in corpus, on one process or --nproc N ranks.",
+    parser = make_parser(prog, "Train a model (TinyGPT, GPT-2, Llama or your own: --model) on one process or "
+                         "--nproc N ranks.",
                          usage=f"{prog} [--config FILE] [--FLAG VALUE ...]", epilog=TRAIN_EXAMPLES)
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [launch] tables")
     add_flags(parser)

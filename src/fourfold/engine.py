@@ -31,7 +31,8 @@ over dp starts then and is waited for only by :meth:`Loss.item`, after the optim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +52,7 @@ from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import pipeline_schedule
 from fourfold.parallel.tensor import (
+    ColumnParallelLinear,
     Layout,
     gather_full,
     heads,
@@ -96,8 +98,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
-                 tracer: Tracer, timeout_s: float) -> None:
+                 tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = ()) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
+        self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
         group = ranks.dp_group
@@ -117,6 +120,22 @@ class Engine:
         The loop branches here once: a pipeline runs its schedule's F/B/W over micro-batches; otherwise one
         forward and one backward. Gradients accumulate: zero them after the optimiser step.
         """
+        with self._split_logits():
+            return self._step(inputs, targets)
+
+    @contextlib.contextmanager
+    def _split_logits(self) -> Iterator[None]:
+        """Inside the engine's step the head leaves its logits split for the vocabulary-parallel loss; any other
+        caller (``engine.model(ids, labels=...)``, generation) gets them whole."""
+        for head in self._split_heads:
+            head.gather_output = False
+        try:
+            yield
+        finally:
+            for head in self._split_heads:
+                head.gather_output = True
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Loss:
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
             result = self.pipeline.step(inputs, targets)
             loss = torch.tensor([result.loss], dtype=torch.float64)
@@ -268,7 +287,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             family.fixups(model, m.tp)
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
-    loss_fn = getattr(model, "loss_fn", None) or _split_logits_loss(model, loss_fn, ranks.tp_group, tracer)
+    split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
+    loss_fn = getattr(model, "loss_fn", None) or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
     # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
     pipe = None
     if m.pp > 1:
@@ -287,18 +307,16 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
-                  tracer=tracer, timeout_s=timeout_s)
+                  tracer=tracer, timeout_s=timeout_s, split_heads=split_heads)
 
 
-def _split_logits_loss(model: nn.Module, loss_fn: LossFn | None, group: dist.ProcessGroup | None,
+def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None, group: dist.ProcessGroup | None,
                        tracer: Tracer) -> LossFn:
     """The loss for a model whose plan has a ``"head"``: fourfold's vocabulary-parallel cross-entropy reads
-    the logits split (the head stops gathering them); a ``loss_fn`` of the user's keeps them gathered."""
-    shards = heads(model)
-    if not shards or loss_fn is not None:
+    the logits split (the engine's step stops the heads gathering them); a ``loss_fn`` of the user's keeps
+    them gathered."""
+    if not split_heads or loss_fn is not None:
         return loss_fn or lm_loss
-    for head in shards:
-        head.gather_output = False
 
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer)

@@ -28,9 +28,9 @@ import torch
 
 from fourfold.config import Config, TrainConfig
 from fourfold.data import ByteTokenizer
+from fourfold.models.build import DTYPES
 from fourfold.models.gpt import TinyGPT
 from fourfold.observe.trace import load_jsonl
-from fourfold.models.build import DTYPES
 from fourfold.train import TrainResult, train
 
 __all__ = ["main"]

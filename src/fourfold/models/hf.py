@@ -47,7 +47,8 @@ def hf_family(model: nn.Module) -> str | None:
 
 def prepare(model: nn.Module) -> None:
     """Training needs no key/value cache: switch it off, so no forward builds one."""
-    model.config.use_cache = False  # type: ignore[union-attr]
+    config: Any = model.config
+    config.use_cache = False
 
 
 def plan(model: nn.Module) -> dict[str, str]:
@@ -65,10 +66,11 @@ def shard_fixups(model: nn.Module, tp: int) -> None:
     """After sharding: GPT-2's attention splits its c_attn output by ``split_size``, now C/tp per part."""
     if hf_family(model) != "gpt2":
         return
+    module: Any
     for module in model.modules():
         if hasattr(module, "split_size") and hasattr(module, "c_attn"):
-            module.split_size //= tp  # type: ignore[operator]
-            module.num_heads //= tp  # type: ignore[operator]
+            module.split_size //= tp
+            module.num_heads //= tp
 
 
 def _sizes(config: Any) -> dict[str, tuple[int, str]]:
@@ -96,13 +98,13 @@ def check_tp(config: Any, tp: int) -> None:
                              f"tp={tp}. Use tp in {fits}, or a config whose {name} tp divides")
 
 
-def _gpt2_before(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    t = m.transformer  # type: ignore[union-attr]
+def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
+    t = m.transformer
     return t.drop(t.wte(ids) + t.wpe(positions(ids)))
 
 
-def _gpt2_after(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return m.lm_head(m.transformer.ln_f(h))  # type: ignore[union-attr, operator]
+def _gpt2_after(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.transformer.ln_f(h))
 
 
 def gpt2_split(model: nn.Module) -> Split:
@@ -110,18 +112,18 @@ def gpt2_split(model: nn.Module) -> Split:
     return Split(blocks="transformer.h", before=_gpt2_before, after=_gpt2_after)
 
 
-def _llama_before(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return m.model.embed_tokens(ids)  # type: ignore[union-attr, operator]
+def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
+    return m.model.embed_tokens(ids)
 
 
-def _llama_block(m: nn.Module, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     pos = positions(h).unsqueeze(0)
-    rope = m.model.rotary_emb(h, pos)  # type: ignore[union-attr, operator]  # (cos, sin): no parameters
+    rope = m.model.rotary_emb(h, pos)  # (cos, sin): no parameters
     return layer(h, position_embeddings=rope, position_ids=pos)
 
 
-def _llama_after(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return m.lm_head(m.model.norm(h))  # type: ignore[union-attr, operator]
+def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.model.norm(h))
 
 
 def llama_split(model: nn.Module) -> Split:
@@ -131,8 +133,8 @@ def llama_split(model: nn.Module) -> Split:
 
 def examples(model: nn.Module) -> list[torch.Tensor]:
     """Two id batches differing in batch size and length (random ids, from a generator of their own)."""
-    config = model.config  # type: ignore[union-attr]
-    longest = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 16)
+    config: Any = model.config
+    longest = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 16
     T = max(2, min(int(longest), 16))
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)

@@ -222,7 +222,7 @@ class VocabParallelEmbedding(nn.Module):
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
         rows = range(self.start, self.start + num_embeddings // self.tp)
-        self._local_padding = padding_idx - self.start if padding_idx in rows else None
+        self._local_padding = padding_idx - self.start if padding_idx is not None and padding_idx in rows else None
         self.weight = nn.Parameter(torch.empty(num_embeddings // self.tp, embedding_dim, device=device,
                                                dtype=dtype))  # (V/p, C)
         nn.init.normal_(self.weight)

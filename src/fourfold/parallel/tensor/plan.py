@@ -61,8 +61,8 @@ def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | No
     Face's style names read as fourfold's; a pattern matching no module is refused, naming the modules."""
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, str | None] = {}
-    for pattern, style in plan.items():
-        style = HF_STYLES.get(style, style) if isinstance(style, str) else style
+    for pattern, given in plan.items():
+        style = HF_STYLES.get(given, given) if isinstance(given, str) else given
         if style is not None:
             _parse_style(pattern, style)
         parts = pattern.split(".")

@@ -1,0 +1,237 @@
+"""``fourfold train --model ...``: GPT-2, Llama and a model of your own (examples/my_model.py) through the CLI,
+equal to the same command on one process, with every output a TinyGPT run writes; and each bad model, split or
+plan refused before training, naming the module or the number and the fix.
+
+One torchrun launch (GPT-2 tp=2, as a user types it) and one two-rank spawn for the rest (each rank imports
+transformers once). Float64, 3 steps, 1e-10.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold import Split, SplitError
+from fourfold import train as train_mod
+from fourfold.checkpoint import load_checkpoint
+from fourfold.parallel.pipeline.blocks import positions, resolve_split
+from fourfold.testing import run_ranks
+from helpers import losses
+
+transformers = pytest.importorskip("transformers")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TOL = 1e-10
+GPT2 = {"vocab_size": 256, "n_positions": 16, "n_embd": 16, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+LLAMA = {"vocab_size": 256, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+MINE = {"width": 16, "layers": 2, "seq_len": 16}
+COMMON = ["--steps", "3", "--dtype", "float64", "--seq-len", "16", "--batch-size", "4", "--device", "cpu",
+          "--lr", "1e-2"]
+# label -> (model flags, layout flags) for the two-rank spawn
+RUNS = {"gpt2 pp2 1f1b": (["--model", "gpt2"], ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"]),
+        "mine tp2": (["--model", "my_model:build"], ["--tp", "2"]),
+        "mine pp2 zb": (["--model", "my_model:build"], ["--pp", "2", "--schedule", "zb", "--microbatches", "2"])}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, str]:
+    where = tmp_path_factory.mktemp("configs")
+    out = {}
+    for name, values in (("gpt2", GPT2), ("llama", LLAMA), ("my_model:build", MINE)):
+        path = where / f"{name.partition(':')[0]}.json"
+        path.write_text(json.dumps(values))
+        out[name] = str(path)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _examples_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # as `cd examples` would; spawned ranks inherit sys.path
+
+
+def _flags(model: list[str], configs: dict[str, str]) -> list[str]:
+    return [*model, "--model-config", configs[model[1]], *COMMON]
+
+
+@functools.cache
+def _one_process(tmp: Path, model: tuple[str, ...], config: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    out = tmp / f"one-{model[1].partition(':')[0]}"
+    assert train_mod.main([*model, "--model-config", config, *COMMON, "--out", str(out)]) == 0
+    return losses(out), load_checkpoint(out / "model.pt")["model"]
+
+
+def _equal(label: str, got: tuple[list[float], dict[str, torch.Tensor]],
+           want: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    (got_losses, got_state), (want_losses, want_state) = got, want
+    assert max(abs(a - b) for a, b in zip(got_losses, want_losses, strict=True)) <= TOL, (label, got_losses,
+                                                                                          want_losses)
+    assert list(got_state) == list(want_state), f"{label}: names {list(got_state)} vs {list(want_state)}"
+    worst = max((got_state[k] - want_state[k]).abs().max().item() for k in want_state)
+    assert worst <= TOL, f"{label}: weights off one process by {worst:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpt2_tp2_through_torchrun_writes_every_output_and_model_pt_loads_into_gpt2lmheadmodel(tmp_path, configs):
+    one = _one_process(tmp_path, ("--model", "gpt2"), configs["gpt2"])
+    out = tmp_path / "tp2"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--tp", "2", "--verify", "2",
+           *_flags(["--model", "gpt2"], configs), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "trained GPT-2 (" in text and "(dp=1 tp=2 pp=1)" in text and "rank 0 sent per step: tp " in text, text
+    assert "verify: OK, every difference within tolerance" in text, text
+    for name in ("run.json", "metrics.jsonl", "trace.json", "trace-rank0.jsonl", "trace-rank1.jsonl",
+                 "timeline.png", "model.pt"):
+        assert (out / name).is_file(), f"{name} missing from {sorted(p.name for p in out.iterdir())}"
+    assert json.loads((out / "run.json").read_text())["config"]["train"]["model"] == "gpt2"
+    saved = load_checkpoint(out / "model.pt")["model"]
+    _equal("gpt2 tp2 (torchrun)", (losses(out), saved), one)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).double()
+    assert not model.load_state_dict(saved, strict=True).missing_keys  # strict: the Hugging Face names as they are
+    ids = torch.randint(256, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def _ranks(ctx, runs: dict, configs: dict[str, str], out: str) -> dict:
+    """Every CLI layout in RUNS, then the engine's logits contract under tp=2: this rank's results."""
+    from fourfold import parallelize
+    from fourfold.config import parse_args
+    from fourfold.loss import lm_loss
+    from fourfold.mesh import Mesh
+    from fourfold.models.hf import build_hf
+    from fourfold.parallel.pipeline.blocks import output_tensor
+    from fourfold.train import train
+
+    results: dict = {}
+    for label, (model, layout) in runs.items():
+        result = train(parse_args([*_flags(model, configs), *layout, "--out", f"{out}/{label}"]), ctx)
+        results[label] = (result.losses, result.state if ctx.rank == 0 else None)
+    # The logits contract: fourfold's own loss reads them split inside step(); a loss_fn of yours, and a
+    # direct call (Hugging Face's labels=), get them whole.
+    ranks = Mesh.for_world(2, tp=2).build(30)
+    ids = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    def mine(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(logits.shape))
+        return lm_loss(logits, targets)
+
+    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks, loss_fn=mine, timeout_s=30)
+    results["loss_fn"] = (engine.step(ids[:, :-1], ids[:, 1:]).item(), seen)
+    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks, timeout_s=30)
+    step_loss = engine.step(ids[:, :-1], ids[:, 1:]).item()
+    direct = engine.model(ids, labels=ids)
+    results["labels"] = (step_loss, direct.loss.item(), tuple(output_tensor(direct).shape))
+    return results
+
+
+@functools.cache
+def _spawned(configs_items: tuple, out: str) -> list[dict]:
+    return run_ranks(_ranks, 2, RUNS, dict(configs_items), out, timeout_s=220)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("label", list(RUNS))
+def test_cli_layouts_equal_one_process(tmp_path_factory, configs, label):
+    per_rank = _spawned(tuple(sorted(configs.items())), str(tmp_path_factory.getbasetemp() / "spawned"))
+    model = RUNS[label][0]
+    want = _one_process(tmp_path_factory.getbasetemp(), tuple(model), configs[model[1]])
+    for rank, results in enumerate(per_rank):
+        got_losses, state = results[label]
+        assert max(abs(a - b) for a, b in zip(got_losses, want[0], strict=True)) <= TOL, (label, rank)
+    _equal(label, per_rank[0][label], want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_split_logits_never_reach_your_loss_or_a_direct_call(tmp_path_factory, configs):
+    from fourfold.loss import lm_loss
+    from fourfold.models.hf import build_hf
+
+    per_rank = _spawned(tuple(sorted(configs.items())), str(tmp_path_factory.getbasetemp() / "spawned"))
+    ids = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = build_hf("gpt2", overrides=GPT2, dtype=torch.float64)
+    want_step = lm_loss(reference(ids[:, :-1]).logits, ids[:, 1:]).item()
+    want_labels = reference(ids, labels=ids).loss.item()
+    for results in per_rank:
+        loss, seen = results["loss_fn"]
+        assert seen == [(2, 15, 256)], f"your loss_fn was given logits of shape {seen}, not the whole vocabulary"
+        assert abs(loss - want_step) <= TOL
+        step_loss, labels_loss, shape = results["labels"]
+        assert abs(step_loss - want_step) <= TOL  # fourfold's vocabulary-parallel loss on the split logits
+        assert shape == (2, 16, 256) and abs(labels_loss - want_labels) <= TOL, (shape, labels_loss, want_labels)
+
+
+# ----------------------------------------------------------------------------- refused before training
+
+
+def _gpt2():
+    from fourfold.models.hf import build_hf
+
+    return build_hf("gpt2", overrides=GPT2, dtype=torch.float64)
+
+
+def test_the_gpt2_chain_without_its_position_embedding_is_refused_naming_it():
+    ids = torch.randint(256, (1, 8), generator=torch.Generator().manual_seed(0))
+    chain = Split.sequential(["transformer.wte", "transformer.h", "transformer.ln_f", "lm_head"])
+    with pytest.raises(SplitError, match=r"transformer\.wpe \(Embedding\) runs in the model's forward but in no "
+                                         r"piece"):
+        resolve_split(_gpt2(), chain, ids)
+    no_norm = Split(blocks="transformer.h",
+                    before=lambda m, x: m.transformer.drop(m.transformer.wte(x) + m.transformer.wpe(positions(x))),
+                    after=lambda m, h: m.lm_head(h))
+    with pytest.raises(SplitError, match=r"transformer\.ln_f"):
+        resolve_split(_gpt2(), no_norm, ids)
+
+
+def test_a_split_on_your_model_must_be_a_split():
+    from my_model import build
+
+    from fourfold.models import family_of
+
+    model = build(**MINE)
+    model.fourfold_split = ["layers"]
+    with pytest.raises(TypeError, match="fourfold_split must be a fourfold.Split, got list"):
+        family_of(model)
+
+
+@pytest.mark.parametrize(("model", "flags", "message"), [
+    ("llama", ["--nproc", "4", "--tp", "4"], "llama num_key_value_heads must be divisible by tp (each rank needs "
+     "whole key/value heads for its query heads), got num_key_value_heads=2 and tp=4. Use tp in [1, 2]"),
+    ("gpt2", ["--nproc", "4", "--tp", "4"], "n_head must be divisible by tp"),
+    ("gpt2", ["--seq-len", "32"], "seq_len must be at most the model's positions, got seq_len=32 and 16 positions "
+     "in GPT-2. Pass --seq-len 16"),
+    ("gpt2", ["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual", "3", "--microbatches", "2"],
+     "stages must be at most the model's blocks (embedding, 2 layers, head), got pp*virtual=6 > 4"),
+    ("gpt2", ["--nproc", "2", "--tp", "2", "--sequence-parallel"], "sequence_parallel is TinyGPT's"),
+    ("my_model:build", ["--vocab-size", "100"], "got vocab_size=100 in my_model:build. Set vocab_size to 256"),
+    ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
+    ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
+    ("tinygpt", ["--model-config", "x.json"], "model_config sizes a gpt2, llama or MODULE:FACTORY model"),
+    ("my model", [], "model must be tinygpt, gpt2, llama or MODULE:FACTORY"),
+])
+def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model, flags, message):
+    config = ["--model-config", configs[model]] if model in configs else []
+    if model == "my_model:build" and "--vocab-size" in flags:  # a factory keyword, read from its JSON
+        path = tmp_path / "small.json"
+        path.write_text(json.dumps({**MINE, "vocab_size": 100}))
+        config, flags = ["--model-config", str(path)], []
+    argv = ["--model", model, *config, *flags, "--out", str(tmp_path / "run")]
+    try:
+        code = train_mod.main(argv)
+    except SystemExit as e:  # a config value refused by the flag parser
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
