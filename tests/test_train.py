@@ -110,7 +110,7 @@ def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3"], "batch_size must be divisible by dp, got batch_size=8, dp=3. Pass --batch-size 9"),
     (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),
-    (["--data", "/nonexistent/file.txt"], "data must be a readable text file"),
+    (["--data", "/nonexistent/file.txt"], "data must be a readable file or folder"),
     (["--sequence-parallel"], "sequence_parallel needs tensor parallelism, got tp=1"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "got 8 sequences per shard and microbatches=3. Pass "
      "--microbatches 4"),

@@ -83,6 +83,9 @@ class TrainConfig:
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
     bucket_mb: float = field(default=25.0, metadata=_help(
         "data-parallel gradient bucket size in MB: each full bucket is all-reduced while backward goes on"))
+    sync_batchnorm: bool = field(default=False, metadata=_help(
+        "with --dp: BatchNorm layers take their statistics over the whole batch (every rank's samples), as one "
+        "process does; without it each rank normalises its own shard (a warning names the layers)"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
@@ -91,7 +94,14 @@ class TrainConfig:
         "seconds a rank may wait in one operation before the hang doctor looks for the rank that never "
         "arrived; a stopped or deadlocked one ends the run, named (0: off)"))
     data: str | None = field(default=None, metadata=_help(
-        "a text file to train on (default: the built-in corpus, the Python standard library's source)"))
+        "what to train on: a text file, a folder of them, a .jsonl of {\"text\": ...} lines, or token ids in a "
+        ".npy / .bin (memory-mapped; larger than memory is fine). Default: the built-in corpus, the Python "
+        "standard library's source"))
+    tokenizer: str = field(default="bytes", metadata=_help(
+        "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
+        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json)"))
+    data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
+        "the integer type of a .bin file's token ids (a .npy says its own)"))
     out: str = field(default="runs/train", metadata=_help(
         "output directory: metrics.jsonl, trace.json, trace-rank*.jsonl, model.pt"))
     overwrite: bool = field(default=False, metadata=_help(
@@ -144,6 +154,12 @@ class TrainConfig:
             raise ValueError(f"model_config sizes a gpt2, llama or MODULE:FACTORY model, got model_config="
                              f"{self.model_config!r} with model='tinygpt'. Size TinyGPT with --n-layer, --d-model, "
                              "..., or pass --model gpt2")
+        from fourfold.data.tokenizers import check_tokenizer_spec
+
+        check_tokenizer_spec(self.tokenizer)
+        if self.tokenizer != "bytes" and self.data is not None and Path(self.data).suffix in (".npy", ".bin"):
+            raise ValueError(f"tokenizer reads text, got tokenizer={self.tokenizer!r} with token ids in "
+                             f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 

@@ -32,6 +32,7 @@ over dp starts then and is waited for only by :meth:`Loss.item`, after the optim
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -242,7 +243,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 split: Split | None = None, example: torch.Tensor | None = None,
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
-                bucket_mb: float = 25.0, loss_fn: LossFn | None = None, balance: Balance = "params",
+                bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None, balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
@@ -257,6 +258,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     ``model(example)`` before anything is cut). ``loss_fn(logits, targets)``: default the mean cross-entropy;
     under tensor parallelism its vocabulary-parallel twin reads split logits, while a ``loss_fn`` of yours is
     given them whole (gathered).
+
+    BatchNorm under dp > 1 normalises each rank's shard on its own (a warning names the layers);
+    ``sync_batchnorm=True`` takes the statistics over the whole batch instead
+    (:class:`~fourfold.parallel.batchnorm.SyncBatchNorm`, CPU and GPU), equal to one process.
     """
     from fourfold.models import family_of
 
@@ -266,6 +271,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
+    if m.dp > 1:
+        _batchnorm(model, sync_batchnorm, ranks.dp_group, timeout_s)
     family = family_of(model)
     if m.tp > 1 and family is not None and family.check is not None:
         family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
@@ -322,6 +329,23 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer)
 
     return split_loss
+
+
+def _batchnorm(model: nn.Module, sync: bool, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    """Data parallelism splits the batch a BatchNorm normalises over: sync it, or say so."""
+    from fourfold.parallel.batchnorm import batchnorm_layers, sync_batchnorm
+
+    norms = batchnorm_layers(model)
+    if not norms:
+        return
+    if sync:
+        sync_batchnorm(model, group, timeout_s)
+        return
+    shown = ", ".join(norms[:6]) + (f" and {len(norms) - 6} more" if len(norms) > 6 else "")
+    warnings.warn(f"BatchNorm layers {shown} normalise each data-parallel rank's shard with its own mean and "
+                  "variance, so training differs from one process and the running statistics differ per rank "
+                  "(the saved model has rank 0's). Pass sync_batchnorm=True (fourfold train --sync-batchnorm) "
+                  "to take them over the whole batch.", stacklevel=3)
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

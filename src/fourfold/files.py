@@ -31,7 +31,7 @@ REPLACED = ".replaced-"  # OUT/.replaced-<time>/: an earlier run that an --overw
 def earlier_outputs(out: Path) -> list[Path]:
     """The files and directories of an earlier run in ``out``."""
     return sorted(p for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
-                  or p.name in ("checkpoints", "timeline.png"))
+                  or p.name in ("checkpoints", "timeline.png", "tokenizer.json"))
 
 
 @contextmanager

@@ -43,7 +43,7 @@ from fourfold.checkpoint.resume import check_resume, continues_run, restart_coun
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import barrier
 from fourfold.config import Config, parse_args, without_section_flags
-from fourfold.data import BatchLoader, ByteTokenizer, load_corpus
+from fourfold.data import BatchLoader, is_token_file, run_corpus, token_range, vocab_of
 from fourfold.engine import Engine, bytes_by_axis, parallelize
 from fourfold.files import (
     OUTPUTS,
@@ -117,15 +117,22 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     if t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
-    if t.data is not None and not Path(t.data).is_file():
-        raise ValueError(f"data must be a readable text file, got {t.data!r}. Leave --data out to use the "
+    if t.data is not None and not (Path(t.data).is_file() or Path(t.data).is_dir()):
+        raise ValueError(f"data must be a readable file or folder, got {t.data!r}. Leave --data out to use the "
                          "built-in corpus.")
     out = Path(t.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
-    if info.vocab_size is not None:
-        check_vocab(info, ByteTokenizer.vocab_size)
+    if t.data is not None and is_token_file(t.data):
+        low, high = token_range(t.data, t.data_dtype)  # a pass over the file; each batch is checked again
+        if low < 0:
+            raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
+                             "written with")
+        if info.vocab_size is not None:
+            check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+    elif info.vocab_size is not None:
+        check_vocab(info, vocab_of(t.tokenizer))
     resume = resume_from(cfg)
     if resume is not None:
         check_resume(cfg, resume)
@@ -181,27 +188,30 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     ranks = mesh.build(t.timeout)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
-    corpus = load_corpus(t.data)
-    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp)
+    resume = resume_from(cfg)
+    continuing = resume is not None and continues_run(cfg, resume)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
+            move_aside(out)
+    corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=ctx.is_main, wait=barrier)
     model = build_model(cfg, ctx.device)
     info = check_model(cfg, mesh.tp, 1, model)  # what only the built model tells (its vocabulary)
+    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp,
+                         vocab_size=info.vocab_size)
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.shard(0)[0][:1].to(ctx.device)  # a split is checked on it
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out)
     tokens_per_step = t.batch_size * cfg.model.seq_len
-    resume = resume_from(cfg)
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
-    continuing = resume is not None and continues_run(cfg, resume)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
-            move_aside(out)
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
-               "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "bytes": len(corpus)},
+               "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "tokens": len(corpus),
+                          "tokenizer": corpus.tokenizer},
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
                "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
                "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
@@ -272,7 +282,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     """The layout flags as :func:`fourfold.parallelize` takes them."""
     t = cfg.train
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
-            "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb}
+            "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
+            "sync_batchnorm": t.sync_batchnorm}
 
 
 def _synchronize(device: torch.device) -> None:

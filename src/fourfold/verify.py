@@ -59,7 +59,9 @@ def tolerances(dtype: str, lr: float, step: int, loss: float) -> tuple[float, fl
 
 def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Train ``cfg``'s model for ``steps`` steps on this one process: losses and the state after each step."""
-    from fourfold.data import BatchLoader, load_corpus
+    from pathlib import Path
+
+    from fourfold.data import BatchLoader, run_corpus
     from fourfold.engine import parallelize
     from fourfold.models.build import build_model
     from fourfold.train import make_optimizer
@@ -67,7 +69,8 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     t = cfg.train
     engine = parallelize(build_model(cfg), None)  # no mesh: one process, no strategy applied
     optimizer = make_optimizer(cfg, engine.parameters())
-    loader = BatchLoader(load_corpus(t.data), t.batch_size, cfg.model.seq_len, t.seed, dp_rank=0, dp_size=1)
+    corpus = run_corpus(t.data, t.tokenizer, Path(t.out), data_dtype=t.data_dtype)  # the run's (its tokenizer)
+    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=0, dp_size=1)
     losses, states = [], []
     for step in range(1, steps + 1):
         x, y = loader.shard(step - 1)  # the whole global batch

@@ -109,12 +109,12 @@ def check_model(cfg: Any, tp: int, stages: int, model: nn.Module | None = None) 
     return info
 
 
-def check_vocab(info: ModelInfo, tokens: int) -> None:
-    """The model's vocabulary must cover the tokenizer's ``tokens`` ids."""
+def check_vocab(info: ModelInfo, tokens: int, source: str = "the tokenizer makes") -> None:
+    """The model's vocabulary must cover the ``tokens`` ids the data holds (``source`` says where from)."""
     if info.vocab_size is not None and info.vocab_size < tokens:
         fix = (f"Pass --vocab-size {tokens} (or more)" if info.label == "TinyGPT" else
                f"Set vocab_size to {tokens} (or more) in the model's config")
-        raise ValueError(f"vocab_size must cover the data's tokens: the tokenizer makes ids 0..{tokens - 1}, got "
+        raise ValueError(f"vocab_size must cover the data's tokens: {source} ids 0..{tokens - 1}, got "
                          f"vocab_size={info.vocab_size} in {info.label}. {fix}.")
 
 

@@ -1,7 +1,4 @@
-"""The built-in corpus, a byte-level tokenizer, and per-rank shards of each global batch.
-
-Nothing to download: the default corpus is the Python standard library's own source, read in a fixed order
-and fingerprinted, so every run can record exactly which text it trained on::
+"""Per-rank shards of each global batch, a pure function of (seed, step).
 
     from fourfold.data import BatchLoader, load_corpus
 
@@ -10,117 +7,20 @@ and fingerprinted, so every run can record exactly which text it trained on::
     x, y = loader.shard(step=0)                              # (4, 64), (4, 64): rows 4..7 of the batch
     X, Y = loader.global_batch(step=0)                       # (8, 64): what one process would see
 
-A batch is a pure function of (seed, step): the corpus is cut into n = N // (T+1) windows of T+1 tokens,
-epoch e visits them in the order randperm(n) drawn from seed*1_000_003 + e, and step s takes positions
-[s*B, (s+1)*B) of the endless concatenation of epochs. Resuming is setting the step.
+The corpus is cut into n = N // (T+1) windows of T+1 tokens, epoch e visits them in the order randperm(n) drawn
+from seed*1_000_003 + e, and step s takes positions [s*B, (s+1)*B) of the endless concatenation of epochs.
+Resuming is setting the step. Only the windows a batch takes are read (a memory-mapped corpus stays on disk).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_MAX_BYTES", "BatchLoader", "ByteTokenizer", "Corpus", "load_corpus"]
+from fourfold.data.corpus import Corpus
 
-DEFAULT_MAX_BYTES = 2 * 1024 * 1024
-"""Bytes of standard-library source taken by :func:`load_corpus` unless told otherwise (2 MiB)."""
-
-_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-
-
-def _as_uint8(data: bytes) -> torch.Tensor:
-    """bytes -> uint8 tensor (N,), copying (torch.frombuffer refuses empty buffers and aliases memory)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-
-
-@dataclass(frozen=True, eq=False)
-class Corpus:
-    """A text as byte tokens, with the name and SHA-256 fingerprint a run records."""
-
-    tokens: torch.Tensor  # (N,) uint8
-    name: str
-    sha256: str
-
-    @classmethod
-    def from_bytes(cls, data: bytes, name: str) -> Corpus:
-        """Wrap raw bytes; the fingerprint is sha256(data)."""
-        return cls(_as_uint8(data), name, hashlib.sha256(data).hexdigest())
-
-    def __len__(self) -> int:
-        return self.tokens.numel()
-
-    def __repr__(self) -> str:
-        return f"Corpus(name={self.name!r}, tokens={len(self)}, sha256={self.sha256[:12]}...)"
-
-
-def _stdlib_files() -> list[Path]:
-    """Every .py file under the stdlib directory, test and site-packages folders skipped, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def load_corpus(path: str | os.PathLike[str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """The first ``max_bytes`` bytes of a file, or of the concatenated stdlib sources when ``path`` is None."""
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(
-            f"max_bytes must be a positive integer, got max_bytes={max_bytes!r}. Pass e.g. 2**21"
-        )
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"corpus path must be a readable file, got {str(file)!r}. Check the path")
-        with file.open("rb") as f:
-            data = f.read(max_bytes)
-        name = file.name
-    else:
-        chunks, size = [], 0
-        for file in _stdlib_files():
-            if size >= max_bytes:
-                break
-            chunk = file.read_bytes() + b"\n"  # raw UTF-8 bytes; the newline keeps files apart
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)[:max_bytes]
-        name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
-    if not data:
-        raise ValueError(
-            f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file"
-        )
-    return Corpus.from_bytes(data, name)
-
-
-class ByteTokenizer:
-    """Text <-> its UTF-8 bytes: token t in [0, 256) is one byte."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        """str -> int64 tensor (N,) of its UTF-8 bytes."""
-        return _as_uint8(text.encode("utf-8")).long()  # (N,)
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        """int tensor (N,) of bytes -> str; invalid UTF-8 becomes U+FFFD."""
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}. Decode one row at a time")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise ValueError(
-                f"tokens must lie in [0, 256), got min={int(tokens.min())}, max={int(tokens.max())}. "
-                "Decode only byte tokens"
-            )
-        return bytes(tokens.tolist()).decode("utf-8", errors="replace")
+__all__ = ["BatchLoader"]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -149,6 +49,7 @@ class BatchLoader:
         seed: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        vocab_size: int | None = None,
     ) -> None:
         _check_int("batch_size", batch_size, 1)
         _check_int("seq_len", seq_len, 1)
@@ -173,6 +74,7 @@ class BatchLoader:
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.vocab_size = vocab_size  # ids at or above it are refused as a batch is read
         self.shard_size = batch_size // dp_size
         self.num_windows = n
         self.step = 0
@@ -207,6 +109,11 @@ class BatchLoader:
 
     def _batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._windows[ids].long()  # (b, T+1)
+        if self.vocab_size is not None and rows.numel() and (rows.max() >= self.vocab_size or rows.min() < 0):
+            bad = int(rows.max()) if rows.max() >= self.vocab_size else int(rows.min())
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got {bad} in "
+                             f"{self.corpus.name!r}. Pass a --vocab-size above the largest id (or a model config "
+                             "whose vocab_size is), or the --data-dtype the file was written with")
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (b, T), (b, T)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,81 @@
+"""BatchNorm under data parallelism: without sync a warning names the layers (each rank normalises its own
+shard); with ``sync_batchnorm=True`` two data-parallel ranks train exactly as one process on the whole batch:
+losses, parameters and running statistics (float64, 3 AdamW steps, 1e-10), on CPU with gloo."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold import Mesh, parallelize
+from fourfold.testing import run_ranks
+from helpers import max_error, optimizer
+
+TOL = 1e-10
+B = 8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # No bias before a BatchNorm (it would be removed with the mean: a zero gradient, which Adam turns into
+    # steps of size lr in the direction of rounding noise, different in every run).
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64, 8, bias=False), nn.BatchNorm1d(8, momentum=None), nn.ReLU(),
+                         nn.Linear(8, 3)).double()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(B, 2, 4, 4, generator=g, dtype=torch.float64) * 3 + 1,
+             torch.randn(B, 3, generator=g, dtype=torch.float64)) for _ in range(3)]
+
+
+def _train(ctx, sync: bool) -> dict:
+    ranks = Mesh.for_world(ctx.world_size, dp=2).build(30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = parallelize(_model(), ranks, allreduce="ring", loss_fn=F.mse_loss, sync_batchnorm=sync,
+                             timeout_s=30)
+    opt = optimizer(engine.parameters())
+    losses = []
+    lo = ranks.coord.dp * B // 2
+    for x, y in _batches():
+        losses.append(engine.step(x[lo:lo + B // 2], y[lo:lo + B // 2]).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "state": engine.state_dict(), "warnings": [str(w.message) for w in caught]}
+
+
+def _both(ctx) -> dict:
+    return {"sync": _train(ctx, True), "plain": _train(ctx, False)}
+
+
+@pytest.mark.timeout(120)
+def test_sync_batchnorm_on_two_ranks_equals_one_process_and_plain_batchnorm_is_named():
+    per_rank = run_ranks(_both, 2, timeout_s=90)
+    model = _model()
+    opt = optimizer(model.parameters())
+    want = []
+    for x, y in _batches():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    reference = model.state_dict()
+    for rank, got in enumerate(per_rank):
+        sync = got["sync"]
+        assert max(abs(a - b) for a, b in zip(sync["losses"], want, strict=True)) <= TOL, (rank, sync["losses"])
+        assert list(sync["state"]) == list(reference)  # BatchNorm's own names, running statistics included
+        name, err = max_error(sync["state"], reference)
+        assert err <= TOL, f"rank {rank}: {name} off one process by {err:.3g}"
+        assert not any("BatchNorm" in w for w in sync["warnings"]), sync["warnings"]
+        plain = got["plain"]
+        named = [w for w in plain["warnings"] if "BatchNorm layers 1, 5 normalise each data-parallel rank's" in w]
+        assert named and "--sync-batchnorm" in named[0], plain["warnings"]
+        # and it matters: without sync the running statistics are this rank's shard's, not the batch's
+        assert max_error(plain["state"], reference)[1] > 1e-3
