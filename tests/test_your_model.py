@@ -109,17 +109,12 @@ def _check(world: int, index: int) -> None:
         assert got["held"] < whole, f"{got['label']}: rank 0 holds {got['held']} of {whole} bytes"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(MODELS) * len(LAYOUTS_2)),
-                         ids=[f"{m} {lab}" for m in MODELS for lab in LAYOUTS_2])
-def test_two_ranks_equal_one_process(index):
-    _check(2, index)
+CASES = [(world, i, f"{m} {lab}") for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4))
+         for i, (m, lab) in enumerate((m, lab) for m in MODELS for lab in layouts)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(MODELS) * len(LAYOUTS_4)),
-                         ids=[f"{m} {lab}" for m in MODELS for lab in LAYOUTS_4])
-def test_four_ranks_equal_one_process(index):
-    _check(4, index)
+@pytest.mark.parametrize(("world", "index"), [c[:2] for c in CASES], ids=[c[2] for c in CASES])
+def test_layout_equals_one_process(world, index):
+    _check(world, index)
