@@ -31,12 +31,14 @@ TOL = 1e-10
 GPT2 = {"vocab_size": 256, "n_positions": 16, "n_embd": 16, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0,
         "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 LLAMA = {"vocab_size": 256, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+         "tie_word_embeddings": True}  # the tied head: one weight in stage 0's embedding and stage 1's head
 MINE = {"width": 16, "layers": 2, "seq_len": 16}
 COMMON = ["--steps", "3", "--dtype", "float64", "--seq-len", "16", "--batch-size", "4", "--device", "cpu",
           "--lr", "1e-2"]
 # label -> (model flags, layout flags) for the two-rank spawn
 RUNS = {"gpt2 pp2 1f1b": (["--model", "gpt2"], ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"]),
+        "llama (tied) pp2 gpipe": (["--model", "llama"], ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"]),
         "mine tp2": (["--model", "my_model:build"], ["--tp", "2"]),
         "mine pp2 zb": (["--model", "my_model:build"], ["--pp", "2", "--schedule", "zb", "--microbatches", "2"])}
 
