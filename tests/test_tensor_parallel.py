@@ -301,7 +301,8 @@ def _layer_results(tp: int) -> dict:
 LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.sp", "row",
                                              "row.split_input", "row.sp", "chain", "chain.sp")
                 for q in ("output", "grad_input", "grad_weight", "grad_bias")]
-LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad") for q in ("output", "grad_weight")]
+LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad")
+                 for q in ("output", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("cross_entropy", "cross_entropy.large")
                  for q in ("loss", "grad_logits")]
 LAYER_CHECKS += ["plan.loss", "plan.still_tied", "plan.grad_weight"]

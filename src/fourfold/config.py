@@ -146,7 +146,9 @@ class TrainConfig:
             raise ValueError(f"hang_threshold must be >= 0 seconds (0 = off), got hang_threshold="
                              f"{self.hang_threshold}.")
         module, colon, factory = self.model.partition(":")
-        if self.model not in ("tinygpt", "gpt2", "llama") and not (
+        from fourfold.models.hf import FAMILIES
+
+        if self.model not in ("tinygpt", *FAMILIES) and not (
                 colon and all(p.isidentifier() for p in module.split(".")) and factory.isidentifier()):
             raise ValueError(f"model must be tinygpt, gpt2, llama or MODULE:FACTORY (an importable module and a "
                              f"function in it), got {self.model!r}. Pass --model gpt2, or --model mypkg.models:build")

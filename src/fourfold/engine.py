@@ -243,7 +243,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 split: Split | None = None, example: torch.Tensor | None = None,
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
-                bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None, balance: Balance = "params",
+                bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
+                balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
@@ -317,12 +318,12 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads)
 
 
-def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None, group: dist.ProcessGroup | None,
-                       tracer: Tracer) -> LossFn:
-    """The loss for a model whose plan has a ``"head"``: fourfold's vocabulary-parallel cross-entropy reads
-    the logits split (the engine's step stops the heads gathering them); a ``loss_fn`` of the user's keeps
-    them gathered."""
-    if not split_heads or loss_fn is not None:
+def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None,
+                       group: dist.ProcessGroup | None, tracer: Tracer) -> LossFn:
+    """The loss for a model whose plan has a ``"head"`` (and no ``loss_fn`` of the user's, which reads the
+    logits gathered): fourfold's vocabulary-parallel cross-entropy reads them split (the engine's step stops
+    the heads gathering them)."""
+    if not split_heads:
         return loss_fn or lm_loss
 
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,15 @@ from fourfold.files import (
     write_text_atomic,
 )
 from fourfold.mesh import Mesh
-from fourfold.models.build import build_model, check_model, check_vocab, num_parameters
+from fourfold.models.build import (
+    ModelInfo,
+    build_model,
+    built_info,
+    check_model,
+    check_vocab,
+    model_info,
+    num_parameters,
+)
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
@@ -98,8 +106,9 @@ class TrainResult:
                 "model.pt")
 
 
-def preflight(cfg: Config, world_size: int) -> Mesh:
-    """Every check that needs no process group, so bad input fails before any process starts."""
+def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
+    """Every check that needs no process group, so bad input fails before any process starts. ``scan_data``:
+    read a token file once through for its largest id (the launcher does; its ranks need not)."""
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
     stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
@@ -124,15 +133,7 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
-    if t.data is not None and is_token_file(t.data):
-        low, high = token_range(t.data, t.data_dtype)  # a pass over the file; each batch is checked again
-        if low < 0:
-            raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
-                             "written with")
-        if info.vocab_size is not None:
-            check_vocab(info, high + 1, f"{Path(t.data).name} holds")
-    elif info.vocab_size is not None:
-        check_vocab(info, vocab_of(t.tokenizer))
+    _check_data_vocab(cfg, info, scan=scan_data)
     resume = resume_from(cfg)
     if resume is not None:
         check_resume(cfg, resume)
@@ -146,6 +147,20 @@ def preflight(cfg: Config, world_size: int) -> Mesh:
 
 class NonFiniteLoss(RuntimeError):
     """The global loss became NaN or infinite: the run stops at that step with exit code 1."""
+
+
+def _check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
+    """The model's vocabulary must cover the data's ids: the tokenizer's, or (``scan``) the largest in a token
+    file, found in one pass over it. The loader checks every batch's ids again as it reads them."""
+    t = cfg.train
+    if t.data is None or not is_token_file(t.data):
+        check_vocab(info, vocab_of(t.tokenizer))
+    elif scan:
+        low, high = token_range(t.data, t.data_dtype)
+        if low < 0:
+            raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
+                             "written with")
+        check_vocab(info, high + 1, f"{Path(t.data).name} holds")
 
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
@@ -183,7 +198,7 @@ def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
 
 def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     t = cfg.train
-    mesh = preflight(cfg, ctx.world_size)  # on every rank, so bad input fails everywhere, not as a hang
+    mesh = preflight(cfg, ctx.world_size, scan_data=False)  # every rank fails alike, never a hang
     barrier("check OUT before writing")  # nobody writes to OUT before every rank has checked it
     ranks = mesh.build(t.timeout)
     tracer = Tracer(ctx.rank, enabled=t.trace)
@@ -196,7 +211,10 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             move_aside(out)
     corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=ctx.is_main, wait=barrier)
     model = build_model(cfg, ctx.device)
-    info = check_model(cfg, mesh.tp, 1, model)  # what only the built model tells (its vocabulary)
+    known = model_info(cfg)
+    info = built_info(known, model)  # a model of your own: its vocabulary, known only now
+    if known.vocab_size is None:
+        _check_data_vocab(cfg, info, scan=False)
     loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp,
                          vocab_size=info.vocab_size)
     count = num_parameters(model)

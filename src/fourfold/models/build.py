@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from fourfold.models.gpt import TinyGPT
+from fourfold.models.hf import FAMILIES
 
-__all__ = ["ModelInfo", "build_model", "check_model", "check_vocab", "model_info", "num_parameters"]
+__all__ = ["ModelInfo", "build_model", "built_info", "check_model", "check_vocab", "model_info", "num_parameters",
+           "read_model_config"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -44,13 +46,11 @@ def model_info(cfg: Any) -> ModelInfo:
     if name == "tinygpt":
         m = cfg.model
         return ModelInfo("TinyGPT", m.vocab_size, m.n_layer + 2, m.seq_len)
-    if name in ("gpt2", "llama"):
-        from fourfold.models.hf import hf_config
+    if name in FAMILIES:
+        from fourfold.models.hf import hf_config, sizes
 
-        c = hf_config(name, cfg.train.model_config)
-        if name == "gpt2":
-            return ModelInfo("GPT-2", c.vocab_size, c.n_layer + 2, c.n_positions)
-        return ModelInfo("Llama", c.vocab_size, c.num_hidden_layers + 2, c.max_position_embeddings)
+        s = sizes(hf_config(name, cfg.train.model_config))
+        return ModelInfo(s.label, s.vocab_size, s.layers + 2, s.positions)
     _factory(name)  # importable, callable: checked now
     return ModelInfo(name, None, None, None)
 
@@ -73,30 +73,25 @@ def _factory(name: str) -> Any:
     return fn
 
 
-def _kwargs(path: str | None) -> dict[str, Any]:
+def read_model_config(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """``--model-config``: a JSON object (a Hugging Face config's keys, or a factory's keyword arguments)."""
     if path is None:
         return {}
     try:
         with open(path) as f:
             values = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model_config must be a readable JSON file, got {path!r}: {e}.") from None
+        raise ValueError(f"model_config must be a readable JSON file, got {str(path)!r}: {e}. Write the keys "
+                         "as one JSON object (see docs/your-model.md)") from None
     if not isinstance(values, dict):
-        raise ValueError(f"model_config must hold a JSON object of keyword arguments, got {type(values).__name__}.")
+        raise ValueError(f"model_config must hold a JSON object, got {type(values).__name__} in {str(path)!r}.")
     return values
 
 
-def check_model(cfg: Any, tp: int, stages: int, model: nn.Module | None = None) -> ModelInfo:
-    """Refuse, before any process starts, a model this layout cannot run; returns what it read. With the built
-    ``model`` (a model of your own: nothing is known before), its vocabulary is read from it and checked."""
+def check_model(cfg: Any, tp: int, stages: int) -> ModelInfo:
+    """Refuse, before any process starts, a model this layout cannot run; returns what it read."""
     info = model_info(cfg)
-    if model is not None and info.vocab_size is None:
-        info = replace(info, vocab_size=_vocab_of(model))
-        if info.vocab_size is not None:
-            from fourfold.data import ByteTokenizer
-
-            check_vocab(info, ByteTokenizer.vocab_size)
-    if cfg.train.model in ("gpt2", "llama"):
+    if cfg.train.model in FAMILIES:
         from fourfold.models.hf import check_tp, hf_config
 
         check_tp(hf_config(cfg.train.model, cfg.train.model_config), tp)
@@ -118,13 +113,16 @@ def check_vocab(info: ModelInfo, tokens: int, source: str = "the tokenizer makes
                          f"vocab_size={info.vocab_size} in {info.label}. {fix}.")
 
 
-def _vocab_of(model: nn.Module) -> int | None:
-    """The number of token ids ``model`` embeds: its config's, or its first nn.Embedding's."""
+def built_info(info: ModelInfo, model: nn.Module) -> ModelInfo:
+    """``info`` with what only the built model tells: a model of your own's vocabulary (its config's, or its
+    first nn.Embedding's)."""
+    if info.vocab_size is not None:
+        return info
     config = getattr(model, "config", None)
     if isinstance(getattr(config, "vocab_size", None), int):
-        return int(config.vocab_size)  # type: ignore[union-attr]
+        return replace(info, vocab_size=int(config.vocab_size))  # type: ignore[union-attr]
     first = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return first.num_embeddings if first is not None else None
+    return replace(info, vocab_size=first.num_embeddings) if first is not None else info
 
 
 def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
@@ -133,12 +131,12 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     dtype = DTYPES[t.dtype]
     if t.model == "tinygpt":
         return TinyGPT(cfg.model, seed=t.seed, dtype=dtype, device=device)
-    if t.model in ("gpt2", "llama"):
+    if t.model in FAMILIES:
         from fourfold.models.hf import build_hf
 
         return build_hf(t.model, t.model_config, seed=t.seed, dtype=dtype).to(device)
     torch.manual_seed(t.seed)
-    model = _factory(t.model)(**_kwargs(t.model_config))
+    model = _factory(t.model)(**read_model_config(t.model_config))
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {t.model!r} must return an nn.Module, got {type(model).__name__}.")
     return model.to(device=device, dtype=dtype)

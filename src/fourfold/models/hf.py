@@ -14,9 +14,8 @@ q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -131,11 +130,26 @@ def llama_split(model: nn.Module) -> Split:
     return Split(blocks="model.layers", before=_llama_before, block=_llama_block, after=_llama_after)
 
 
+class Sizes(NamedTuple):
+    """What a family's config says of the model's size, under one set of names."""
+
+    label: str
+    vocab_size: int
+    layers: int
+    positions: int
+
+
+def sizes(config: Any) -> Sizes:
+    """GPT-2's ``n_layer`` / ``n_positions`` and Llama's ``num_hidden_layers`` / ``max_position_embeddings``."""
+    if config.model_type == "gpt2":
+        return Sizes("GPT-2", config.vocab_size, config.n_layer, config.n_positions)
+    return Sizes("Llama", config.vocab_size, config.num_hidden_layers, config.max_position_embeddings)
+
+
 def examples(model: nn.Module) -> list[torch.Tensor]:
     """Two id batches differing in batch size and length (random ids, from a generator of their own)."""
     config: Any = model.config
-    longest = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 16
-    T = max(2, min(int(longest), 16))
+    T = max(2, min(sizes(config).positions, 16))
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(config.vocab_size, (1, T), generator=gen).to(device),
@@ -162,22 +176,13 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
     try:
         import transformers
     except ImportError:
-        raise ImportError(f"--model {family} needs Hugging Face transformers, got none installed. Install it "
-                          "with: pip install 'fourfold[hf]'") from None
+        raise ValueError(f"--model {family} needs Hugging Face transformers, got none installed. Install it "
+                         "with: pip install 'fourfold[hf]'") from None
     if family not in FAMILIES:
         raise ValueError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}.")
-    values: dict[str, Any] = {}
-    if config_path is not None:
-        try:
-            with open(config_path) as f:
-                values = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--model-config must be a readable JSON file, got {str(config_path)!r}: {e}. "
-                             "Write the config's keys as JSON (see docs/your-model.md)") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"--model-config must hold a JSON object, got {type(values).__name__} in "
-                             f"{str(config_path)!r}.")
-    values.update(overrides or {})
+    from fourfold.models.build import read_model_config
+
+    values = {**read_model_config(config_path), **(overrides or {})}
     cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[family]
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below

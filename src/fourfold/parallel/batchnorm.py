@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import bounded_wait, group_ranks
 from fourfold.launch import DEFAULT_TIMEOUT_S
 
 __all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_layers", "sync_batchnorm"]
@@ -32,9 +32,8 @@ def batchnorm_layers(model: nn.Module) -> list[str]:
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, op: str) -> torch.Tensor:
     t = t.contiguous()
     work = dist.all_reduce(t, group=group, async_op=True)
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
     bounded_wait(work, timeout_s, rank=dist.get_rank(), op=op, awaited="the data-parallel group of",
-                 group_ranks=ranks, tensor=t)
+                 group_ranks=group_ranks(group), tensor=t)
     return t
 
 
@@ -112,7 +111,8 @@ class SyncBatchNorm(nn.Module):
         running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
-def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> nn.Module:
+def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> nn.Module:
     """Replace every BatchNorm in ``model`` by a :class:`SyncBatchNorm` over ``group``, keeping its parameters
     and running statistics (the same objects: names and the optimiser's view are unchanged). Returns ``model``."""
     for name in batchnorm_layers(model):
