@@ -156,10 +156,11 @@ class TrainConfig:
             raise ValueError(f"model_config sizes a gpt2, llama or MODULE:FACTORY model, got model_config="
                              f"{self.model_config!r} with model='tinygpt'. Size TinyGPT with --n-layer, --d-model, "
                              "..., or pass --model gpt2")
+        from fourfold.data import is_token_file
         from fourfold.data.tokenizers import check_tokenizer_spec
 
         check_tokenizer_spec(self.tokenizer)
-        if self.tokenizer != "bytes" and self.data is not None and Path(self.data).suffix in (".npy", ".bin"):
+        if self.tokenizer != "bytes" and self.data is not None and is_token_file(self.data):
             raise ValueError(f"tokenizer reads text, got tokenizer={self.tokenizer!r} with token ids in "
                              f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")
         if not self.out.strip():

@@ -12,6 +12,7 @@ The fingerprint is the SHA-256 of the bytes read, so ``run.json`` records exactl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,13 +21,11 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer
+from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8, load_tokenizer, train_bpe
 
 __all__ = ["DEFAULT_MAX_BYTES", "TOKEN_DTYPES", "Corpus", "is_token_file", "load_corpus", "open_data", "read_texts",
            "run_corpus", "token_range"]
@@ -40,13 +39,6 @@ DEFAULT_MAX_BYTES = 2 * 1024 * 1024
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
-def _as_uint8(data: bytes) -> torch.Tensor:
-    """bytes -> uint8 tensor (N,), copying (torch.frombuffer refuses empty buffers and aliases memory)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-
-
 @dataclass(frozen=True, eq=False)
 class Corpus:
     """A stream of token ids (bytes for the built-in corpus), with the name and SHA-256 fingerprint a run
@@ -54,13 +46,17 @@ class Corpus:
 
     tokens: torch.Tensor  # (N,) integer; uint8 for bytes; memory-mapped for .npy / .bin
     name: str
-    sha256: str
+    digest: str | Path  # the SHA-256, or the file to hash when it is first asked for (only rank 0 records it)
     tokenizer: str = "bytes"
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        return self.digest if isinstance(self.digest, str) else _sha256_file(self.digest)
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str) -> Corpus:
         """Wrap raw bytes; the fingerprint is sha256(data)."""
-        return cls(_as_uint8(data), name, hashlib.sha256(data).hexdigest())
+        return cls(as_uint8(data), name, hashlib.sha256(data).hexdigest())
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -171,7 +167,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _token_file(path: Path, dtype: str, fingerprint: bool = True) -> Corpus:
+def _token_file(path: Path, dtype: str) -> Corpus:
     """A memory-mapped ``.npy`` (its own dtype) or ``.bin`` (``dtype``) of token ids; copy-on-write, so the
     file is never written."""
     if not path.is_file():
@@ -192,14 +188,13 @@ def _token_file(path: Path, dtype: str, fingerprint: bool = True) -> Corpus:
                          f"got shape {array.shape} of {array.dtype}. Save it with np.save(path, ids.ravel())")
     if array.size == 0:
         raise ValueError(f"data {path.name} must hold at least one token, got 0. Pass a non-empty file")
-    return Corpus(torch.from_numpy(array), path.name, _sha256_file(path) if fingerprint else "",
-                  tokenizer="(token ids)")
+    return Corpus(torch.from_numpy(array), path.name, path, tokenizer="(token ids)")
 
 
 def token_range(path: str | os.PathLike[str], data_dtype: str = "uint16") -> tuple[int, int]:
     """The smallest and largest id in a token file, read in chunks (a pass over the file, never all of it in
     memory): checked against the model's vocabulary before any process starts."""
-    tokens = _token_file(Path(path), data_dtype, fingerprint=False).tokens
+    tokens = _token_file(Path(path), data_dtype).tokens
     low, high = None, None
     for start in range(0, tokens.numel(), 1 << 24):
         chunk = tokens[start:start + (1 << 24)].numpy()
@@ -215,16 +210,16 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
     and encoded by ``tokenizer``."""
     if path is not None and is_token_file(path):
         return _token_file(Path(path), data_dtype)
-    if tokenizer.name == "bytes":
+    if isinstance(tokenizer, ByteTokenizer):
         if path is None:
             return load_corpus()
         texts, raw, name = read_texts(path)
         data = "\n".join(texts).encode("utf-8") if Path(path).suffix == ".jsonl" else raw
         if not data:
             raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
-        return Corpus(_as_uint8(data), name, hashlib.sha256(raw).hexdigest())  # the fingerprint of what was read
+        return Corpus(as_uint8(data), name, hashlib.sha256(raw).hexdigest())  # the fingerprint of what was read
     texts, raw, name = read_texts(path)
-    ids = [i for doc in tokenizer.encode_all([t + "\n" for t in texts]) for i in doc]  # type: ignore[union-attr]
+    ids = [i for doc in tokenizer.encode_all([t + "\n" for t in texts]) for i in doc]
     if not ids:
         raise ValueError(f"corpus must hold at least one token, got 0 from {name!r}. Pass a non-empty file")
     return Corpus(torch.tensor(ids, dtype=torch.int32), name, hashlib.sha256(raw).hexdigest(),
@@ -236,8 +231,6 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
     """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``. A ``bpe:N``
     tokenizer is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the
     others ``wait`` for it, then every rank encodes with that one file."""
-    from fourfold.data.tokenizers import FileTokenizer, load_tokenizer, train_bpe
-
     if tokenizer.startswith("bpe:") and not (data is not None and is_token_file(data)):
         path = out / "tokenizer.json"
         if is_main and not path.is_file():
@@ -247,7 +240,5 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
                 train_bpe(read_texts(data)[0], int(tokenizer.partition(":")[2]), tmp)
         if wait is not None:
             wait("train the tokenizer")
-        trained = FileTokenizer(path)
-        trained.name = f"{tokenizer} ({path})"
-        return open_data(data, trained, data_dtype=data_dtype)
+        return open_data(data, FileTokenizer(path, name=f"{tokenizer} ({path})"), data_dtype=data_dtype)
     return open_data(data, load_tokenizer(tokenizer), data_dtype=data_dtype)

@@ -9,18 +9,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-__all__ = ["ByteTokenizer", "FileTokenizer", "Tokenizer", "check_tokenizer_spec", "load_tokenizer", "train_bpe",
+__all__ = ["ByteTokenizer", "FileTokenizer", "as_uint8", "check_tokenizer_spec", "load_tokenizer", "train_bpe",
            "vocab_of"]
 
 
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> torch.Tensor: ...
+def as_uint8(data: bytes) -> torch.Tensor:
+    """bytes -> uint8 tensor (N,), copying (torch.frombuffer refuses empty buffers and aliases memory)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
 class ByteTokenizer:
@@ -31,10 +32,7 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> torch.Tensor:
         """str -> int64 tensor (N,) of its UTF-8 bytes."""
-        data = text.encode("utf-8")
-        if not data:
-            return torch.empty(0, dtype=torch.long)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # (N,)
+        return as_uint8(text.encode("utf-8")).long()  # (N,)
 
     def decode(self, tokens: torch.Tensor) -> str:
         """int tensor (N,) of bytes -> str; invalid UTF-8 becomes U+FFFD."""
@@ -58,9 +56,9 @@ def _tokenizers() -> Any:
 
 
 class FileTokenizer:
-    """A Hugging Face ``tokenizers`` file (``tokenizer.json``)."""
+    """A Hugging Face ``tokenizers`` file (``tokenizer.json``); ``name``: how run.json records it."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
         self.path = Path(path)
         try:
             self._tok = _tokenizers().Tokenizer.from_file(str(self.path))
@@ -68,7 +66,7 @@ class FileTokenizer:
             raise ValueError(f"tokenizer must be a readable tokenizer.json, got {str(self.path)!r}: {e}. Pass a "
                              "file saved by tokenizers' Tokenizer.save, or --tokenizer bytes") from None
         self.vocab_size = int(self._tok.get_vocab_size())
-        self.name = self.path.name
+        self.name = name or self.path.name
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self._tok.encode(text).ids, dtype=torch.long)
@@ -116,13 +114,11 @@ def vocab_of(spec: str) -> int:
     return FileTokenizer(spec).vocab_size
 
 
-def load_tokenizer(spec: str, trained: str | os.PathLike[str] | None = None) -> ByteTokenizer | FileTokenizer:
-    """The tokenizer ``spec`` names; ``bpe:N`` reads the file rank 0 trained (``trained``)."""
+def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer ``spec`` names: ``bytes`` or a tokenizer.json (a ``bpe:N`` is trained for a run, by
+    :func:`fourfold.data.run_corpus`)."""
     check_tokenizer_spec(spec)
-    if spec == "bytes":
-        return ByteTokenizer()
     if spec.startswith("bpe:"):
-        if trained is None:
-            raise ValueError("a bpe:N tokenizer is trained at start-up; load it from the file it was saved to")
-        return FileTokenizer(trained)
-    return FileTokenizer(spec)
+        raise ValueError(f"a {spec} tokenizer is trained on a run's corpus, got it to load. Use run_corpus, or pass "
+                         "the tokenizer.json it was saved as")
+    return ByteTokenizer() if spec == "bytes" else FileTokenizer(spec)
