@@ -32,7 +32,6 @@ over dp starts then and is waited for only by :meth:`Loss.item`, after the optim
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +45,7 @@ from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Span, Tracer
+from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
 from fourfold.parallel.pipeline.blocks import Chain, Split, build_pieces, output_tensor, resolve_split
@@ -272,8 +272,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
-    if m.dp > 1:
-        _batchnorm(model, sync_batchnorm, ranks.dp_group, timeout_s)
+    if m.dp > 1:  # the batch a BatchNorm normalises over is split: sync it, or say so
+        batchnorm_for_data_parallel(model, sync_batchnorm, ranks.dp_group, timeout_s)
     family = family_of(model)
     if m.tp > 1 and family is not None and family.check is not None:
         family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
@@ -330,23 +330,6 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer)
 
     return split_loss
-
-
-def _batchnorm(model: nn.Module, sync: bool, group: dist.ProcessGroup | None, timeout_s: float) -> None:
-    """Data parallelism splits the batch a BatchNorm normalises over: sync it, or say so."""
-    from fourfold.parallel.batchnorm import batchnorm_layers, sync_batchnorm
-
-    norms = batchnorm_layers(model)
-    if not norms:
-        return
-    if sync:
-        sync_batchnorm(model, group, timeout_s)
-        return
-    shown = ", ".join(norms[:6]) + (f" and {len(norms) - 6} more" if len(norms) > 6 else "")
-    warnings.warn(f"BatchNorm layers {shown} normalise each data-parallel rank's shard with its own mean and "
-                  "variance, so training differs from one process and the running statistics differ per rank "
-                  "(the saved model has rank 0's). Pass sync_batchnorm=True (fourfold train --sync-batchnorm) "
-                  "to take them over the whole batch.", stacklevel=3)
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

@@ -8,6 +8,7 @@ GPU alike (``torch.nn.SyncBatchNorm`` runs on CUDA only).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from fourfold.comm.wait import bounded_wait, group_ranks
 from fourfold.launch import DEFAULT_TIMEOUT_S
 
-__all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_layers", "sync_batchnorm"]
+__all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_for_data_parallel", "batchnorm_layers", "sync_batchnorm"]
 
 
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -120,3 +121,20 @@ def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None,
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
     return model
+
+
+def batchnorm_for_data_parallel(model: nn.Module, sync: bool, group: dist.ProcessGroup | None,
+                                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Before data parallelism: ``sync`` swaps ``model``'s BatchNorms for :class:`SyncBatchNorm`; otherwise a
+    warning names them (the engine calls this when dp > 1)."""
+    norms = batchnorm_layers(model)
+    if not norms:
+        return
+    if sync:
+        sync_batchnorm(model, group, timeout_s)
+        return
+    shown = ", ".join(norms[:6]) + (f" and {len(norms) - 6} more" if len(norms) > 6 else "")
+    warnings.warn(f"BatchNorm layers {shown} normalise each data-parallel rank's shard with its own mean and "
+                  "variance, so training differs from one process and the running statistics differ per rank "
+                  "(the saved model has rank 0's). Pass sync_batchnorm=True (fourfold train --sync-batchnorm) "
+                  "to take them over the whole batch.", stacklevel=4)
