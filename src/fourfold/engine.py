@@ -32,6 +32,7 @@ over dp starts then and is waited for only by :meth:`Loss.item`, after the optim
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,8 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm.wait import bounded_wait
+from fourfold.data.packing import document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
-from fourfold.loss import lm_loss
+from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
@@ -76,8 +78,8 @@ or ``{module name: "column" | "row" | "vocab"}`` for :func:`~fourfold.parallel.t
 class Loss:
     """The step's loss: the mean over the global batch once :meth:`item` has waited for the dp all-reduce."""
 
-    value: torch.Tensor  # float64, (1,): this dp rank's mean (then the sum over dp ranks)
-    dp: int
+    value: torch.Tensor  # float64, (1,): this dp rank's share (then the sum over dp ranks)
+    dp: int  # what the sum is divided by: dp for the mean of the ranks' means; 1 for a token-normalised loss
     work: Any = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     group_ranks: tuple[int, ...] = ()
@@ -99,8 +101,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
-                 tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = ()) -> None:
+                 tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
+                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
+        self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
@@ -115,14 +119,54 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ one step
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Loss:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, documents: torch.Tensor | None = None,
+             num_tokens: int | None = None) -> Loss:
         """Forward and backward of this rank's shard of the global batch; gradients synchronised in ``p.grad``.
 
         The loop branches here once: a pipeline runs its schedule's F/B/W over micro-batches; otherwise one
         forward and one backward. Gradients accumulate: zero them after the optimiser step.
+
+        Packed documents (:mod:`fourfold.data.packing`): ``documents`` (B, T) names each position's document
+        (-1: padding, whose targets are -100). Attention stays inside documents and positions restart at each.
+        The loss is the sum of the real targets' losses divided by ``num_tokens``, the real targets of the whole
+        global batch (counted here over dp when not given), so data-parallel gradients are summed and pipeline
+        micro-batches added, not averaged: any split of the tokens over rows, micro-batches and ranks gives the
+        one-process gradient.
         """
         with self._split_logits():
-            return self._step(inputs, targets)
+            if documents is None:
+                return self._step(inputs, targets, self.loss_fn, None)
+            return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
+
+    def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor,
+                    num_tokens: int | None) -> LossFn:
+        if not self.reads_documents or self.sum_loss_fn is None:
+            why = ("it passes a loss_fn of its own (packing needs fourfold's, summed over real tokens)"
+                   if self.sum_loss_fn is None else "its attention does not read fourfold's document layout")
+            raise ValueError(f"packed documents need a model that keeps them apart, got {type(self.model).__name__}: "
+                             f"{why}. Use TinyGPT, GPT-2 or Llama, set fourfold_documents = True on a model whose "
+                             "attention calls fourfold.models.attention.causal_attention, or train without packing")
+        if documents.shape != inputs.shape or targets.shape != inputs.shape:
+            raise ValueError(f"documents and targets must have the inputs' shape {tuple(inputs.shape)}, got "
+                             f"{tuple(documents.shape)} and {tuple(targets.shape)}.")
+        count = num_tokens if num_tokens is not None else self._count_tokens(targets)
+        if count < 1:
+            raise ValueError(f"num_tokens must be >= 1 (the global batch's real targets), got {count}.")
+        sum_loss = self.sum_loss_fn
+
+        def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return sum_loss(logits, y) / count
+
+        return token_loss
+
+    def _count_tokens(self, targets: torch.Tensor) -> int:
+        """The real targets of the global batch: this rank's, summed over dp before any forward."""
+        n = (targets != IGNORE_INDEX).sum().reshape(1).to(torch.float64).to(self._device)
+        if self.ranks.dp_group is not None and self.mesh.dp > 1:
+            work = dist.all_reduce(n, group=self.ranks.dp_group, async_op=True)
+            bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="token count all-reduce",
+                         awaited="the data-parallel group of", group_ranks=self._dp_ranks)
+        return int(n.item())
 
     @contextlib.contextmanager
     def _split_logits(self) -> Iterator[None]:
@@ -136,15 +180,26 @@ class Engine:
             for head in self._split_heads:
                 head.gather_output = True
 
-    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Loss:
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+              documents: torch.Tensor | None) -> Loss:
+        packed = documents is not None
+        if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
+            self.dp.grad_scale = 1.0 if packed else 1.0 / self.dp.size
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
-            result = self.pipeline.step(inputs, targets)
+            around = None
+            if documents is not None:
+                parts = documents.to(inputs.device).split(max(1, documents.size(0) // self.pipeline.schedule.microbatches))
+
+                def around(i: int) -> contextlib.AbstractContextManager[Any]:
+                    return document_layout(parts[i])
+
+            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not packed, around=around)
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
-            with self.tracer.span("compute", "forward"):
+            with self.tracer.span("compute", "forward"), document_layout(documents):
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
-                loss = self.loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
+                loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
                 loss.backward()  # bucket all-reduces start inside, as gradients become ready
             if self.dp is not None:
@@ -152,9 +207,9 @@ class Engine:
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
         if self._partial_grads:  # sequence parallelism: replicated parameters saw T/tp positions each
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
-        return self._reduce_loss(loss, result)
+        return self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
 
-    def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None) -> Loss:
+    def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None, divisor: int) -> Loss:
         group = self.ranks.dp_group
         if self.mesh.dp == 1 or group is None:
             return Loss(loss, 1, pipeline=result)
@@ -162,7 +217,7 @@ class Engine:
         start = self.tracer.now_ns()
         work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
         self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), tensor_bytes=8)  # not counted
-        return Loss(value, self.mesh.dp, work, self.timeout_s, self._dp_ranks, result)
+        return Loss(value, divisor, work, self.timeout_s, self._dp_ranks, result)
 
     # --------------------------------------------------------------------------------- the model's view
 
@@ -296,7 +351,12 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
     split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
-    loss_fn = getattr(model, "loss_fn", None) or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
+    sum_loss_fn = None if loss_fn is not None else _split_logits_loss(split_heads, None, ranks.tp_group, tracer,
+                                                                      "sum")
+    own = getattr(model, "loss_fn", None)  # a family's sharded model computes its own (vocabulary-parallel)
+    if own is not None:
+        sum_loss_fn = functools.partial(own, reduction="sum")
+    loss_fn = own or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
     # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
     pipe = None
     if m.pp > 1:
@@ -314,20 +374,26 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             pipe.grad_sync = dp
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
+    reads = bool(getattr(model, "fourfold_documents", False))
+    if family is not None and family.documents is not None:
+        family.documents(model)  # hooks are no-ops until a packed batch makes its documents current
+        reads = True
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
-                  tracer=tracer, timeout_s=timeout_s, split_heads=split_heads)
+                  tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
+                  reads_documents=reads)
 
 
 def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None,
-                       group: dist.ProcessGroup | None, tracer: Tracer) -> LossFn:
+                       group: dist.ProcessGroup | None, tracer: Tracer,
+                       reduction: Literal["mean", "sum"] = "mean") -> LossFn:
     """The loss for a model whose plan has a ``"head"`` (and no ``loss_fn`` of the user's, which reads the
     logits gathered): fourfold's vocabulary-parallel cross-entropy reads them split (the engine's step stops
-    the heads gathering them)."""
+    the heads gathering them). ``reduction="sum"``: over real targets, for packed documents."""
     if not split_heads:
-        return loss_fn or lm_loss
+        return loss_fn or (lm_loss if reduction == "mean" else lm_loss_sum)
 
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer)
+        return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer, reduction=reduction)
 
     return split_loss
 

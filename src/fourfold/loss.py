@@ -6,9 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["lm_loss"]
+__all__ = ["IGNORE_INDEX", "lm_loss", "lm_loss_sum"]
+
+IGNORE_INDEX = -100
+"""A target nobody predicts (padding): every loss skips it (``F.cross_entropy``'s default ``ignore_index``)."""
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over all B*T positions: -1/(BT) sum_{b,t} log softmax(logits[b,t])[y[b,t]]."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the real targets (``-100``, padding, skipped): the engine divides it
+    by the global batch's count of real targets, so every token weighs the same whatever row, micro-batch or
+    rank it lands on."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")

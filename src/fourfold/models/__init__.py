@@ -28,8 +28,9 @@ from fourfold.parallel.pipeline.blocks import Split
 class Family:
     """What fourfold knows of a model family: its tensor-parallel ``plan`` (a ``{module: style}`` mapping, or
     ``fn(model, group, *, sequence_parallel, tracer)``), its pipeline ``split`` (None: the model lists its
-    blocks itself), ``check(model, tp)`` run before sharding, ``fixups(model, tp)`` after, and ``examples``:
-    inputs showing the dims that may vary."""
+    blocks itself), ``check(model, tp)`` run before sharding, ``fixups(model, tp)`` after, ``examples``:
+    inputs showing the dims that may vary, and ``documents(model)``, which makes the model keep packed
+    documents apart (positions and attention read :func:`fourfold.data.packing.current_layout`)."""
 
     name: str
     plan: Callable[[nn.Module], Mapping[str, str] | Callable[..., nn.Module]] | None = None
@@ -37,6 +38,11 @@ class Family:
     check: Callable[[nn.Module, int], None] | None = None
     fixups: Callable[[nn.Module, int], None] | None = None
     examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
+    documents: Callable[[nn.Module], None] | None = None
+
+
+def _reads_documents(model: nn.Module) -> None:
+    """TinyGPT's attention and positions read the layout themselves."""
 
 
 def sequential_plan(model: nn.Module) -> dict[str, str]:
@@ -77,7 +83,8 @@ def _hf(name: str) -> Family:
         hf.check_tp(model.config, tp)  # type: ignore[union-attr]
 
     split = hf.gpt2_split if name == "gpt2" else hf.llama_split
-    return Family(name, plan=hf.plan, split=split, check=check, fixups=hf.shard_fixups, examples=hf.examples)
+    return Family(name, plan=hf.plan, split=split, check=check, fixups=hf.shard_fixups, examples=hf.examples,
+                  documents=hf.read_documents)
 
 
 def family_of(model: nn.Module) -> Family | None:
@@ -94,7 +101,7 @@ def family_of(model: nn.Module) -> Family | None:
         return Family("own", plan=None if plan is None else lambda m: dict(plan),
                       split=None if split is None else lambda m: split)
     if isinstance(model, TinyGPT):
-        return Family("tinygpt", plan=_tinygpt_plan)
+        return Family("tinygpt", plan=_tinygpt_plan, documents=_reads_documents)
     if isinstance(model, nn.Sequential):
         return Family("sequential", plan=sequential_plan)
     kind = hf_family(model)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fourfold.loss import lm_loss
+from fourfold.models.attention import causal_attention, position_ids
 
 __all__ = [
     "MLP",
@@ -88,7 +88,7 @@ class Embedding(nn.Module):
                 f"sequence length must be at most seq_len, got T={T} > seq_len={self.seq_len}. "
                 f"Crop the input to its last {self.seq_len} tokens or build the model with seq_len>={T}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = position_ids(idx)  # (T,), or (B, T) restarting at each packed document
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
 
@@ -110,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        y = causal_attention(q, k, v, p)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.proj(y))  # (B, T, C)
 

@@ -7,13 +7,13 @@ vocabulary-parallel loss, and Megatron-style sequence parallelism.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from fourfold.models.attention import causal_attention, position_ids
 from fourfold.models.gpt import CausalSelfAttention, Embedding, GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor import (
@@ -61,7 +61,7 @@ class _Embedding(nn.Module):
                              f"tp={self.tp}. Pass sequences of {T - T % self.tp or self.tp} tokens")
         n = T // self.tp if self.sequence_parallel else T
         first = self.rank * n if self.sequence_parallel else 0
-        pos = torch.arange(first, first + n, device=idx.device)  # (n,): this rank's positions
+        pos = position_ids(idx, first, n)  # (n,) or (B, n): this rank's positions
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, n, C)
 
 
@@ -88,7 +88,7 @@ class _Attention(nn.Module):
         B, T, c = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = (t.view(B, T, self.n_head, c // self.n_head).transpose(1, 2) for t in qkv.split(c, dim=2))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H/p, T, D)
+        y = causal_attention(q, k, v, p)  # (B, H/p, T, D)
         y = y.transpose(1, 2).reshape(B, T, c)  # (B, T, C/p)
         return self.resid_drop(self.proj(y))  # (B, T, C), or (B, T/p, C) with sequence parallelism
 
@@ -126,9 +126,10 @@ class TensorParallelGPT(nn.Module):
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of this rank's vocabulary shard of the logits (never gathered)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.group, tracer=self.tracer)
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor,
+                reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+        """The cross-entropy of this rank's vocabulary shard of the logits (never gathered)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group, tracer=self.tracer, reduction=reduction)
 
     def example_inputs(self) -> list[torch.Tensor]:
         """Two inputs differing in batch and length (a multiple of tp with sequence parallelism), for the

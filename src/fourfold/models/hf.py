@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fourfold.parallel.pipeline.blocks import Split, positions
+from fourfold.data.packing import current_layout
+from fourfold.models.attention import position_ids
+from fourfold.parallel.pipeline.blocks import Split
 
 __all__ = ["GPT2_PLAN", "build_hf", "check_tp", "examples", "gpt2_split", "hf_family", "llama_split",
-           "prepare", "shard_fixups"]
+           "prepare", "read_documents", "shard_fixups"]
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -45,9 +47,11 @@ def hf_family(model: nn.Module) -> str | None:
 
 
 def prepare(model: nn.Module) -> None:
-    """Training needs no key/value cache: switch it off, so no forward builds one."""
+    """Training needs no key/value cache: switch it off, so no forward builds one. Packed documents are kept
+    apart (:func:`read_documents`)."""
     config: Any = model.config
     config.use_cache = False
+    read_documents(model)
 
 
 def plan(model: nn.Module) -> dict[str, str]:
@@ -97,9 +101,36 @@ def check_tp(config: Any, tp: int) -> None:
                              f"tp={tp}. Use tp in {fits}, or a config whose {name} tp divides")
 
 
+def read_documents(model: nn.Module) -> None:
+    """Make the whole model keep packed documents apart: while a layout is current (the engine sets it), its
+    forward gets the layout's ``position_ids`` (B, T) and block-diagonal causal mask as a 4-D
+    ``attention_mask`` (B, 1, T, T), which transformers passes to SDPA as it is. The pipeline's pieces below
+    read the layout themselves."""
+    if getattr(model, "_fourfold_documents", None) is None:
+        model._fourfold_documents = model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
+
+
+def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    layout = current_layout()
+    if layout is None:
+        return None
+    return args, {**kwargs, "position_ids": layout.positions, "attention_mask": layout.mask}
+
+
+def _mask() -> torch.Tensor | None:
+    layout = current_layout()
+    return layout.mask if layout is not None else None
+
+
 def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
     t = m.transformer
-    return t.drop(t.wte(ids) + t.wpe(positions(ids)))
+    return t.drop(t.wte(ids) + t.wpe(position_ids(ids)))
+
+
+def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    out = layer(h, attention_mask=_mask())
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _gpt2_after(m: Any, h: torch.Tensor) -> torch.Tensor:
@@ -108,7 +139,7 @@ def _gpt2_after(m: Any, h: torch.Tensor) -> torch.Tensor:
 
 def gpt2_split(model: nn.Module) -> Split:
     """GPT-2 as embeddings (token + learned position, dropout), its blocks, then ln_f and the head."""
-    return Split(blocks="transformer.h", before=_gpt2_before, after=_gpt2_after)
+    return Split(blocks="transformer.h", before=_gpt2_before, block=_gpt2_block, after=_gpt2_after)
 
 
 def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -116,9 +147,10 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    pos = positions(h).unsqueeze(0)
+    pos = position_ids(h)
+    pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
     rope = m.model.rotary_emb(h, pos)  # (cos, sin): no parameters
-    return layer(h, position_embeddings=rope, position_ids=pos)
+    return layer(h, attention_mask=_mask(), position_embeddings=rope, position_ids=pos)
 
 
 def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,7 @@ class DataParallel(nn.Module):
         self.group, self.algorithm, self.tracer = group, algorithm, tracer
         self.timeout_s, self.find_unused_parameters = timeout_s, find_unused_parameters
         self.size = dist.get_world_size(group)
+        self.grad_scale = 1.0 / self.size  # the mean of the ranks' mean losses; 1.0 sums (a loss already global)
         self._comm = Communicator(group, timeout_s=timeout_s)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights appear once
         _check_same_layout(named, self._comm)
@@ -162,9 +163,9 @@ class DataParallel(nn.Module):
             return
         bucket, offset = self._where[id(p)]
         assert p.grad is not None  # the hook runs after accumulation
-        # Scale while packing (1/G), so finish() has no separate pass over the buckets on the critical path.
+        # Scale while packing (1/G, or 1 when the loss is already the global batch's: grad_scale), so finish() has no separate pass over the buckets on the critical path.
         # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
-        torch.mul(p.grad.reshape(-1), 1.0 / self.size, out=bucket.flat[offset:offset + p.numel()])
+        torch.mul(p.grad.reshape(-1), self.grad_scale, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))
         self._launch_in_order()
         if self._launched == len(self.buckets) and self.auto_finish:

@@ -38,9 +38,11 @@ its backward frees them, give the peak activation memory: GPipe holds m micro-ba
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +60,8 @@ from fourfold.parallel.pipeline.split import Balance, Stage, TensorSpec, plan, s
 from fourfold.parallel.schedule import Action, Schedule, validate
 
 __all__ = ["Pipeline", "PipelineError", "StepResult", "build_pipeline"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class StepResult:
@@ -210,16 +214,22 @@ class Pipeline:
 
     # ----------------------------------------------------------------------------------------- one step
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepResult:
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
+             loss_fn: LossFn | None = None, mean: bool = True,
+             around: Callable[[int], AbstractContextManager[Any]] | None = None) -> StepResult:
         """Run every action of this rank on one batch; sum tied copies' gradients; gather the step's figures.
 
         ``inputs`` is needed where stage 0 lives, ``targets`` where the last stage does; give both everywhere
         (what a data loader hands each rank) and every rank checks the sizes, so a bad batch fails everywhere.
-        Gradients accumulate into ``p.grad``: zero them between steps.
+        Gradients accumulate into ``p.grad``: zero them between steps. ``loss_fn`` replaces the pipeline's for
+        this step; ``mean=False`` adds the micro-batches' losses instead of averaging them (a loss already
+        divided by the global batch's token count); ``around(i)`` is entered around every forward of
+        micro-batch i (the engine makes its documents current there).
         """
         m = self.schedule.microbatches
         xs = self._microbatches("inputs", inputs, need=0 in self._stage)
         ys = self._microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
+        self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
         self._s = _StepState()
         self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
         self._param_storage = {p.untyped_storage().data_ptr() for ps in self._params.values() for p in ps}
@@ -285,9 +295,10 @@ class Pipeline:
         self._calls = calls if self.schedule.split_backward else None
         t0 = time.perf_counter_ns()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            with torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+                    (self._around(i) if self._around is not None else contextlib.nullcontext()):
                 y = st(x)
-                out = self.loss_fn(y, ys[i]) / m if st.is_last and ys is not None else y
+                out = self._loss(y, ys[i]) / self._divide if st.is_last and ys is not None else y
         except Exception as e:
             raise PipelineError(f"rank {self.rank}: {a}: stage {a.stage} failed on micro-batch {i}, input "
                                 f"{describe(x)}{source}: {e}") from e

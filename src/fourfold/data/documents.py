@@ -1,0 +1,133 @@
+"""Documents: what packing arranges. A run's text cut at its natural boundaries, kept as one stream of ids.
+
+* the built-in set (no ``--data``): every function and class of the Python standard library, one document each,
+  read in a fixed order. Their lengths are naturally skewed: most are short, a few are long;
+* ``--data FILE.jsonl``: one document per record (its ``"text"``); ``--data FOLDER``: one per file;
+  ``--data FILE``: the file is one document (split at row boundaries when longer than a row);
+* :func:`skewed_documents`: random ids with a chosen length mix (``short_fraction`` of the documents at most
+  ``longest * short_ratio`` tokens), for benchmarks: the seed's "80 % of your sequences are short".
+
+``.npy`` / ``.bin`` token files carry no document boundaries and are refused for packing.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from fourfold.data.corpus import _stdlib_files, is_token_file, read_texts
+from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8
+
+__all__ = ["Documents", "builtin_documents", "open_documents", "skewed_documents"]
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """``n`` documents as one id stream: document k is ``tokens[offsets[k]:offsets[k+1]]``, each >= 2 ids (one
+    input predicting one target, at least)."""
+
+    tokens: torch.Tensor   # (N,) integer ids
+    offsets: torch.Tensor  # (n + 1,) int64, offsets[0] = 0, offsets[n] = N
+    name: str
+    sha256: str
+    tokenizer: str = "bytes"
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(n,) int64: ids per document."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self.tokens[int(self.offsets[k]):int(self.offsets[k + 1])]
+
+    @classmethod
+    def from_list(cls, docs: list[torch.Tensor], name: str, sha256: str = "", tokenizer: str = "bytes"
+                  ) -> Documents:
+        """Documents from a list of 1-D id tensors; those under 2 ids (no target to predict) are dropped."""
+        kept = [d.reshape(-1) for d in docs if d.numel() >= 2]
+        if not kept:
+            raise ValueError(f"documents must hold at least one document of 2 or more tokens, got none of "
+                             f"{len(docs)} in {name!r}. Pass longer documents")
+        lengths = torch.tensor([d.numel() for d in kept], dtype=torch.int64)
+        offsets = torch.zeros(len(kept) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        dtype = torch.uint8 if all(d.dtype == torch.uint8 for d in kept) else torch.int64  # bytes stay bytes
+        tokens = torch.cat([d.to(dtype) for d in kept])
+        digest = sha256 or hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
+        return cls(tokens, offsets, name, digest, tokenizer)
+
+    def __repr__(self) -> str:
+        n = self.lengths
+        return (f"Documents(name={self.name!r}, documents={len(self)}, tokens={self.tokens.numel()}, "
+                f"median length={int(n.median())}, longest={int(n.max())})")
+
+
+def builtin_documents(max_bytes: int = 2 * 1024 * 1024) -> Documents:
+    """Every top-level function and class of the standard library's sources (tests skipped), in path order, as
+    bytes, up to ``max_bytes``: a real, skewed mix of lengths (most a few hundred bytes, some many thousands)."""
+    docs: list[bytes] = []
+    size = 0
+    for file in _stdlib_files():
+        if size >= max_bytes:
+            break
+        try:
+            source = file.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a file this Python cannot parse: not a document
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                text = ast.get_source_segment(source, node)
+                if text:
+                    docs.append(text.encode("utf-8"))
+                    size += len(docs[-1])
+    name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib-functions"
+    return Documents.from_list([as_uint8(d) for d in docs], name, hashlib.sha256(b"\0".join(docs)).hexdigest())
+
+
+def skewed_documents(count: int, longest: int, *, short_fraction: float = 0.8, short_ratio: float = 0.125,
+                     vocab_size: int = 256, seed: int = 0) -> Documents:
+    """``count`` documents of random ids: ``short_fraction`` of them 2..``longest*short_ratio`` ids long, the
+    rest ``longest*short_ratio``..``longest`` (uniform within each class), from a generator of their own."""
+    if not 0.0 <= short_fraction <= 1.0 or not 0.0 < short_ratio <= 1.0:
+        raise ValueError(f"short_fraction must be in [0, 1] and short_ratio in (0, 1], got {short_fraction} and "
+                         f"{short_ratio}. Pass e.g. short_fraction=0.8, short_ratio=0.125")
+    if count < 1 or longest < 2:
+        raise ValueError(f"count must be >= 1 and longest >= 2, got count={count}, longest={longest}.")
+    gen = torch.Generator().manual_seed(seed)
+    cut = max(2, int(longest * short_ratio))
+    short = torch.rand(count, generator=gen) < short_fraction
+    low = torch.where(short, 2, cut)
+    high = torch.where(short, cut, longest)
+    lengths = low + (torch.rand(count, generator=gen) * (high - low + 1)).long().clamp(max=high - low)
+    docs = [torch.randint(vocab_size, (int(n),), generator=gen) for n in lengths]
+    name = f"skewed({count} docs, {short_fraction:.0%} <= {cut} of {longest} tokens, seed {seed})"
+    return Documents.from_list(docs, name)
+
+
+def open_documents(path: str | None, tokenizer: ByteTokenizer | FileTokenizer) -> Documents:
+    """The documents of a run: the built-in set (``path`` None), or a JSON Lines file / folder / text file read
+    and encoded by ``tokenizer``."""
+    if path is not None and is_token_file(path):
+        raise ValueError(f"--pack needs document boundaries, got the token file {path!r}, which has none. Pass "
+                         "JSON Lines (one document per record), a folder (one per file), or --pack none")
+    if path is None:
+        builtin = builtin_documents()
+        if isinstance(tokenizer, ByteTokenizer):
+            return builtin
+        texts = [builtin[k].numpy().tobytes().decode("utf-8") for k in range(len(builtin))]
+        digest, name = builtin.sha256, builtin.name
+    else:
+        texts, raw, name = read_texts(path)
+        digest = hashlib.sha256(raw).hexdigest()
+    if isinstance(tokenizer, ByteTokenizer):
+        return Documents.from_list([tokenizer.encode(t) for t in texts], name, digest)
+    ids = tokenizer.encode_all(texts)
+    return Documents.from_list([torch.tensor(d, dtype=torch.int64) for d in ids], name, digest, tokenizer.name)

@@ -1,0 +1,289 @@
+"""Padding-free packing: a step's documents laid into rows of ``seq_len`` positions, none attending across.
+
+    from fourfold.data import DocumentLoader, builtin_documents
+
+    loader = DocumentLoader(builtin_documents(), seq_len=256, seed=0, docs_per_step=64, packing="bfd")
+    batch = loader.shard(step=0)   # inputs, targets (-100 where nothing is predicted), documents (-1: padding)
+    loss = engine.step(batch.inputs, batch.targets, documents=batch.documents, num_tokens=batch.num_tokens)
+
+A document of n+1 ids fills n positions (inputs ids[:-1], targets ids[1:]), so no position ever predicts the
+next document's first token. One longer than a row is split at row boundaries into pieces of at most
+``seq_len`` positions (recorded: ``stats["split"]``), each trained as a document of its own, unless
+``truncate=True`` keeps only the first. Arrangements:
+
+* ``pad``: one piece per row, every row padded to the longest piece of the step (the baseline);
+* ``first-fit``: pieces in the step's order, each into the first row with room;
+* ``bfd``: best-fit decreasing: longest first, each into the fullest row it fits (fewest rows, in practice).
+
+All three arrange the same pieces, so their losses are equal. While a batch runs, :func:`document_layout` makes
+its documents current: models read :func:`current_layout` for position ids that restart at every document and
+a block-diagonal causal mask (a token attends to earlier tokens of its own document only).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from fourfold.data.documents import Documents
+from fourfold.loss import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "current_layout",
+           "document_layout", "pack", "pieces"]
+
+PACKINGS = ("pad", "first-fit", "bfd")
+Packing = Literal["pad", "first-fit", "bfd"]
+
+
+class Piece(NamedTuple):
+    """Positions [start, start + length) of document ``doc``: ids[start : start + length + 1] of it."""
+
+    doc: int
+    start: int
+    length: int
+
+
+def pieces(lengths: Sequence[int], seq_len: int, *, truncate: bool = False) -> list[Piece]:
+    """Documents of ``lengths`` ids cut into pieces of at most ``seq_len`` positions (the first only with
+    ``truncate``)."""
+    out = []
+    for k, ids in enumerate(lengths):
+        for start in range(0, ids - 1, seq_len):
+            out.append(Piece(k, start, min(seq_len, ids - 1 - start)))
+            if truncate:
+                break
+    return out
+
+
+def pack(lengths: Sequence[int], capacity: int, packing: Packing) -> list[list[int]]:
+    """Rows of item indices: items of ``lengths`` (each <= capacity) arranged by ``packing``."""
+    if packing == "pad":
+        return [[i] for i in range(len(lengths))]
+    if packing == "first-fit":
+        rows: list[list[int]] = []
+        room: list[int] = []
+        for i, n in enumerate(lengths):
+            r = next((r for r, left in enumerate(room) if left >= n), len(rows))
+            if r == len(rows):
+                rows.append([])
+                room.append(capacity)
+            rows[r].append(i)
+            room[r] -= n
+        return rows
+    if packing == "bfd":
+        rows, free = [], []  # free: sorted (room left, row) pairs
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep the step's order
+            n = lengths[i]
+            at = bisect.bisect_left(free, (n, -1))  # the fullest row with room for n
+            if at == len(free):
+                rows.append([i])
+                bisect.insort(free, (capacity - n, len(rows) - 1))
+            else:
+                left, r = free.pop(at)
+                rows[r].append(i)
+                bisect.insort(free, (left - n, r))
+        return rows
+    raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}.")
+
+
+@dataclass
+class Batch:
+    """What one rank trains on in a step. ``documents`` (B, T): which document each position belongs to (-1:
+    padding), None for windows of a stream; ``num_tokens``: real targets in the whole global batch (every rank,
+    every micro-batch), the loss's divisor. ``stats``: the global batch's figures."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: torch.Tensor | None = None
+    num_tokens: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def step_args(self, device: torch.device | str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+        """``engine.step(*args, **kwargs)`` on ``device``."""
+        docs = None if self.documents is None else self.documents.to(device)
+        return ((self.inputs.to(device), self.targets.to(device)),
+                {"documents": docs, "num_tokens": self.num_tokens} if docs is not None else {})
+
+
+class DocumentLoader:
+    """Each step's documents, a pure function of (seed, step), packed into rows; this dp rank's rows of them.
+
+    The documents of step s are positions [s*D, (s+1)*D) of the endless sequence of epochs, epoch e visiting
+    them in ``randperm(n)`` from seed*1_000_003 + e (``docs_per_step=D``); or, with ``tokens_per_step``, the
+    next documents while their targets fit the budget (at least one). The global batch's rows are padded with
+    empty rows to a multiple of ``dp_size * row_multiple``, and rank r holds rows [r R/dp, (r+1) R/dp): the
+    shards concatenated in rank order are the global batch.
+    """
+
+    def __init__(self, documents: Documents, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, *,
+                 docs_per_step: int | None = None, tokens_per_step: int | None = None, packing: Packing = "bfd",
+                 row_multiple: int = 1, width_multiple: int = 1, truncate: bool = False,
+                 vocab_size: int | None = None) -> None:
+        if (docs_per_step is None) == (tokens_per_step is None):
+            raise ValueError(f"pass one of docs_per_step and tokens_per_step, got docs_per_step={docs_per_step}, "
+                             f"tokens_per_step={tokens_per_step}.")
+        budget = docs_per_step if docs_per_step is not None else tokens_per_step
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"docs_per_step / tokens_per_step must be a positive integer, got {budget!r}.")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}. Pass one of those")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}.")
+        self.documents, self.seq_len, self.seed = documents, seq_len, seed
+        self.dp_rank, self.dp_size, self.packing, self.truncate = dp_rank, dp_size, packing, truncate
+        self.docs_per_step, self.tokens_per_step = docs_per_step, tokens_per_step
+        self.row_multiple, self.width_multiple, self.vocab_size = row_multiple, width_multiple, vocab_size
+        self.step = 0
+        self._lengths = documents.lengths.tolist()
+        self._starts = [0]  # with tokens_per_step: where each step begins in the endless sequence
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(next(iter(self._perms)))
+            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(len(self.documents), generator=gen)
+        return self._perms[epoch]
+
+    def _doc(self, position: int) -> int:
+        n = len(self.documents)
+        return int(self._permutation(position // n)[position % n])
+
+    def doc_indices(self, step: int) -> list[int]:
+        """The documents of global batch ``step``, in the step's order."""
+        if self.docs_per_step is not None:
+            return [self._doc(p) for p in range(step * self.docs_per_step, (step + 1) * self.docs_per_step)]
+        assert self.tokens_per_step is not None
+        while len(self._starts) <= step + 1:  # greedy: each step takes documents while their targets fit
+            p, used = self._starts[-1], 0
+            while True:
+                cost = self._lengths[self._doc(p)] - 1
+                if self.truncate:
+                    cost = min(cost, self.seq_len)
+                if used and used + cost > self.tokens_per_step:
+                    break
+                used, p = used + cost, p + 1
+            self._starts.append(p)
+        return [self._doc(p) for p in range(self._starts[step], self._starts[step + 1])]
+
+    def global_batch(self, step: int) -> Batch:
+        """Every row of global batch ``step``, as one process trains on it."""
+        docs = self.doc_indices(step)
+        parts = pieces([self._lengths[d] for d in docs], self.seq_len, truncate=self.truncate)
+        rows = pack([p.length for p in parts], self.seq_len, self.packing)
+        width = max(sum(parts[i].length for i in row) for row in rows)
+        width = -(-width // self.width_multiple) * self.width_multiple  # sequence parallelism: a multiple of tp
+        multiple = self.dp_size * self.row_multiple
+        R = -(-len(rows) // multiple) * multiple
+        inputs = torch.zeros(R, width, dtype=torch.int64)
+        targets = torch.full((R, width), IGNORE_INDEX, dtype=torch.int64)
+        documents = torch.full((R, width), -1, dtype=torch.int64)
+        for r, row in enumerate(rows):
+            t = 0
+            for i in row:
+                doc, start, n = parts[i]
+                ids = self.documents[docs[doc]][start:start + n + 1].long()
+                inputs[r, t:t + n], targets[r, t:t + n], documents[r, t:t + n] = ids[:-1], ids[1:], i
+                t += n
+        self._check_vocab(inputs, targets)
+        real = sum(p.length for p in parts)
+        stats = {"documents": len(docs), "pieces": len(parts), "split": len(parts) - len({p.doc for p in parts}),
+                 "rows": R, "width": width, "real_tokens": real, "slots": R * width,
+                 "padding_fraction": 1.0 - real / (R * width)}
+        return Batch(inputs, targets, documents, real, stats)
+
+    def shard(self, step: int) -> Batch:
+        """This dp rank's rows of global batch ``step``; ``num_tokens`` is still the whole batch's."""
+        g = self.global_batch(step)
+        n = g.inputs.size(0) // self.dp_size
+        rows = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        return Batch(g.inputs[rows], g.targets[rows], g.documents[rows] if g.documents is not None else None,
+                     g.num_tokens, g.stats)
+
+    batch = shard
+
+    def _check_vocab(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if self.vocab_size is not None and inputs.numel() and int(inputs.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got {int(inputs.max())} in "
+                             f"{self.documents.name!r}. Pass a larger --vocab-size, or the matching tokenizer")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state['step'] must be an integer >= 0, got {step!r}.")
+        self.step = step
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self.shard(self.step)
+        self.step += 1
+        return batch
+
+
+# ------------------------------------------------------------------------------- the layout models read
+
+
+class DocumentLayout:
+    """Which document each position of a (B, T) batch belongs to (-1: padding), and what follows from it."""
+
+    def __init__(self, documents: torch.Tensor) -> None:
+        if documents.dim() != 2:
+            raise ValueError(f"documents must have shape (B, T), got {tuple(documents.shape)}.")
+        self.documents = documents
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """(B, T) int64: each position's offset from its document's start (restarting at every document)."""
+        d = self.documents
+        T = d.size(1)
+        t = torch.arange(T, device=d.device).expand_as(d)
+        change = torch.ones_like(d, dtype=torch.bool)
+        change[:, 1:] = d[:, 1:] != d[:, :-1]
+        start = torch.where(change, t, torch.zeros_like(t)).cummax(dim=1).values
+        return t - start
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool, True where query i may attend to key j: same document, j <= i (padding positions
+        attend to earlier padding, so no row is empty)."""
+        d = self.documents
+        T = d.size(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
+        return ((d.unsqueeze(2) == d.unsqueeze(1)) & causal).unsqueeze(1)
+
+    def check(self, shape: torch.Size | tuple[int, ...], what: str) -> None:
+        if tuple(shape) != tuple(self.documents.shape):
+            raise ValueError(f"{what} must match the documents' shape (B, T)={tuple(self.documents.shape)}, got "
+                             f"{tuple(shape)}. Pass documents= of the inputs' shape")
+
+
+_current: contextvars.ContextVar[DocumentLayout | None] = contextvars.ContextVar("fourfold_documents", default=None)
+
+
+@contextlib.contextmanager
+def document_layout(documents: torch.Tensor | None) -> Iterator[DocumentLayout | None]:
+    """Make ``documents`` (B, T) the layout models read while the block runs (None: plain causal windows)."""
+    layout = DocumentLayout(documents) if documents is not None else None
+    token = _current.set(layout)
+    try:
+        yield layout
+    finally:
+        _current.reset(token)
+
+
+def current_layout() -> DocumentLayout | None:
+    """The documents of the batch running now (set by the engine around each forward), or None."""
+    return _current.get()

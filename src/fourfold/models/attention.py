@@ -1,0 +1,40 @@
+"""What a model reads of the batch's documents (:mod:`fourfold.data.packing`): position ids that restart at
+every document, and causal attention that stays inside a document.
+
+Without packed documents both are the plain ones: ``arange(T)`` and ``is_causal=True``. With them, attention
+is PyTorch's ``scaled_dot_product_attention`` given the layout's block-diagonal causal mask (B, 1, T, T), one
+mask per micro-batch shared by every layer. The same call on CPU and CUDA: SDPA picks its kernel for the mask
+(on CUDA the memory-efficient one; flash attention takes no mask). A masked key contributes an exact zero, so a
+document's outputs do not depend on its neighbours' tokens, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fourfold.data.packing import current_layout
+
+__all__ = ["causal_attention", "position_ids"]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + M) V for (B, H, T, D) q, k, v; M causal, and block-diagonal by document when a
+    packed batch is running."""
+    layout = current_layout()
+    if layout is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    layout.check((q.size(0), q.size(2)), "the attention's (batch, sequence)")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p)
+
+
+def position_ids(idx: torch.Tensor, first: int = 0, n: int | None = None) -> torch.Tensor:
+    """Positions [first, first + n) of a (B, T, ...) batch: ``arange`` (n,), or, for packed documents, each
+    token's offset in its document (B, n)."""
+    T = idx.size(1)
+    n = T - first if n is None else n
+    layout = current_layout()
+    if layout is None:
+        return torch.arange(first, first + n, device=idx.device)
+    layout.check(idx.shape[:2], "the inputs")
+    return layout.positions[:, first:first + n]
