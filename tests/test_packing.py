@@ -21,7 +21,7 @@ from torch import nn
 
 from fourfold import Mesh, parallelize
 from fourfold.data.documents import Documents, open_documents, skewed_documents
-from fourfold.data.packing import DocumentLoader, DocumentLayout, document_layout, pack, pieces
+from fourfold.data.packing import DocumentLayout, DocumentLoader, document_layout, pack, pieces
 from fourfold.data.tokenizers import ByteTokenizer
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.parallel.pipeline.blocks import output_tensor
@@ -243,3 +243,49 @@ def test_every_layout_equals_documents_one_at_a_time(world, index):
 def test_documents_from_a_list():
     docs = Documents.from_list([torch.tensor([1, 2, 3]), torch.tensor([4])], "two")
     assert len(docs) == 1 and docs[0].tolist() == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_packs_json_lines_under_dp_and_pp_and_verifies_against_one_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(3, 90, (40,), generator=gen)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "ab" * (n // 2) + f"{k}"}) + "\n" for k, n in enumerate(lengths)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "4", "--dp", "2", "--pp", "2", "--microbatches", "2",
+           "--pack", "first-fit", "--tokens-per-step", "300", "--data", str(data), "--seq-len", "32", "--n-layer",
+           "2", "--d-model", "16", "--n-head", "2", "--steps", "2", "--verify", "2", "--dtype", "float64", "--no-trace",
+           "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "verify: OK, every difference within tolerance" in text and "real tokens/s of" in text, text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["documents"] >= 2 and 0 < row["padding_fraction"] < 0.5 and row["split_documents"] >= 1, row
+        assert row["real_tokens_per_s"] == pytest.approx(row["tokens_per_s"] * (1 - row["padding_fraction"]))
+    run = json.loads((out / "run.json").read_text())
+    assert run["corpus"]["packing"] == "first-fit" and run["corpus"]["documents"] == 40
+
+
+def test_cli_refuses_packing_without_document_boundaries(tmp_path, capsys):
+    from fourfold.config import parse_args
+    from fourfold.train import preflight
+
+    ids = tmp_path / "ids.npy"
+    import numpy as np
+
+    np.save(ids, np.arange(100, dtype=np.uint16))
+    with pytest.raises(ValueError, match="document boundaries"):
+        preflight(parse_args(["--pack", "bfd", "--data", str(ids), "--out", str(tmp_path / "o")]), 1)
+    with pytest.raises(SystemExit):
+        parse_args(["--tokens-per-step", "100"])
+    assert "tokens_per_step and truncate_documents arrange documents" in capsys.readouterr().err

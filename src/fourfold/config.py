@@ -102,6 +102,16 @@ class TrainConfig:
         "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json)"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
+    pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
+        "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
+        "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
+        "(packed into rows of --seq-len, attention kept inside each document); --batch-size then counts "
+        "documents"))
+    tokens_per_step: int | None = field(default=None, metadata=_help(
+        "with --pack: each step takes documents until their tokens would pass this budget (instead of "
+        "--batch-size documents)"))
+    truncate_documents: bool = field(default=False, metadata=_help(
+        "with --pack: keep only a document's first --seq-len tokens (default: split it into rows, none lost)"))
     out: str = field(default="runs/train", metadata=_help(
         "output directory: metrics.jsonl, trace.json, trace-rank*.jsonl, model.pt"))
     overwrite: bool = field(default=False, metadata=_help(
@@ -136,6 +146,11 @@ class TrainConfig:
                              "--verify, or verify the run that wrote the checkpoint.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
+        if self.pack == "none" and (self.tokens_per_step is not None or self.truncate_documents):
+            raise ValueError("tokens_per_step and truncate_documents arrange documents, got pack='none'. Pass "
+                             "--pack bfd (or pad, first-fit), or drop them.")
+        if self.tokens_per_step is not None and self.tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:

@@ -43,7 +43,15 @@ from fourfold.checkpoint.resume import check_resume, continues_run, restart_coun
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import barrier
 from fourfold.config import Config, parse_args, without_section_flags
-from fourfold.data import BatchLoader, is_token_file, run_corpus, token_range, vocab_of
+from fourfold.data import (
+    BatchLoader,
+    DocumentLoader,
+    Documents,
+    is_token_file,
+    run_corpus,
+    token_range,
+    vocab_of,
+)
 from fourfold.engine import Engine, bytes_by_axis, parallelize
 from fourfold.files import (
     OUTPUTS,
@@ -94,6 +102,11 @@ class TrainResult:
     def summary(self) -> str:
         m = self.mesh
         tps = statistics.median(r["tokens_per_s"] for r in self.metrics)
+        speed = f"median {tps:,.0f} tokens/s"
+        if "documents" in self.metrics[0]:  # packed: what was learned from, and what padding cost
+            real = statistics.median(r["real_tokens_per_s"] for r in self.metrics)
+            pad = statistics.median(r["padding_fraction"] for r in self.metrics)
+            speed = f"median {real:,.0f} real tokens/s of {tps:,.0f} ({pad:.1%} padding)"
         ms = 1e3 * statistics.median(r["step_time_s"] for r in self.metrics)
         axes = [f"{axis} {statistics.median(r['bytes_by_axis'][axis] for r in self.metrics) / 1024:,.1f} KB"
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
@@ -101,7 +114,7 @@ class TrainResult:
         picture = ", timeline.png" if self.out is not None and (self.out / "timeline.png").exists() else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
-                f"{self.losses[-1]:.4f}, median {tps:,.0f} tokens/s, {ms:.1f} ms/step\n{sent}"
+                f"{self.losses[-1]:.4f}, {speed}, {ms:.1f} ms/step\n{sent}"
                 f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev){picture}, "
                 "model.pt")
 
@@ -123,7 +136,10 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
                          f"got model={t.model!r}. Drop --sequence-parallel.")
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
-    if t.batch_size % mesh.dp:
+    if t.pack != "none" and t.data is not None and is_token_file(t.data):
+        raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
+                         "JSON Lines (one document per record), a folder (one per file), or --pack none.")
+    if t.pack == "none" and t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
     if t.data is not None and not (Path(t.data).is_file() or Path(t.data).is_dir()):
@@ -170,7 +186,7 @@ def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
     schedule = pipeline_schedule(t.strategy, t.schedule, mesh.pp, t.microbatches, t.virtual)
     m = schedule.microbatches
     shard = t.batch_size // mesh.dp
-    if shard % m:
+    if shard % m and t.pack == "none":  # packed rows are padded to a multiple of the micro-batches
         raise ValueError(f"each data-parallel shard must divide into micro-batches, got {shard} sequences per "
                          f"shard and microbatches={m}. Pass --microbatches {_divisor_near(shard, m)} or change "
                          "--batch-size.")
@@ -209,27 +225,24 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
             move_aside(out)
-    corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=ctx.is_main, wait=barrier)
     model = build_model(cfg, ctx.device)
     known = model_info(cfg)
     info = built_info(known, model)  # a model of your own: its vocabulary, known only now
     if known.vocab_size is None:
         _check_data_vocab(cfg, info, scan=False)
-    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=ranks.coord.dp, dp_size=mesh.dp,
-                         vocab_size=info.vocab_size)
+    loader, source = make_loader(cfg, out, dp_rank=ranks.coord.dp, dp_size=mesh.dp, vocab_size=info.vocab_size,
+                                 is_main=ctx.is_main, wait=barrier)
     count = num_parameters(model)
-    example = None if t.model == "tinygpt" else loader.shard(0)[0][:1].to(ctx.device)  # a split is checked on it
+    example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out)
-    tokens_per_step = t.batch_size * cfg.model.seq_len
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
     if ctx.is_main:
         run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
-               "pp": mesh.pp}, "corpus": {"name": corpus.name, "sha256": corpus.sha256, "tokens": len(corpus),
-                          "tokenizer": corpus.tokenizer},
+               "pp": mesh.pp}, "corpus": source,
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
                "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
                "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
@@ -246,8 +259,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             LEDGER.step = step
             first_span = len(tracer.spans)
             start = time.perf_counter()
-            x, y = loader.shard(step - 1)
-            loss = engine.step(x.to(ctx.device), y.to(ctx.device))
+            batch = loader.batch(step - 1)  # windows of a stream, or packed documents
+            args, kwargs = batch.step_args(ctx.device)
+            loss = engine.step(*args, **kwargs)
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -255,7 +269,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             _synchronize(ctx.device)  # time the step, not the launch of its kernels
             elapsed = time.perf_counter() - start
             spans = tracer.spans[first_span:]
-            row = _metrics_row(step, global_loss, elapsed, tokens_per_step, tracer.totals(first_span), t.lr)
+            row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
             if loss.pipeline is not None:
@@ -281,7 +295,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
                 checkpoint.save(out / "checkpoints", step, engine, optimizer, config=cfg.to_dict(), keep=t.keep)
             bar.update(1)
-            bar.set_postfix(loss=f"{global_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+            shown = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if batch.documents is None else {
+                "real_tok_s": f"{row['real_tokens_per_s']:,.0f}", "pad": f"{row['padding_fraction']:.0%}"}
+            bar.set_postfix(loss=f"{global_loss:.4f}", **shown, refresh=False)
     finally:
         bar.close()
         if metrics_file is not None:
@@ -309,9 +325,33 @@ def _synchronize(device: torch.device) -> None:
         torch.get_device_module(device).synchronize(device)
 
 
-def _metrics_row(step: int, loss: float, elapsed: float, tokens: int, totals: dict[str, Any],
+def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, vocab_size: int | None = None,
+                is_main: bool = True, wait: Any = None) -> tuple[BatchLoader | DocumentLoader, dict[str, Any]]:
+    """The run's loader (windows of the corpus, or with ``--pack`` its documents packed) for one dp rank, and
+    what run.json records of the data."""
+    t = cfg.train
+    corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=is_main, wait=wait,
+                        documents=t.pack != "none")
+    if isinstance(corpus, Documents):
+        budget = {"tokens_per_step": t.tokens_per_step} if t.tokens_per_step else {"docs_per_step": t.batch_size}
+        loader: BatchLoader | DocumentLoader = DocumentLoader(
+            corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
+            row_multiple=t.microbatches if t.pp > 1 else 1, width_multiple=t.tp if t.sequence_parallel else 1,
+            truncate=t.truncate_documents, vocab_size=vocab_size, **budget)
+        size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}
+    else:
+        loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=dp_rank, dp_size=dp_size,
+                             vocab_size=vocab_size)
+        size = {"tokens": len(corpus)}
+    return loader, {"name": corpus.name, "sha256": corpus.sha256, **size, "tokenizer": corpus.tokenizer}
+
+
+def _metrics_row(step: int, loss: float, elapsed: float, data: dict[str, Any], totals: dict[str, Any],
                  lr: float) -> dict[str, Any]:
-    return {"step": step, "loss": loss, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "lr": lr,
+    packed = {"documents": data["documents"], "split_documents": data["split"]} if "documents" in data else {}
+    return {"step": step, "loss": loss, "tokens_per_s": data["slots"] / elapsed,
+            "real_tokens_per_s": data["real_tokens"] / elapsed, "padding_fraction": data["padding_fraction"],
+            **packed, "step_time_s": elapsed, "lr": lr,
             "compute_s": totals.get("compute_s", 0.0), "comm_s": totals.get("comm_s", 0.0),
             "wait_s": totals.get("wait_s", 0.0), "comm_bytes": totals.get("bytes", 0),
             "comm_messages": totals.get("messages", 0)}

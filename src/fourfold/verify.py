@@ -61,20 +61,17 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     """Train ``cfg``'s model for ``steps`` steps on this one process: losses and the state after each step."""
     from pathlib import Path
 
-    from fourfold.data import BatchLoader, run_corpus
     from fourfold.engine import parallelize
     from fourfold.models.build import build_model
-    from fourfold.train import make_optimizer
+    from fourfold.train import make_loader, make_optimizer
 
-    t = cfg.train
     engine = parallelize(build_model(cfg), None)  # no mesh: one process, no strategy applied
     optimizer = make_optimizer(cfg, engine.parameters())
-    corpus = run_corpus(t.data, t.tokenizer, Path(t.out), data_dtype=t.data_dtype)  # the run's (its tokenizer)
-    loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=0, dp_size=1)
+    loader, _ = make_loader(cfg, Path(cfg.train.out))  # the run's data and tokenizer, one dp rank
     losses, states = [], []
     for step in range(1, steps + 1):
-        x, y = loader.shard(step - 1)  # the whole global batch
-        loss = engine.step(x, y)
+        args, kwargs = loader.batch(step - 1).step_args("cpu")  # the whole global batch
+        loss = engine.step(*args, **kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -1,6 +1,7 @@
-"""Data: the corpus (built-in, text, JSON Lines, or token ids memory-mapped), tokenizers, and the loader that
-gives every data-parallel rank its shard of the same global batch. See :mod:`fourfold.data.corpus`,
-:mod:`fourfold.data.tokenizers` and :mod:`fourfold.data.loader`."""
+"""Data: the corpus (built-in, text, JSON Lines, or token ids memory-mapped), tokenizers, documents and their
+packing, and the loaders that give every data-parallel rank its shard of the same global batch. See
+:mod:`fourfold.data.corpus`, :mod:`fourfold.data.tokenizers`, :mod:`fourfold.data.loader` (windows of a stream),
+:mod:`fourfold.data.documents` and :mod:`fourfold.data.packing` (whole documents, packed)."""
 
 from fourfold.data.corpus import (
     DEFAULT_MAX_BYTES,
@@ -13,9 +14,12 @@ from fourfold.data.corpus import (
     run_corpus,
     token_range,
 )
+from fourfold.data.documents import Documents, builtin_documents, open_documents, skewed_documents
 from fourfold.data.loader import BatchLoader
+from fourfold.data.packing import PACKINGS, Batch, DocumentLoader, current_layout, document_layout
 from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, load_tokenizer, train_bpe, vocab_of
 
-__all__ = ["DEFAULT_MAX_BYTES", "TOKEN_DTYPES", "BatchLoader", "ByteTokenizer", "Corpus", "FileTokenizer",
-           "is_token_file", "load_corpus", "load_tokenizer", "open_data", "read_texts", "run_corpus", "token_range",
-           "train_bpe", "vocab_of"]
+__all__ = ["DEFAULT_MAX_BYTES", "PACKINGS", "TOKEN_DTYPES", "Batch", "BatchLoader", "ByteTokenizer", "Corpus",
+           "DocumentLoader", "Documents", "FileTokenizer", "builtin_documents", "current_layout", "document_layout",
+           "is_token_file", "load_corpus", "load_tokenizer", "open_data", "open_documents", "read_texts",
+           "run_corpus", "skewed_documents", "token_range", "train_bpe", "vocab_of"]

@@ -21,11 +21,15 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8, load_tokenizer, train_bpe
+
+if TYPE_CHECKING:
+    from fourfold.data.documents import Documents
 
 __all__ = ["DEFAULT_MAX_BYTES", "TOKEN_DTYPES", "Corpus", "is_token_file", "load_corpus", "open_data", "read_texts",
            "run_corpus", "token_range"]
@@ -227,10 +231,16 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
 
 
 def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str = "uint16", is_main: bool = True,
-               wait: Callable[[str], None] | None = None) -> Corpus:
-    """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``. A ``bpe:N``
-    tokenizer is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the
-    others ``wait`` for it, then every rank encodes with that one file."""
+               wait: Callable[[str], None] | None = None, documents: bool = False) -> Corpus | Documents:
+    """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``; with
+    ``documents``, its :class:`~fourfold.data.documents.Documents` instead (for packing). A ``bpe:N`` tokenizer
+    is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the others
+    ``wait`` for it, then every rank encodes with that one file."""
+    from fourfold.data.documents import open_documents
+
+    def read(tok: ByteTokenizer | FileTokenizer) -> Corpus | Documents:
+        return open_documents(data, tok) if documents else open_data(data, tok, data_dtype=data_dtype)
+
     if tokenizer.startswith("bpe:") and not (data is not None and is_token_file(data)):
         path = out / "tokenizer.json"
         if is_main and not path.is_file():
@@ -240,5 +250,5 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
                 train_bpe(read_texts(data)[0], int(tokenizer.partition(":")[2]), tmp)
         if wait is not None:
             wait("train the tokenizer")
-        return open_data(data, FileTokenizer(path, name=f"{tokenizer} ({path})"), data_dtype=data_dtype)
-    return open_data(data, load_tokenizer(tokenizer), data_dtype=data_dtype)
+        return read(FileTokenizer(path, name=f"{tokenizer} ({path})"))
+    return read(load_tokenizer(tokenizer))

@@ -1,6 +1,6 @@
 """Documents: what packing arranges. A run's text cut at its natural boundaries, kept as one stream of ids.
 
-* the built-in set (no ``--data``): every function and class of the Python standard library, one document each,
+* the built-in set (no ``--data``): every function and method of the Python standard library, one document each,
   read in a fixed order. Their lengths are naturally skewed: most are short, a few are long;
 * ``--data FILE.jsonl``: one document per record (its ``"text"``); ``--data FOLDER``: one per file;
   ``--data FILE``: the file is one document (split at row boundaries when longer than a row);
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +71,8 @@ class Documents:
 
 
 def builtin_documents(max_bytes: int = 2 * 1024 * 1024) -> Documents:
-    """Every top-level function and class of the standard library's sources (tests skipped), in path order, as
-    bytes, up to ``max_bytes``: a real, skewed mix of lengths (most a few hundred bytes, some many thousands)."""
+    """Every function and method of the standard library's sources (tests skipped), in path order, as bytes, up
+    to ``max_bytes``: a real, skewed mix of lengths (most a few hundred bytes, some many thousands)."""
     docs: list[bytes] = []
     size = 0
     for file in _stdlib_files():
@@ -82,14 +83,22 @@ def builtin_documents(max_bytes: int = 2 * 1024 * 1024) -> Documents:
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue  # a file this Python cannot parse: not a document
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                text = ast.get_source_segment(source, node)
-                if text:
-                    docs.append(text.encode("utf-8"))
-                    size += len(docs[-1])
+        for node in _functions(tree.body):
+            text = ast.get_source_segment(source, node)
+            if text:
+                docs.append(text.encode("utf-8"))
+                size += len(docs[-1])
     name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib-functions"
     return Documents.from_list([as_uint8(d) for d in docs], name, hashlib.sha256(b"\0".join(docs)).hexdigest())
+
+
+def _functions(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Module-level functions and the methods of classes (at any depth of classes), in source order."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node.body)
 
 
 def skewed_documents(count: int, longest: int, *, short_fraction: float = 0.8, short_ratio: float = 0.125,

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from fourfold.data.corpus import Corpus
+from fourfold.data.packing import Batch
 
 __all__ = ["BatchLoader"]
 
@@ -123,6 +124,12 @@ class BatchLoader:
     def shard(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), each (B/dp, T) int64: this dp rank's contiguous rows of the global batch of ``step``."""
         return self._batch(self.shard_indices(step))
+
+    def batch(self, step: int) -> Batch:
+        """:meth:`shard` as a :class:`~fourfold.data.packing.Batch`: every position real, no documents."""
+        x, y = self.shard(step)
+        n = self.batch_size * self.seq_len
+        return Batch(x, y, stats={"real_tokens": n, "slots": n, "padding_fraction": 0.0})
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step}

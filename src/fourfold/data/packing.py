@@ -8,7 +8,7 @@
 
 A document of n+1 ids fills n positions (inputs ids[:-1], targets ids[1:]), so no position ever predicts the
 next document's first token. One longer than a row is split at row boundaries into pieces of at most
-``seq_len`` positions (recorded: ``stats["split"]``), each trained as a document of its own, unless
+``seq_len`` positions (recorded: ``stats["split"]`` counts the documents cut), each trained as a document of its own, unless
 ``truncate=True`` keeps only the first. Arrangements:
 
 * ``pad``: one piece per row, every row padded to the longest piece of the step (the baseline);
@@ -78,7 +78,8 @@ def pack(lengths: Sequence[int], capacity: int, packing: Packing) -> list[list[i
             room[r] -= n
         return rows
     if packing == "bfd":
-        rows, free = [], []  # free: sorted (room left, row) pairs
+        rows = []
+        free: list[tuple[int, int]] = []  # sorted (room left, row) pairs
         for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep the step's order
             n = lengths[i]
             at = bisect.bisect_left(free, (n, -1))  # the fullest row with room for n
@@ -195,7 +196,8 @@ class DocumentLoader:
                 t += n
         self._check_vocab(inputs, targets)
         real = sum(p.length for p in parts)
-        stats = {"documents": len(docs), "pieces": len(parts), "split": len(parts) - len({p.doc for p in parts}),
+        split = len({p.doc for p in parts if p.start > 0})  # documents cut at row boundaries
+        stats = {"documents": len(docs), "pieces": len(parts), "split": split,
                  "rows": R, "width": width, "real_tokens": real, "slots": R * width,
                  "padding_fraction": 1.0 - real / (R * width)}
         return Batch(inputs, targets, documents, real, stats)

@@ -15,6 +15,7 @@ q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -101,13 +102,17 @@ def check_tp(config: Any, tp: int) -> None:
                              f"tp={tp}. Use tp in {fits}, or a config whose {name} tp divides")
 
 
+_READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
+
+
 def read_documents(model: nn.Module) -> None:
     """Make the whole model keep packed documents apart: while a layout is current (the engine sets it), its
     forward gets the layout's ``position_ids`` (B, T) and block-diagonal causal mask as a 4-D
     ``attention_mask`` (B, 1, T, T), which transformers passes to SDPA as it is. The pipeline's pieces below
     read the layout themselves."""
-    if getattr(model, "_fourfold_documents", None) is None:
-        model._fourfold_documents = model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
+    if model not in _READING:
+        model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
+        _READING.add(model)
 
 
 def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
