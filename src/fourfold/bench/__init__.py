@@ -4,6 +4,7 @@
     fourfold bench dp --nproc 2            a training step: fourfold DataParallel vs DDP vs no sync
     fourfold bench tp --nproc 2            a training step: fourfold tensor parallelism vs DTensor vs unsharded
     fourfold bench pp --nproc 2            a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining
+    fourfold bench packing                 the same documents padded vs packed first-fit vs bfd
 
 Each benchmark is one module here on the shared :mod:`fourfold.bench.harness`; a rank runs
 ``python -m fourfold.bench.NAME``.
@@ -21,6 +22,7 @@ BENCHMARKS = {
     "dp": "a training step: fourfold DataParallel vs DDP vs no sync",
     "tp": "a training step: fourfold tensor parallelism vs DTensor vs unsharded",
     "pp": "a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining",
+    "packing": "the same documents padded vs packed (first-fit, bfd): real tokens/s against the bound",
 }
 
 
