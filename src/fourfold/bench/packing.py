@@ -89,7 +89,10 @@ def _run(ns: argparse.Namespace) -> None:
                             short_ratio=ns.short_ratio, seed=0)
     cfg = GPTConfig(vocab_size=256, seq_len=ns.seq_len, n_layer=ns.layers, n_head=4, d_model=ns.d_model)
     say(f"G={g}: {docs}; TinyGPT {ns.layers} layers, d_model {ns.d_model}; {ns.warmup} warm-up + {ns.rounds} rounds")
-    batches, engines, opts, losses = {}, {}, {}, {}
+    batches: dict[str, list[Any]] = {}
+    engines: dict[str, Any] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    losses: dict[str, list[float]] = {}
     for v in ns.variants:  # every batch packed before the clock starts: the step is what is timed
         loader = DocumentLoader(docs, ns.seq_len, seed=0, dp_rank=ranks.coord.dp, dp_size=g,
                                 docs_per_step=ns.docs_per_step, packing=v)
@@ -139,7 +142,7 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
         xp = "-" if r["speedup_paired"] is None else f"{r['speedup_paired']:.2f}"
         lines.append(f"{r['variant']:<10} {r['rows']:>6.1f} {r['width']:>6.0f} {r['padding_fraction']:>8.1%} "
                      f"{fmt_time(r['median_s']):>9} {r['real_tokens_per_s']:>11,.0f} {x:>6} {xp:>6}")
-    if bound is not None:
+    if pad is not None and bound is not None:
         lines.append(f"bound on packing's speed-up over pad: 1 / (1 - {pad['padding_fraction']:.3f}) = {bound:.2f}x")
     lines.append(f"same documents, same losses: max |loss difference| over {len(losses[ns.variants[0]])} steps "
                  f"{worst:.2g}")
