@@ -78,16 +78,18 @@ def builtin_documents(max_bytes: int = 2 * 1024 * 1024) -> Documents:
     for file in _stdlib_files():
         if size >= max_bytes:
             break
+        raw = file.read_bytes()
         try:
-            source = file.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+            tree = ast.parse(raw)
+        except (SyntaxError, ValueError):
             continue  # a file this Python cannot parse: not a document
+        lines = raw.splitlines(keepends=True)  # ast's columns count UTF-8 bytes: cut the bytes
         for node in _functions(tree.body):
-            text = ast.get_source_segment(source, node)
-            if text:
-                docs.append(text.encode("utf-8"))
-                size += len(docs[-1])
+            first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+            text = b"".join(lines[first:last + 1])
+            text = text[node.col_offset:len(text) - len(lines[last]) + (node.end_col_offset or len(lines[last]))]
+            docs.append(text)
+            size += len(text)
     name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib-functions"
     return Documents.from_list([as_uint8(d) for d in docs], name, hashlib.sha256(b"\0".join(docs)).hexdigest())
 

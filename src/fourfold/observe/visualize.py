@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fourfold.files import atomic_path
 from fourfold.observe.trace import KINDS, Span
 
-__all__ = ["KIND_COLORS", "draw_step", "rank_labels", "timeline"]
+__all__ = ["KIND_COLORS", "draw_packing", "draw_step", "rank_labels", "timeline"]
 
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
 # Micro-batch colours: tab10 without its orange and red (comm and wait here) and its grey (no micro-batch).
@@ -173,3 +173,39 @@ def _join(labels: list[str]) -> str:
         numbers = sorted(int(x.split()[1]) for x in labels)
         return "micro-batch " + ", ".join(map(str, numbers))
     return " / ".join(labels)
+
+
+def draw_packing(batches: Mapping[str, Any], path: str | os.PathLike[str], title: str | None = None) -> bool:
+    """One global batch per panel (``{name: Batch}``, the same documents arranged differently): a row per
+    sequence, a coloured bar per document (a split one keeps its colour), padding left white. False, drawing
+    nothing, when matplotlib is missing."""
+    try:
+        Figure, FigureCanvasAgg = _matplotlib()
+    except ImportError:
+        return False
+    fig = Figure(figsize=(5 * len(batches), 5.5), layout="constrained")
+    width = max(b.inputs.size(1) for b in batches.values())
+    for i, (name, b) in enumerate(batches.items()):
+        ax = fig.add_subplot(1, len(batches), i + 1)
+        docs = b.documents
+        for r in range(docs.size(0)):
+            row = docs[r].tolist()
+            t = 0
+            while t < len(row):
+                end = t
+                while end < len(row) and row[end] == row[t]:
+                    end += 1
+                if row[t] >= 0:
+                    ax.barh(r, end - t, left=t, height=0.85, color=_MICROBATCH_COLORS[row[t] % len(
+                        _MICROBATCH_COLORS)], edgecolor="white", linewidth=0.5)
+                t = end
+        s = b.stats
+        ax.set_xlim(0, width)
+        ax.set_ylim(docs.size(0) - 0.5, -0.5)
+        ax.set(xlabel="position in the row", ylabel="row")
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"{name}: {s['rows']} rows x {s['width']}, {s['padding_fraction']:.0%} padding", fontsize=9)
+    fig.suptitle(title or "the same documents, padded and packed (white = padding)", fontsize=10)
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+    return True
