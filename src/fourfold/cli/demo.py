@@ -225,10 +225,9 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
     print(f"\n  packing learns from {speedup:.1f}x the tokens per second; the bound, counting positions only, is "
           f"1 / (1 - padding) = {bound:.1f}x{above}.\n  Same documents, same loss: attention stays inside each "
           "document and the loss divides by the real tokens of the whole batch.")
-    cfg = parse_args([*flags, "--pack", "pad", "--out", str(root / "pack-pad")])
     batches = {}
     for pack in ("pad", "bfd"):
-        loader, _ = make_loader(replace(cfg, train=replace(cfg.train, pack=pack)), root / "pack-pad")
+        loader, _ = make_loader(parse_args([*flags, "--pack", pack, "--out", str(root / f"pack-{pack}")]), root)
         batches[pack] = loader.batch(0)
     if draw_packing(batches, root / "packing.png", "step 1's documents, padded (left) and packed (right); "
                     "white = padding"):
