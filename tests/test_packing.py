@@ -101,6 +101,9 @@ def test_shards_make_the_global_batch_and_arrangements_hold_the_same_tokens():
     shards = [loader("bfd", dp=2, rank=r, micro=2).shard(0) for r in range(2)]
     assert torch.equal(torch.cat([s.inputs for s in shards]), whole.inputs)
     assert {s.num_tokens for s in shards} == {whole.num_tokens}
+    real = [int((s.targets != -100).sum()) for s in shards]  # each rank's share of the tokens, balanced
+    fullest = max(int((row != -100).sum()) for row in whole.targets)
+    assert sum(real) == whole.num_tokens and max(real) - min(real) <= fullest, real
     counts = {p: loader(p).global_batch(0) for p in ("pad", "first-fit", "bfd")}
     assert len({b.num_tokens for b in counts.values()}) == 1
     assert counts["bfd"].stats["rows"] <= counts["first-fit"].stats["rows"] < counts["pad"].stats["rows"]

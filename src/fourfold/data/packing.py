@@ -113,14 +113,28 @@ class Batch:
                 {"documents": docs, "num_tokens": self.num_tokens} if docs is not None else {})
 
 
+def _balance(fills: list[int], parts: int) -> list[int]:
+    """Row indices reordered so that each of ``parts`` equal contiguous runs holds about the same tokens: the
+    fullest row first, each to the run with the fewest tokens that still has room (longest processing time)."""
+    per = len(fills) // parts
+    runs: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(fills)), key=lambda i: -fills[i]):
+        r = min((r for r in range(parts) if len(runs[r]) < per), key=lambda r: (load[r], r))
+        runs[r].append(i)
+        load[r] += fills[i]
+    return [i for run in runs for i in run]
+
+
 class DocumentLoader:
     """Each step's documents, a pure function of (seed, step), packed into rows; this dp rank's rows of them.
 
     The documents of step s are positions [s*D, (s+1)*D) of the endless sequence of epochs, epoch e visiting
     them in ``randperm(n)`` from seed*1_000_003 + e (``docs_per_step=D``); or, with ``tokens_per_step``, the
     next documents while their targets fit the budget (at least one). The global batch's rows are padded with
-    empty rows to a multiple of ``dp_size * row_multiple``, and rank r holds rows [r R/dp, (r+1) R/dp): the
-    shards concatenated in rank order are the global batch.
+    empty rows to a multiple of ``dp_size * row_multiple`` and, under dp, ordered so that every rank's rows
+    hold about the same real tokens (the fullest row to the emptiest rank); rank r holds rows
+    [r R/dp, (r+1) R/dp): the shards concatenated in rank order are the global batch.
     """
 
     def __init__(self, documents: Documents, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, *,
@@ -184,6 +198,9 @@ class DocumentLoader:
         width = -(-width // self.width_multiple) * self.width_multiple  # sequence parallelism: a multiple of tp
         multiple = self.dp_size * self.row_multiple
         R = -(-len(rows) // multiple) * multiple
+        rows += [[] for _ in range(R - len(rows))]  # empty rows: padding only
+        if self.dp_size > 1:  # rank r's rows are the r-th R/dp of the batch: give each rank its share of tokens
+            rows = [rows[i] for i in _balance([sum(parts[i].length for i in row) for row in rows], self.dp_size)]
         inputs = torch.zeros(R, width, dtype=torch.int64)
         targets = torch.full((R, width), IGNORE_INDEX, dtype=torch.int64)
         documents = torch.full((R, width), -1, dtype=torch.int64)
