@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.gpt import GPTConfig
+from fourfold.parallel.checkpointing import parse_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,6 +103,9 @@ class TrainConfig:
         "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json)"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
+    activation_checkpointing: str = field(default="none", metadata=_help(
+        "recompute blocks' activations in backward instead of keeping them: none, full (every block) or every-N "
+        "(blocks 0, N, 2N, ...): less activation memory, one more forward per checkpointed block"))
     pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
         "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
         "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
@@ -146,6 +150,7 @@ class TrainConfig:
                              "--verify, or verify the run that wrote the checkpoint.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
+        parse_policy(self.activation_checkpointing)  # refuses anything but none, full, every-N
         if self.pack == "none" and (self.tokens_per_step is not None or self.truncate_documents):
             raise ValueError("tokens_per_step and truncate_documents arrange documents, got pack='none'. Pass "
                              "--pack bfd (or pad, first-fit), or drop them.")

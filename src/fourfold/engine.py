@@ -42,15 +42,24 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm.wait import bounded_wait
-from fourfold.data.packing import document_layout
+from fourfold.data.packing import capture_layout, document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
+from fourfold.observe.memory import parameter_storages, saved_bytes
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
+from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
-from fourfold.parallel.pipeline.blocks import Chain, Split, build_pieces, output_tensor, resolve_split
+from fourfold.parallel.pipeline.blocks import (
+    Chain,
+    Split,
+    block_paths,
+    build_pieces,
+    output_tensor,
+    resolve_split,
+)
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import pipeline_schedule
@@ -84,6 +93,7 @@ class Loss:
     timeout_s: float = DEFAULT_TIMEOUT_S
     group_ranks: tuple[int, ...] = ()
     pipeline: StepResult | None = None  # the pipeline's figures for this step (bubble, memory), if any
+    activation_bytes: int = 0  # this rank's peak of activations saved for backward (a pipeline's: its peak)
 
     def item(self) -> float:
         if self.work is not None:
@@ -110,6 +120,7 @@ class Engine:
         self._partial_grads = partial_grads
         group = ranks.dp_group
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
@@ -197,7 +208,8 @@ class Engine:
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
-            with self.tracer.span("compute", "forward"), document_layout(documents):
+            with self.tracer.span("compute", "forward"), document_layout(documents), \
+                    saved_bytes(self._param_storages) as saved:
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
                 loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
@@ -207,7 +219,9 @@ class Engine:
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
         if self._partial_grads:  # sequence parallelism: replicated parameters saw T/tp positions each
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
-        return self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
+        out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
+        out_loss.activation_bytes = result.peak_activation_bytes if result is not None else sum(saved.values())
+        return out_loss
 
     def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None, divisor: int) -> Loss:
         group = self.ranks.dp_group
@@ -299,6 +313,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
+                activation_checkpointing: str = "none",
                 balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
@@ -318,6 +333,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     BatchNorm under dp > 1 normalises each rank's shard on its own (a warning names the layers);
     ``sync_batchnorm=True`` takes the statistics over the whole batch instead
     (:class:`~fourfold.parallel.batchnorm.SyncBatchNorm`, CPU and GPU), equal to one process.
+
+    ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"every-N"``: the model's blocks (TinyGPT's,
+    the split's, an ``nn.Sequential``'s layers) drop their saved activations and recompute them in backward
+    (:mod:`~fourfold.parallel.checkpointing`); the same numbers, less memory, one more forward per block.
     """
     from fourfold.models import family_of
 
@@ -348,6 +367,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
         if family is not None and family.fixups is not None:
             family.fixups(model, m.tp)
+    every = parse_policy(activation_checkpointing)
+    if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
+        checkpoint_blocks(_blocks(model, family, split), every, capture_layout)
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
     split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
@@ -396,6 +418,23 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer, reduction=reduction)
 
     return split_loss
+
+
+def _blocks(model: nn.Module, family: Any, split: Split | None) -> list[nn.Module]:
+    """The model's repeated blocks: the split's (given, the family's, or ``fourfold_split``), TinyGPT's
+    ``blocks``, or an ``nn.Sequential``'s layers."""
+    split = split or (family.split(model) if family is not None and family.split is not None else None)
+    split = split or getattr(model, "fourfold_split", None)
+    if split is not None:
+        return [model.get_submodule(path) for path in block_paths(model, split.blocks)]
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise ValueError(f"activation checkpointing needs the model's blocks, got a {type(model).__name__} with no "
+                     "split and no blocks list. Pass split=fourfold.Split(blocks='path.to.ModuleList'), or "
+                     "activation_checkpointing='none'")
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

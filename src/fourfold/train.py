@@ -76,6 +76,7 @@ from fourfold.models.build import (
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
+from fourfold.observe.memory import memory_figures
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.parallel.schedule import pipeline_schedule
@@ -264,6 +265,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             loss = engine.step(*args, **kwargs)
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
+                memory = memory_figures(engine.parameters(), optimizer, loss.activation_bytes, ctx.device)
                 optimizer.zero_grad(set_to_none=True)
             global_loss = loss.item()  # the loss all-reduce ran during the optimiser step
             _synchronize(ctx.device)  # time the step, not the launch of its kernels
@@ -272,6 +274,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
+            row["memory_bytes"] = memory  # this rank's (rank 0's in metrics.jsonl)
             if loss.pipeline is not None:
                 res = loss.pipeline
                 row.update({"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
@@ -317,7 +320,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     t = cfg.train
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
-            "sync_batchnorm": t.sync_batchnorm}
+            "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing}
 
 
 def _synchronize(device: torch.device) -> None:

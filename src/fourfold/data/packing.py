@@ -26,7 +26,8 @@ import bisect
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -35,8 +36,8 @@ import torch
 from fourfold.data.documents import Documents
 from fourfold.loss import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "current_layout",
-           "document_layout", "pack", "pieces"]
+__all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
+           "current_layout", "document_layout", "pack", "pieces", "using_layout"]
 
 PACKINGS = ("pad", "first-fit", "bfd")
 Packing = Literal["pad", "first-fit", "bfd"]
@@ -292,15 +293,25 @@ class DocumentLayout:
 _current: contextvars.ContextVar[DocumentLayout | None] = contextvars.ContextVar("fourfold_documents", default=None)
 
 
-@contextlib.contextmanager
-def document_layout(documents: torch.Tensor | None) -> Iterator[DocumentLayout | None]:
+def document_layout(documents: torch.Tensor | None) -> AbstractContextManager[DocumentLayout | None]:
     """Make ``documents`` (B, T) the layout models read while the block runs (None: plain causal windows)."""
-    layout = DocumentLayout(documents) if documents is not None else None
+    return using_layout(DocumentLayout(documents) if documents is not None else None)
+
+
+@contextlib.contextmanager
+def using_layout(layout: DocumentLayout | None) -> Iterator[DocumentLayout | None]:
+    """Make ``layout`` current again (a recompute in backward re-enters its forward's layout this way)."""
     token = _current.set(layout)
     try:
         yield layout
     finally:
         _current.reset(token)
+
+
+def capture_layout() -> Callable[[], AbstractContextManager[DocumentLayout | None]]:
+    """What re-enters the current layout later (activation checkpointing's recompute runs in backward)."""
+    layout = _current.get()
+    return lambda: using_layout(layout)
 
 
 def current_layout() -> DocumentLayout | None:

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Chain", "Piece", "Split", "SplitError", "check_split", "output_tensor", "positions", "resolve_split"]
+__all__ = ["Chain", "Piece", "Split", "SplitError", "block_paths", "check_split", "output_tensor", "positions",
+           "resolve_split"]
 
 PieceFn = Callable[[nn.Module, torch.Tensor], Any]
 BlockFn = Callable[[nn.Module, nn.Module, torch.Tensor], Any]
@@ -153,7 +154,7 @@ class PieceSpec(NamedTuple):
     block: str | None
 
 
-def _block_paths(model: nn.Module, blocks: str | Sequence[str]) -> list[str]:
+def block_paths(model: nn.Module, blocks: str | Sequence[str]) -> list[str]:
     out = []
     for path in [blocks] if isinstance(blocks, str) else list(blocks):
         try:
@@ -239,7 +240,7 @@ def _apply(module: nn.Module, x: torch.Tensor) -> Any:
 def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list[PieceSpec]:
     """Which modules each piece of ``split`` calls (found by running it once on ``example``), checked by
     :func:`check_split`: refused with :class:`SplitError` unless the chain reproduces ``model(example)``."""
-    paths = _block_paths(model, split.blocks)
+    paths = block_paths(model, split.blocks)
     block_fn = split.block or _default_block
     rec = _Recorder(model)
     specs: list[PieceSpec] = []

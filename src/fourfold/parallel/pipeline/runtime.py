@@ -53,6 +53,7 @@ from torch import nn
 from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
+from fourfold.observe.memory import parameter_storages, saved_bytes
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.pipeline.backward import Call, weight_grads_are_local
 from fourfold.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Links, PipelineError, describe
@@ -232,7 +233,7 @@ class Pipeline:
         self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
         self._s = _StepState()
         self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
-        self._param_storage = {p.untyped_storage().data_ptr() for ps in self._params.values() for p in ps}
+        self._param_storage = parameter_storages(p for ps in self._params.values() for p in ps)
         start = time.perf_counter_ns()
         self.links.begin(self.actions, self._expect)
         # The action that adds each stage's last gradient contribution: its last B, or its last W (split).
@@ -283,19 +284,11 @@ class Pipeline:
             source = f" from stage {a.stage - 1} on rank {self.links.owner(a.stage - 1)}"
             if x.is_floating_point():
                 x.requires_grad_()
-        saved: dict[int, int] = {}  # storage -> bytes: what autograd keeps of this micro-batch
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._param_storage:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
         calls: list[Call] = []
         self._calls = calls if self.schedule.split_backward else None
         t0 = time.perf_counter_ns()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+            with saved_bytes(self._param_storage) as saved, \
                     (self._around(i) if self._around is not None else contextlib.nullcontext()):
                 y = st(x)
                 out = self._loss(y, ys[i]) / self._divide if st.is_last and ys is not None else y
@@ -414,10 +407,6 @@ class Pipeline:
             peak_in_flight=s.peak_in_flight, sent_bytes=self.links.sent_bytes, messages=self.links.messages,
             bubble_by_rank=tuple(r[1] for r in rows), peak_activation_bytes_by_rank=tuple(int(r[2]) for r in rows),
             peak_in_flight_by_rank=tuple(int(r[3]) for r in rows))
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None
