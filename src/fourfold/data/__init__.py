@@ -15,8 +15,8 @@ from fourfold.data.corpus import (
     token_range,
 )
 from fourfold.data.documents import Documents, builtin_documents, open_documents, skewed_documents
-from fourfold.data.loader import BatchLoader
-from fourfold.data.packing import PACKINGS, Batch, DocumentLoader, current_layout, document_layout
+from fourfold.data.loader import Batch, BatchLoader
+from fourfold.data.packing import PACKINGS, DocumentLoader, current_layout, document_layout
 from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, load_tokenizer, train_bpe, vocab_of
 
 __all__ = ["DEFAULT_MAX_BYTES", "PACKINGS", "TOKEN_DTYPES", "Batch", "BatchLoader", "ByteTokenizer", "Corpus",

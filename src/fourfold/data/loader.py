@@ -1,4 +1,5 @@
-"""Per-rank shards of each global batch, a pure function of (seed, step).
+"""Per-rank shards of each global batch, a pure function of (seed, step), and what every loader shares (the
+epoch order, the id check, the step as the whole state, :class:`Batch`).
 
     from fourfold.data import BatchLoader, load_corpus
 
@@ -15,13 +16,14 @@ Resuming is setting the step. Only the windows a batch takes are read (a memory-
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fourfold.data.corpus import Corpus
-from fourfold.data.packing import Batch
 
-__all__ = ["BatchLoader"]
+__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_ids"]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -35,7 +37,94 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be {rule}, got {name}={value!r}. Pass {name} as {rule}")
 
 
-class BatchLoader:
+@dataclass
+class Batch:
+    """What one rank trains on in a step. ``documents`` (B, T): which document each position belongs to (-1:
+    padding), None for windows of a stream; ``num_tokens``: real targets in the whole global batch (every rank,
+    every micro-batch), the loss's divisor. ``stats``: the global batch's figures."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: torch.Tensor | None = None
+    num_tokens: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def step_args(self, device: torch.device | str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+        """``engine.step(*args, **kwargs)`` on ``device``."""
+        docs = None if self.documents is None else self.documents.to(device)
+        return ((self.inputs.to(device), self.targets.to(device)),
+                {"documents": docs, "num_tokens": self.num_tokens} if docs is not None else {})
+
+
+class EpochOrder:
+    """The endless sequence of epochs over ``n`` items: epoch e visits them in ``randperm(n)`` drawn from
+    seed*1_000_003 + e, so any position's item is a pure function of (seed, position)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of ``epoch``, (n,)."""
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a step spans at most a few epochs; keep the cache tiny
+                self._perms.pop(next(iter(self._perms)))
+            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(self.n, generator=gen)  # (n,)
+        return self._perms[epoch]
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        """Items at positions [start, stop), (stop - start,) int64; a range may span epoch boundaries."""
+        n = self.n
+        out = torch.empty(stop - start, dtype=torch.long)
+        for epoch in range(start // n, (stop - 1) // n + 1):
+            lo, hi = max(start, epoch * n), min(stop, (epoch + 1) * n)
+            out[lo - start : hi - start] = self.permutation(epoch)[lo - epoch * n : hi - epoch * n]
+        return out
+
+    def __getitem__(self, position: int) -> int:
+        return int(self.permutation(position // self.n)[position % self.n])
+
+
+def check_ids(ids: torch.Tensor, vocab_size: int | None, name: str) -> None:
+    """Refuse token ids outside [0, vocab_size) in a batch read from ``name`` (None: no check)."""
+    if vocab_size is None or not ids.numel():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got {bad} in {name!r}. Pass a "
+                         "--vocab-size above the largest id (or a model config whose vocab_size is), or the "
+                         "tokenizer / --data-dtype the data was made with")
+
+
+class StepLoader:
+    """What every loader shares: the step it is at (its whole state: batches are pure functions of (seed,
+    step), so resuming is setting it) and iteration over :meth:`shard`."""
+
+    step = 0
+
+    def shard(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        step = state.get("step") if isinstance(state, dict) else None
+        _check_int("state['step']", step, 0)
+        self.step = int(step)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        batch = self.shard(self.step)
+        self.step += 1
+        return batch
+
+
+class BatchLoader(StepLoader):
     """Global batch (x, y), each (B, T) int64 with y[b, t] = x[b, t+1] in the corpus, and this dp rank's rows.
 
     Rank r of dp holds rows [r*B/dp, (r+1)*B/dp) of the global batch, so concatenating the shards of all
@@ -78,30 +167,14 @@ class BatchLoader:
         self.vocab_size = vocab_size  # ids at or above it are refused as a batch is read
         self.shard_size = batch_size // dp_size
         self.num_windows = n
-        self.step = 0
         # Non-overlapping windows, stride T+1: window k is tokens[k(T+1) : (k+1)(T+1)].
         self._windows = corpus.tokens[: n * (seq_len + 1)].view(n, seq_len + 1)  # (n, T+1) uint8
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        """The order of windows in ``epoch``: randperm(n) from a generator seeded by (seed, epoch)."""
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a step spans at most a few epochs; keep the cache tiny
-                self._perms.pop(next(iter(self._perms)))
-            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms[epoch] = torch.randperm(self.num_windows, generator=gen)  # (n,)
-        return self._perms[epoch]
+        self.order = EpochOrder(n, seed)
 
     def window_indices(self, step: int) -> torch.Tensor:
         """Window ids of global batch ``step``: positions [step*B, (step+1)*B) of the epoch sequence, (B,)."""
         _check_int("step", step, 0)
-        n, B = self.num_windows, self.batch_size
-        start, stop = step * B, (step + 1) * B
-        out = torch.empty(B, dtype=torch.long)
-        for epoch in range(start // n, (stop - 1) // n + 1):  # a batch may span an epoch boundary
-            lo, hi = max(start, epoch * n), min(stop, (epoch + 1) * n)
-            out[lo - start : hi - start] = self._permutation(epoch)[lo - epoch * n : hi - epoch * n]
-        return out
+        return self.order.take(step * self.batch_size, (step + 1) * self.batch_size)
 
     def shard_indices(self, step: int) -> torch.Tensor:
         """This rank's window ids: rows [dp_rank*B/dp, (dp_rank+1)*B/dp) of :meth:`window_indices`."""
@@ -110,11 +183,7 @@ class BatchLoader:
 
     def _batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._windows[ids].long()  # (b, T+1)
-        if self.vocab_size is not None and rows.numel() and (rows.max() >= self.vocab_size or rows.min() < 0):
-            bad = int(rows.max()) if rows.max() >= self.vocab_size else int(rows.min())
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got {bad} in "
-                             f"{self.corpus.name!r}. Pass a --vocab-size above the largest id (or a model config "
-                             "whose vocab_size is), or the --data-dtype the file was written with")
+        check_ids(rows, self.vocab_size, self.corpus.name)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (b, T), (b, T)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,23 +195,7 @@ class BatchLoader:
         return self._batch(self.shard_indices(step))
 
     def batch(self, step: int) -> Batch:
-        """:meth:`shard` as a :class:`~fourfold.data.packing.Batch`: every position real, no documents."""
+        """:meth:`shard` as a :class:`Batch`: every position real, no documents."""
         x, y = self.shard(step)
         n = self.batch_size * self.seq_len
         return Batch(x, y, stats={"real_tokens": n, "slots": n, "padding_fraction": 0.0})
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        step = state.get("step") if isinstance(state, dict) else None
-        _check_int("state['step']", step, 0)
-        self.step = int(step)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.shard(self.step)
-        self.step += 1
-        return batch

@@ -28,12 +28,12 @@ import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
 from fourfold.data.documents import Documents
+from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_ids
 from fourfold.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
@@ -95,25 +95,6 @@ def pack(lengths: Sequence[int], capacity: int, packing: Packing) -> list[list[i
     raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}.")
 
 
-@dataclass
-class Batch:
-    """What one rank trains on in a step. ``documents`` (B, T): which document each position belongs to (-1:
-    padding), None for windows of a stream; ``num_tokens``: real targets in the whole global batch (every rank,
-    every micro-batch), the loss's divisor. ``stats``: the global batch's figures."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    documents: torch.Tensor | None = None
-    num_tokens: int | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def step_args(self, device: torch.device | str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
-        """``engine.step(*args, **kwargs)`` on ``device``."""
-        docs = None if self.documents is None else self.documents.to(device)
-        return ((self.inputs.to(device), self.targets.to(device)),
-                {"documents": docs, "num_tokens": self.num_tokens} if docs is not None else {})
-
-
 def _balance(fills: list[int], parts: int) -> list[int]:
     """Row indices reordered so that each of ``parts`` equal contiguous runs holds about the same tokens: the
     fullest row first, each to the run with the fewest tokens that still has room (longest processing time)."""
@@ -127,7 +108,7 @@ def _balance(fills: list[int], parts: int) -> list[int]:
     return [i for run in runs for i in run]
 
 
-class DocumentLoader:
+class DocumentLoader(StepLoader):
     """Each step's documents, a pure function of (seed, step), packed into rows; this dp rank's rows of them.
 
     The documents of step s are positions [s*D, (s+1)*D) of the endless sequence of epochs, epoch e visiting
@@ -156,52 +137,39 @@ class DocumentLoader:
         self.dp_rank, self.dp_size, self.packing, self.truncate = dp_rank, dp_size, packing, truncate
         self.docs_per_step, self.tokens_per_step = docs_per_step, tokens_per_step
         self.row_multiple, self.width_multiple, self.vocab_size = row_multiple, width_multiple, vocab_size
-        self.step = 0
         self._lengths = documents.lengths.tolist()
         self._starts = [0]  # with tokens_per_step: where each step begins in the endless sequence
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:
-                self._perms.pop(next(iter(self._perms)))
-            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms[epoch] = torch.randperm(len(self.documents), generator=gen)
-        return self._perms[epoch]
-
-    def _doc(self, position: int) -> int:
-        n = len(self.documents)
-        return int(self._permutation(position // n)[position % n])
+        self.order = EpochOrder(len(documents), seed)
 
     def doc_indices(self, step: int) -> list[int]:
         """The documents of global batch ``step``, in the step's order."""
         if self.docs_per_step is not None:
-            return [self._doc(p) for p in range(step * self.docs_per_step, (step + 1) * self.docs_per_step)]
+            return self.order.take(step * self.docs_per_step, (step + 1) * self.docs_per_step).tolist()
         assert self.tokens_per_step is not None
         while len(self._starts) <= step + 1:  # greedy: each step takes documents while their targets fit
             p, used = self._starts[-1], 0
             while True:
-                cost = self._lengths[self._doc(p)] - 1
+                cost = self._lengths[self.order[p]] - 1
                 if self.truncate:
                     cost = min(cost, self.seq_len)
                 if used and used + cost > self.tokens_per_step:
                     break
                 used, p = used + cost, p + 1
             self._starts.append(p)
-        return [self._doc(p) for p in range(self._starts[step], self._starts[step + 1])]
+        return self.order.take(self._starts[step], self._starts[step + 1]).tolist()
 
     def global_batch(self, step: int) -> Batch:
         """Every row of global batch ``step``, as one process trains on it."""
         docs = self.doc_indices(step)
         parts = pieces([self._lengths[d] for d in docs], self.seq_len, truncate=self.truncate)
         rows = pack([p.length for p in parts], self.seq_len, self.packing)
-        width = max(sum(parts[i].length for i in row) for row in rows)
-        width = -(-width // self.width_multiple) * self.width_multiple  # sequence parallelism: a multiple of tp
         multiple = self.dp_size * self.row_multiple
         R = -(-len(rows) // multiple) * multiple
         rows += [[] for _ in range(R - len(rows))]  # empty rows: padding only
+        fills = [sum(parts[i].length for i in row) for row in rows]
+        width = -(-max(fills) // self.width_multiple) * self.width_multiple  # sequence parallelism: k * tp
         if self.dp_size > 1:  # rank r's rows are the r-th R/dp of the batch: give each rank its share of tokens
-            rows = [rows[i] for i in _balance([sum(parts[i].length for i in row) for row in rows], self.dp_size)]
+            rows = [rows[i] for i in _balance(fills, self.dp_size)]
         inputs = torch.zeros(R, width, dtype=torch.int64)
         targets = torch.full((R, width), IGNORE_INDEX, dtype=torch.int64)
         documents = torch.full((R, width), -1, dtype=torch.int64)
@@ -212,8 +180,8 @@ class DocumentLoader:
                 ids = self.documents[docs[doc]][start:start + n + 1].long()
                 inputs[r, t:t + n], targets[r, t:t + n], documents[r, t:t + n] = ids[:-1], ids[1:], i
                 t += n
-        self._check_vocab(inputs, targets)
-        real = sum(p.length for p in parts)
+        check_ids(inputs, self.vocab_size, self.documents.name)
+        real = sum(fills)
         split = len({p.doc for p in parts if p.start > 0})  # documents cut at row boundaries
         stats = {"documents": len(docs), "pieces": len(parts), "split": split,
                  "rows": R, "width": width, "real_tokens": real, "slots": R * width,
@@ -229,28 +197,6 @@ class DocumentLoader:
                      g.num_tokens, g.stats)
 
     batch = shard
-
-    def _check_vocab(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        if self.vocab_size is not None and inputs.numel() and int(inputs.max()) >= self.vocab_size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got {int(inputs.max())} in "
-                             f"{self.documents.name!r}. Pass a larger --vocab-size, or the matching tokenizer")
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        step = state.get("step") if isinstance(state, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state['step'] must be an integer >= 0, got {step!r}.")
-        self.step = step
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        batch = self.shard(self.step)
-        self.step += 1
-        return batch
 
 
 # ------------------------------------------------------------------------------- the layout models read
