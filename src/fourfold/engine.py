@@ -198,8 +198,8 @@ class Engine:
             self.dp.grad_scale = 1.0 if packed else 1.0 / self.dp.size
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
             around = None
-            if documents is not None:
-                parts = documents.to(inputs.device).split(max(1, documents.size(0) // self.pipeline.schedule.microbatches))
+            parts = self.pipeline.microbatches("documents", documents, need=False)  # as inputs are cut
+            if parts is not None:
 
                 def around(i: int) -> contextlib.AbstractContextManager[Any]:
                     return document_layout(parts[i])
@@ -352,9 +352,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if m.tp > 1 and family is not None and family.check is not None:
         family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
     # 0. the pipeline's pieces, found and checked against model(example) on the whole model
+    split = split if split is not None else (family.split(model) if family and family.split else None)
     pieces, examples = None, None
     if m.pp > 1:
-        split = split if split is not None else (family.split(model) if family and family.split else None)
         if split is not None:
             found = family.examples(model) if family and family.examples and example is None else None
             examples = found or ([example, torch.cat([example, example])] if example is not None else None)
@@ -369,7 +369,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             family.fixups(model, m.tp)
     every = parse_policy(activation_checkpointing)
     if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
-        checkpoint_blocks(_blocks(model, family, split), every, capture_layout)
+        checkpoint_blocks(_blocks(model, split), every, capture_layout)
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
     split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
@@ -420,11 +420,9 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
     return split_loss
 
 
-def _blocks(model: nn.Module, family: Any, split: Split | None) -> list[nn.Module]:
-    """The model's repeated blocks: the split's (given, the family's, or ``fourfold_split``), TinyGPT's
-    ``blocks``, or an ``nn.Sequential``'s layers."""
-    split = split or (family.split(model) if family is not None and family.split is not None else None)
-    split = split or getattr(model, "fourfold_split", None)
+def _blocks(model: nn.Module, split: Split | None) -> list[nn.Module]:
+    """The model's repeated blocks: the split's (given, or the model family's), TinyGPT's ``blocks``, or an
+    ``nn.Sequential``'s layers."""
     if split is not None:
         return [model.get_submodule(path) for path in block_paths(model, split.blocks)]
     blocks = getattr(model, "blocks", None)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sys
 from collections.abc import Iterator
@@ -70,6 +71,7 @@ class Documents:
                 f"median length={int(n.median())}, longest={int(n.max())})")
 
 
+@functools.cache  # parsed once per process: a run, its --verify re-run and the demo share it (never mutated)
 def builtin_documents(max_bytes: int = 2 * 1024 * 1024) -> Documents:
     """Every function and method of the standard library's sources (tests skipped), in path order, as bytes, up
     to ``max_bytes``: a real, skewed mix of lengths (most a few hundred bytes, some many thousands)."""

@@ -163,7 +163,8 @@ class DataParallel(nn.Module):
             return
         bucket, offset = self._where[id(p)]
         assert p.grad is not None  # the hook runs after accumulation
-        # Scale while packing (1/G, or 1 when the loss is already the global batch's: grad_scale), so finish() has no separate pass over the buckets on the critical path.
+        # Scale while packing (grad_scale: 1/G, or 1 when the loss is already the global batch's), so finish()
+        # has no separate pass over the buckets on the critical path.
         # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
         torch.mul(p.grad.reshape(-1), self.grad_scale, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))

@@ -228,8 +228,8 @@ class Pipeline:
         micro-batch i (the engine makes its documents current there).
         """
         m = self.schedule.microbatches
-        xs = self._microbatches("inputs", inputs, need=0 in self._stage)
-        ys = self._microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
+        xs = self.microbatches("inputs", inputs, need=0 in self._stage)
+        ys = self.microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
         self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
         self._s = _StepState()
         self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
@@ -259,7 +259,9 @@ class Pipeline:
         end = time.perf_counter_ns()
         return self._result(start, end)
 
-    def _microbatches(self, what: str, batch: torch.Tensor | None, need: bool) -> tuple[torch.Tensor, ...] | None:
+    def microbatches(self, what: str, batch: torch.Tensor | None, need: bool) -> tuple[torch.Tensor, ...] | None:
+        """``batch`` cut into the schedule's m equal micro-batches along dim 0, on this rank's device (None when
+        not given and not ``need``-ed); a batch that does not divide is refused naming ``what``."""
         m = self.schedule.microbatches
         if batch is None:
             if need:

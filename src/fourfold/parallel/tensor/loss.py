@@ -42,7 +42,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # phase 2: sum_v exp(z_v - m) and z_y - m, both sums over ranks, in one message
         sums = all_reduce(torch.stack([e.sum(dim=1), target]), group, **kw)  # (2, N)
         ctx.save_for_backward(e.div_(sums[0].unsqueeze(1)), local, inside, real)  # e is softmax_local now
-        ctx.shape, ctx.divisor = logits.shape, (int(real.sum()) if reduction == "mean" else 1)
+        ctx.shape = logits.shape
+        ctx.divisor = real.sum() if reduction == "mean" else 1  # a tensor: no host sync on the step's path
         losses = (sums[0].log() - sums[1]).masked_fill(~real, 0.0)  # log sum_v exp(z_nv) - z_{n,y_n}
         return losses.sum() / ctx.divisor  # the mean (or sum) over real targets
 
