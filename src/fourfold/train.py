@@ -76,7 +76,7 @@ from fourfold.models.build import (
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
-from fourfold.observe.memory import memory_figures
+from fourfold.observe.memory import held_bytes, process_peak
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.parallel.schedule import pipeline_schedule
@@ -252,6 +252,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     metrics_file = open_metrics(out / "metrics.jsonl", first - 1 if continuing else 0) if ctx.is_main else None
     bar = tqdm(total=t.steps, initial=first - 1, desc="train", unit="step", disable=not (ctx.is_main and t.progress),
                file=sys.stderr, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
+    held: dict[str, int] | None = None
     barrier("start the clock")
     tracer.start()  # after the barrier, so every rank's t=0 is (nearly) the same instant
     try:
@@ -265,7 +266,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             loss = engine.step(*args, **kwargs)
             with tracer.span("compute", "optimizer"):
                 optimizer.step()
-                memory = memory_figures(engine.parameters(), optimizer, loss.activation_bytes, ctx.device)
+                if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
+                    held = held_bytes(engine.parameters(), optimizer)
                 optimizer.zero_grad(set_to_none=True)
             global_loss = loss.item()  # the loss all-reduce ran during the optimiser step
             _synchronize(ctx.device)  # time the step, not the launch of its kernels
@@ -274,7 +276,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
-            row["memory_bytes"] = memory  # this rank's (rank 0's in metrics.jsonl)
+            row["memory_bytes"] = {**held, "activations": loss.activation_bytes,  # rank 0's in metrics.jsonl
+                                   **process_peak(ctx.device)}
             if loss.pipeline is not None:
                 res = loss.pipeline
                 row.update({"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),

@@ -4,7 +4,9 @@ and the process's own peak (the CUDA allocator's, or the resident set size on CP
 
     with saved_bytes(exclude=parameter_storages(params)) as saved:
         loss = model(x).sum()                  # saved: {storage: bytes} of what backward will read
-    figures = memory_figures(params, optimizer, activations=sum(saved.values()), device=device)
+    loss.backward(); optimizer.step()
+    held = held_bytes(params, optimizer)      # fixed from the first step on: measure once, before zero_grad
+    row = {**held, "activations": sum(saved.values()), **process_peak(device)}
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import contextlib
 import resource
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
-__all__ = ["memory_figures", "parameter_storages", "saved_bytes", "storage_bytes"]
+__all__ = ["held_bytes", "parameter_storages", "process_peak", "saved_bytes", "storage_bytes"]
 
 
 def _key(t: torch.Tensor) -> int:
@@ -59,18 +60,20 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def memory_figures(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None, activations: int,
-                   device: torch.device) -> dict[str, Any]:
-    """This rank's bytes of parameters, gradients (call before ``zero_grad``), optimiser state, peak saved
-    activations, and the process peak: ``cuda_peak_allocated`` on CUDA, ``rss_peak`` (the resident set) on CPU."""
+def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients (call before ``zero_grad``) and optimiser state: fixed once
+    the first step has made the gradients and the state, so a run measures them once."""
     params = list(params)
     state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()
              if isinstance(t, torch.Tensor)]
-    out: dict[str, Any] = {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
-                           "optimizer": storage_bytes(state), "activations": activations}
+    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
+            "optimizer": storage_bytes(state)}
+
+
+def process_peak(device: torch.device) -> dict[str, int]:
+    """The process's peak so far: ``cuda_peak_allocated`` on CUDA, ``rss_peak`` (the resident set) on CPU."""
     if device.type == "cuda":
-        out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        out["rss_peak"] = peak if sys.platform == "darwin" else peak * 1024
-    return out
+        return {"cuda_peak_allocated": torch.cuda.max_memory_allocated(device)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"rss_peak": peak if sys.platform == "darwin" else peak * 1024}
+
