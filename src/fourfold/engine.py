@@ -63,6 +63,7 @@ from fourfold.parallel.pipeline.blocks import (
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import pipeline_schedule
+from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     Layout,
@@ -118,6 +119,7 @@ class Engine:
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
+        self.zero = dp.zero if isinstance(dp, ShardedDataParallel) else 0
         group = ranks.dp_group
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
@@ -208,8 +210,15 @@ class Engine:
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
+            weights = self._param_storages
+            if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
+                dp = self.dp
+
+                def weights() -> set[int]:
+                    return self._param_storages | dp.storages()
+
             with self.tracer.span("compute", "forward"), document_layout(documents), \
-                    saved_bytes(self._param_storages) as saved:
+                    saved_bytes(weights) as saved:
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
                 loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
@@ -217,7 +226,8 @@ class Engine:
             if self.dp is not None:
                 self.dp.finish()  # the engine owns the end of backward
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
-        if self._partial_grads:  # sequence parallelism: replicated parameters saw T/tp positions each
+        if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
+            # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else sum(saved.values())
@@ -236,7 +246,10 @@ class Engine:
     # --------------------------------------------------------------------------------- the model's view
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (its stages', its shards; a tied copy included), for the optimiser."""
+        """This rank's parameters (its stages', its shards; a tied copy included), for the optimiser. Under
+        ZeRO: this rank's flat segments of them (:meth:`ShardedDataParallel.shards`)."""
+        if isinstance(self.dp, ShardedDataParallel):
+            return self.dp.shards()
         if self.pipeline is not None:
             return self.pipeline.parameters()
         return list(self.model.parameters())
@@ -249,8 +262,16 @@ class Engine:
             yield from self.model.named_parameters()
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's part of the model's state, under the model's names (tensor-parallel pieces as held)."""
+        """This rank's part of the model's state, under the model's names (tensor-parallel pieces as held).
+        Under ZeRO read it inside :meth:`gathered`: stage 3 holds only segments between steps."""
         return self.pipeline.state_dict() if self.pipeline is not None else self.model.state_dict()
+
+    def gathered(self, write: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """Under ZeRO, every parameter whole inside the block (a collective over dp); ``write=True``: what is
+        written into them becomes this rank's shards on exit (loading). Nothing to do otherwise."""
+        if isinstance(self.dp, ShardedDataParallel):
+            return self.dp.gathered(write)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -259,10 +280,11 @@ class Engine:
         A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts, in stage order). It
         loads into the model as one process builds it, and is a snapshot: never a view of a live parameter.
         """
-        if self.pipeline is None:
-            return self._whole(self.model.state_dict())
-        return gather_stages([(st.index, self._whole(st.model_state_dict())) for st in self.pipeline.stages],
-                             self.ranks.pp_group)
+        with self.gathered():
+            if self.pipeline is None:
+                return self._whole(self.model.state_dict())
+            mine = [(st.index, self._whole(st.model_state_dict())) for st in self.pipeline.stages]
+        return gather_stages(mine, self.ranks.pp_group)
 
     def _whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mesh.tp > 1:  # gather_full makes new tensors
@@ -313,7 +335,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
-                activation_checkpointing: str = "none",
+                activation_checkpointing: str = "none", zero: int = 0,
                 balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
@@ -337,12 +359,21 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"every-N"``: the model's blocks (TinyGPT's,
     the split's, an ``nn.Sequential``'s layers) drop their saved activations and recompute them in backward
     (:mod:`~fourfold.parallel.checkpointing`); the same numbers, less memory, one more forward per block.
+
+    ``zero``: 1, 2 or 3 shards the optimiser state, then also the gradients, then also the parameters over the
+    dp ranks (:mod:`~fourfold.parallel.zero`; ``allreduce`` ``"ring"`` or ``"native"``; nothing to shard when
+    dp = 1). Give the optimiser ``engine.parameters()``: under ZeRO these are this rank's flat segments.
     """
     from fourfold.models import family_of
 
     ranks = _rank_mesh(mesh, timeout_s)
     m = ranks.mesh
     tracer = tracer if tracer is not None else Tracer(ranks.rank, enabled=False)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got {zero}.")
+    if zero and allreduce not in ZERO_ALGORITHMS:
+        raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: allreduce {' or '.join(ZERO_ALGORITHMS)}, "
+                         f"got {allreduce!r} (an all-reduce only). Pass allreduce='ring' or 'native' with zero.")
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
@@ -386,16 +417,21 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         blocks: nn.Module = Chain(build_pieces(model, pieces), examples or ()) if pieces is not None else model
         pipe = build_pipeline(blocks, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
                               example=example, loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
-    # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
-    dp = None
-    if m.dp > 1:
-        held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
-        dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
-                          auto_finish=False)
-        if pipe is not None:
-            pipe.grad_sync = dp
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
+    # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
+    dp: DataParallel | None = None
+    if m.dp > 1:
+        held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
+        if zero:
+            dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial,
+                          _blocks(model, split) if zero == 3 and pipe is None and _has_blocks(model, split) else (),
+                          tracer, timeout_s)
+        else:
+            dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
+                              auto_finish=False)
+        if pipe is not None:
+            pipe.grad_sync = dp
     reads = bool(getattr(model, "fourfold_documents", False))
     if family is not None and family.documents is not None:
         family.documents(model)  # hooks are no-ops until a packed batch makes its documents current
@@ -418,6 +454,34 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer, reduction=reduction)
 
     return split_loss
+
+
+def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket_mb: float, pipe: Pipeline | None,
+             partial: list[nn.Parameter], units: Sequence[nn.Module], tracer: Tracer,
+             timeout_s: float) -> ShardedDataParallel:
+    """ZeRO over dp. A pipeline's tied copies and sequence parallelism's partial gradients are summed (across
+    stages, over tp) before their reduce-scatter, since afterwards each rank holds only a segment of them."""
+    late = list(partial)
+    if pipe is not None:
+        for st in pipe.stages:
+            named = dict(st.named_parameters())
+            late += [named[name] for name in st.tied]
+
+    def before_late() -> None:
+        if pipe is not None:
+            pipe.links.exchange_tied(pipe.stages)
+        if partial:
+            sum_partial_grads(partial, ranks.tp_group, tracer=tracer)
+
+    dp = ShardedDataParallel(held, ranks.dp_group, algorithm, bucket_mb, zero=zero, units=units, late=late,
+                             before_late=before_late, tracer=tracer, timeout_s=timeout_s, auto_finish=False)
+    dp.sums_tied = True
+    return dp
+
+
+def _has_blocks(model: nn.Module, split: Split | None) -> bool:
+    return split is not None or isinstance(getattr(model, "blocks", None), nn.ModuleList) or \
+        isinstance(model, nn.Sequential)
 
 
 def _blocks(model: nn.Module, split: Split | None) -> list[nn.Module]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -40,15 +40,17 @@ def parameter_storages(params: Iterable[torch.Tensor]) -> set[int]:
 
 
 @contextlib.contextmanager
-def saved_bytes(exclude: set[int] = frozenset()) -> Iterator[dict[int, int]]:  # type: ignore[assignment]
+def saved_bytes(exclude: set[int] | Callable[[], set[int]] = frozenset()  # type: ignore[assignment]
+                ) -> Iterator[dict[int, int]]:
     """While the block runs, record {storage: bytes} of every tensor autograd saves for backward, those in
-    ``exclude`` (the parameters) left out. Inside a checkpointed block only its input is seen (kept for the
-    recompute); what the block's operations save is dropped and recomputed, which is the point."""
+    ``exclude`` (the parameters; a function returning them where they move, as ZeRO-3's gathered weights do)
+    left out. Inside a checkpointed block only its input is seen (kept for the recompute); what the block's
+    operations save is dropped and recomputed, which is the point."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
-        if key not in exclude:
+        if key not in (exclude() if callable(exclude) else exclude):
             saved[key] = t.untyped_storage().nbytes()
         return t
 

@@ -81,6 +81,7 @@ class Bucket:
     flat: torch.Tensor
     ready: set[int] = field(default_factory=set)    # ids of the parameters whose gradient is in ``flat``
     handle: Any = None                              # the in-flight all-reduce (Work or Future)
+    zero: Any = None                                # ZeRO: the parameters' flat buffer and this rank's shard
 
 
 class DataParallel(nn.Module):
@@ -108,7 +109,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights appear once
         _check_same_layout(named, self._comm)
         _broadcast_state(module, self._comm)
-        self.buckets = _make_buckets(named, int(bucket_mb * 2**20))
+        self.buckets = self._make_buckets(named, int(bucket_mb * 2**20))
         self._where = {id(p): (b, b.offsets[i]) for b in self.buckets for i, p in enumerate(b.params)}
         self._names = {id(p): n for n, p in named}
         self._sync = True
@@ -161,16 +162,23 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync or self._finished or (self._gate is not None and id(p) not in self._gate):
             return
+        self._pack(p)
+        self._launch_in_order()
+        if self._launched == len(self.buckets) and self.auto_finish:
+            self.finish()  # the last gradient of this backward: wait here, as backward ends
+
+    def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+        return [_bucket(i, members) for i, members in enumerate(_group(named, cap_bytes))]
+
+    def _pack(self, p: torch.Tensor) -> None:
+        """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation)."""
         bucket, offset = self._where[id(p)]
-        assert p.grad is not None  # the hook runs after accumulation
+        assert p.grad is not None
         # Scale while packing (grad_scale: 1/G, or 1 when the loss is already the global batch's), so finish()
         # has no separate pass over the buckets on the critical path.
         # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
         torch.mul(p.grad.reshape(-1), self.grad_scale, out=bucket.flat[offset:offset + p.numel()])
         bucket.ready.add(id(p))
-        self._launch_in_order()
-        if self._launched == len(self.buckets) and self.auto_finish:
-            self.finish()  # the last gradient of this backward: wait here, as backward ends
 
     def _launch_in_order(self) -> None:
         while self._launched < len(self.buckets):
@@ -234,10 +242,11 @@ class DataParallel(nn.Module):
                      hint="A peer is dead, stuck, or skipped a backward.")
 
 
-def _make_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
-    """Pack parameters, last-registered first (roughly the order backward produces gradients), into buckets
-    of at most ``cap_bytes`` (the first at most 1 MiB; a larger parameter gets a bucket of its own); one dtype
-    and device per bucket."""
+def _group(named: list[tuple[str, nn.Parameter]], cap_bytes: int,
+           first_cap: int = FIRST_BUCKET_BYTES) -> list[list[tuple[str, nn.Parameter]]]:
+    """Parameters, last-registered first (roughly the order backward produces gradients), in groups of at most
+    ``cap_bytes`` (the first at most ``first_cap``; a larger parameter gets a group of its own); one dtype and
+    device per group."""
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
     for name, p in reversed(named):
@@ -245,22 +254,24 @@ def _make_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list
         same_kind = groups and groups[-1][0][1].dtype == p.dtype and groups[-1][0][1].device == p.device
         # The first bucket is small (at most 1 MiB, as DDP does): it fills early in backward, so communication
         # starts early even when the whole model would fit in one bucket.
-        cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 else cap_bytes
+        cap = min(cap_bytes, first_cap) if len(groups) == 1 else cap_bytes
         if not groups or not same_kind or size + nbytes > cap:
             groups.append([])
             size = 0
         groups[-1].append((name, p))
         size += nbytes
-    buckets = []
-    for i, members in enumerate(groups):
-        offsets, total = [], 0
-        for _, p in members:
-            offsets.append(total)
-            total += p.numel()
-        first = members[0][1]
-        flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-        buckets.append(Bucket(i, [n for n, _ in members], [p for _, p in members], offsets, total, flat))
-    return buckets
+    return groups
+
+
+def _bucket(index: int, members: list[tuple[str, nn.Parameter]], multiple: int = 1) -> Bucket:
+    """One bucket of ``members``, its flat buffer padded with zeros to a multiple of ``multiple`` elements."""
+    offsets, total = [], 0
+    for _, p in members:
+        offsets.append(total)
+        total += p.numel()
+    first = members[0][1]
+    flat = torch.zeros(-(-total // multiple) * multiple, dtype=first.dtype, device=first.device)
+    return Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, total, flat)
 
 
 def _check_same_layout(named: list[tuple[str, nn.Parameter]], comm: Communicator) -> None:

@@ -233,14 +233,14 @@ class Pipeline:
         self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
         self._s = _StepState()
         self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
-        self._param_storage = parameter_storages(p for ps in self._params.values() for p in ps)
         start = time.perf_counter_ns()
+        if self.grad_sync is not None:
+            self.grad_sync.begin(gated=True)  # (ZeRO: gathers the parameters, so their storages are known after)
+        self._param_storage = parameter_storages(p for ps in self._params.values() for p in ps)
         self.links.begin(self.actions, self._expect)
         # The action that adds each stage's last gradient contribution: its last B, or its last W (split).
         grad_op = "W" if self.schedule.split_backward else "B"
         left = Counter(a.stage for a in self.actions if a.op == grad_op)
-        if self.grad_sync is not None:
-            self.grad_sync.begin(gated=True)
         for action in self.actions:
             if action.op == grad_op and self.grad_sync is not None:
                 left[action.stage] -= 1
@@ -255,7 +255,8 @@ class Pipeline:
         self.links.end()
         if self.grad_sync is not None:
             self.grad_sync.finish()  # averaged over data-parallel replicas before tied copies are summed
-        self.links.exchange_tied(self.stages)
+        if not getattr(self.grad_sync, "sums_tied", False):  # ZeRO sums them first (its before_late)
+            self.links.exchange_tied(self.stages)
         end = time.perf_counter_ns()
         return self._result(start, end)
 

@@ -1,0 +1,400 @@
+"""ZeRO: data parallelism that shards what every replica would otherwise hold whole.
+
+Each data-parallel bucket (:class:`~fourfold.parallel.data.Bucket`) is padded to a multiple of the group size
+G and cut into G equal segments; rank r owns segment r of every bucket. The optimiser is given the owned
+segments (:attr:`ZeroBucket.shard`, flat parameters) instead of the model's parameters, so its state is
+1/G of the model's on each rank (stage 1). The gradient sync is the ring all-reduce's first half: a
+**reduce-scatter** leaves each rank the sum of its own segment only, written into ``shard.grad``; the other
+half, an **all-gather** of the updated segments, runs before the next forward and rebuilds every parameter
+(the model's parameters are views of one flat buffer per bucket, so the gather writes them in place). Both
+phases are :mod:`fourfold.comm.ring`'s (counted and drawn like the all-reduce), or the backend's own
+``reduce_scatter_single`` / ``all_gather_single`` with ``algorithm="native"``.
+
+* stage 1: the bucket's gradient buffer stays allocated between steps (the whole gradient is held);
+* stage 2: it is freed once reduced, so a rank holds 1/G of the gradients between steps;
+* stage 3: the parameters' buffer is freed too. Without a pipeline each unit (a block of the model) is gathered
+  before its forward, freed after it, gathered again when its backward starts and freed once its gradients are
+  packed; the next unit's gather is started before the current unit runs (prefetch). The rest of the model
+  (embeddings, head, final norm) is gathered at the step's start and before backward. Under a pipeline every
+  bucket is gathered once per step, before the first micro-batch, and freed after the last (the micro-batches
+  reuse the gathered weights).
+
+Per rank and step, with Ψ the parameters' elements (each bucket padded to a multiple of G): the reduce-scatter
+and the all-gather each send (G-1)Ψ/G elements, so stages 1-2 send 2(G-1)Ψ/G (the all-reduce's volume) and
+stage 3 3(G-1)Ψ/G (one more gather, for backward); :func:`theory_bytes` is the exact figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fourfold.comm import Communicator, ring
+from fourfold.comm.wait import bounded_wait
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.data import Bucket, DataParallel, _bucket, _group
+
+__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "all_gather", "padded", "reduce_scatter",
+           "theory_bytes"]
+
+ZERO_ALGORITHMS = ("ring", "native")
+"""The algorithms that have a reduce-scatter and an all-gather half (the others are all-reduce only)."""
+
+
+def padded(numel: int, size: int) -> int:
+    """``numel`` rounded up to a multiple of ``size``: every rank's segment has the same length."""
+    return -(-numel // size) * size
+
+
+@dataclass(eq=False)
+class ZeroBucket:
+    """One bucket's parameters, flat: ``params`` holds them all (the model's parameters are views of it) and
+    ``shard`` is this rank's segment, the tensor the optimiser updates."""
+
+    params: torch.Tensor
+    shard: nn.Parameter
+    offset: int
+    length: int
+    stage: int
+    gathered: bool = True
+    handle: Any = None  # an all-gather in flight (a Work or a Future)
+
+    @property
+    def own(self) -> torch.Tensor:
+        return self.params[self.offset:self.offset + self.length]
+
+    def free(self) -> None:
+        """Stage 3: release the whole parameters (their storage shrinks to nothing; the views stay valid)."""
+        if self.stage == 3 and self.gathered:
+            self.params.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def allocate(self) -> None:
+        """Stage 3: the whole parameters' storage back, this rank's segment copied in, ready to gather."""
+        if not self.gathered:
+            self.params.untyped_storage().resize_(self.params.numel() * self.params.element_size())
+            self.own.copy_(self.shard.detach())
+
+
+def flatten(params: Sequence[nn.Parameter], offsets: Sequence[int], numel: int, group_rank: int, size: int,
+            stage: int) -> ZeroBucket:
+    """Move ``params`` into one flat buffer of ``numel`` elements (padded with zeros) and make each parameter a
+    view of its slice; this rank's segment becomes the optimiser's shard (its own copy under stage 3)."""
+    first = params[0]
+    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for p, offset in zip(params, offsets, strict=True):
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+    length = numel // size
+    own = flat[group_rank * length:(group_rank + 1) * length]
+    shard = nn.Parameter(own.clone() if stage == 3 else own)
+    return ZeroBucket(flat, shard, group_rank * length, length, stage)
+
+
+def reduce_scatter(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tracer: Tracer | None,
+                   index: int) -> torch.Tensor:
+    """Sum ``flat`` over the group, keeping only this rank's segment: returns it (a view of ``flat`` for the
+    ring, a new tensor for the backend's collective). ``flat``'s other segments become scratch."""
+    start = tracer.now_ns() if tracer is not None else 0
+    before = comm.stats.sent_bytes
+    length = flat.numel() // comm.size
+    if algorithm == "native":
+        out = torch.empty(length, dtype=flat.dtype, device=flat.device)
+        work = dist.reduce_scatter_single(out, flat, group=comm.group, async_op=True)
+        bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op=f"native reduce-scatter of bucket {index}",
+                     awaited="the data-parallel group of", group_ranks=comm.global_ranks,
+                     hint="A peer is dead, stuck, or skipped a backward.")
+    else:
+        offset, _ = ring.reduce_scatter(comm, flat)
+        out = flat[offset:offset + length]
+    _record(tracer, f"reduce_scatter:{algorithm}", start, comm, before, index, flat)
+    return out
+
+
+def all_gather(comm: Communicator, zb: ZeroBucket, algorithm: str, *, tracer: Tracer | None, index: int) -> None:
+    """Every rank's segment into every rank's ``zb.params`` (this rank's own already in place)."""
+    start = tracer.now_ns() if tracer is not None else 0
+    before = comm.stats.sent_bytes
+    if algorithm == "native":
+        work = dist.all_gather_single(zb.params, zb.own.clone(), group=comm.group, async_op=True)
+        bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op=f"native all-gather of bucket {index}",
+                     awaited="the data-parallel group of", group_ranks=comm.global_ranks,
+                     hint="A peer is dead, stuck, or skipped a step.")
+    else:
+        ring.all_gather(comm, zb.params)
+    _record(tracer, f"all_gather:{algorithm}", start, comm, before, index, zb.params)
+
+
+def _record(tracer: Tracer | None, name: str, start: int, comm: Communicator, before: int, index: int,
+            flat: torch.Tensor) -> None:
+    if tracer is not None and tracer.enabled:
+        tracer.record("comm", name, start, tracer.now_ns(), bytes=comm.stats.sent_bytes - before, bucket=index,
+                      numel=flat.numel(), dtype=str(flat.dtype).replace("torch.", ""))
+
+
+def theory_bytes(bucket_numels: Iterable[int], itemsize: int, size: int, gathers: int = 1) -> int:
+    """Bytes one rank sends per step with fourfold's ring: one reduce-scatter and ``gathers`` all-gathers of
+    every bucket, each sending (G-1)/G of its padded elements. ``gathers``: 1 for stages 1-2 and under a
+    pipeline, 2 for stage 3 without one (forward and backward)."""
+    total = sum(padded(n, size) for n in bucket_numels)
+    return (1 + gathers) * (size - 1) * (total // size) * itemsize
+
+
+class ShardedDataParallel(DataParallel):
+    """:class:`~fourfold.parallel.data.DataParallel` with ZeRO stage ``zero`` (1, 2 or 3) over ``group``.
+
+    Give the optimiser :meth:`shards` (the engine's ``parameters()`` does), not the model's parameters: after
+    :meth:`finish` each shard's ``.grad`` holds the averaged gradient of this rank's segment, and the model's own
+    parameters have none. The next forward all-gathers the updated segments; :meth:`gathered` does it for
+    reading or loading the whole parameters between steps.
+
+    ``units`` (stage 3, no pipeline): the modules gathered and freed one at a time, in forward order (the
+    model's blocks). ``late``: parameters whose gradient is not final when backward produces it (a pipeline's
+    tied copies, summed across stages; sequence parallelism's partial gradients, summed over tp):
+    ``before_late()`` runs at :meth:`finish`, then they are packed, in buckets of their own, launched last.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "ring",
+                 bucket_mb: float = 25.0, *, zero: int = 1, units: Sequence[nn.Module] = (),
+                 late: Iterable[nn.Parameter] = (), before_late: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
+        if zero not in (1, 2, 3):
+            raise ValueError(f"zero must be 1, 2 or 3 (0 is plain data parallelism), got {zero}.")
+        if algorithm not in ZERO_ALGORITHMS:
+            raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm {' or '.join(ZERO_ALGORITHMS)}, "
+                             f"got {algorithm!r} (an all-reduce only). Pass --allreduce ring or native with --zero.")
+        self.zero = zero
+        self._units = list(units) if zero == 3 else []
+        self._late = {id(p) for p in late}
+        self.before_late = before_late
+        self._late_open = False
+        self._fresh = False
+        self.sums_tied = False  # True: before_late sums a pipeline's tied copies (the runtime then does not)
+        self._unit_bucket: dict[int, int] = {}  # id(unit module) -> bucket index
+        super().__init__(module, group, algorithm, bucket_mb, **kwargs)
+        rank, size = dist.get_rank(group), self.size
+        for b in self.buckets:
+            b.zero = flatten(b.params, b.offsets, b.flat.numel(), rank, size, zero)
+            if zero >= 2:
+                _release(b.flat)  # allocated when backward packs into it, freed once reduced
+        for b in self.buckets:
+            b.zero.free()  # stage 3: from here on a rank holds its segments only
+        self._order = [self.buckets[self._unit_bucket[id(u)]] for u in self._units if id(u) in self._unit_bucket]
+        for k, b in enumerate(self._order):
+            unit = self._units_by_bucket[b.index]
+            unit.register_forward_pre_hook(functools.partial(self._before_unit, k))
+            unit.register_forward_hook(functools.partial(self._after_unit, k))
+
+    # ---------------------------------------------------------------------------------------- buckets
+
+    def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+        """Stage 3: one bucket per unit, in backward order; then the rest; the late parameters last. Each
+        bucket padded to a multiple of G."""
+        taken: set[int] = set(self._late)
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        owners: list[nn.Module | None] = []
+        names = {id(p): n for n, p in named}
+        for unit in reversed(self._units):
+            mine = [(names[id(p)], p) for p in unit.parameters() if id(p) in names and id(p) not in taken]
+            taken.update(id(p) for _, p in mine)
+            for g in _group(mine, 2**62, 2**62):  # one per dtype
+                groups.append(g)
+                owners.append(unit)
+        for subset in ([(n, p) for n, p in named if id(p) not in taken],
+                       [(n, p) for n, p in named if id(p) in self._late]):
+            for g in _group(subset, cap_bytes):
+                groups.append(g)
+                owners.append(None)
+        self._units_by_bucket = {i: u for i, u in enumerate(owners) if u is not None}
+        self._unit_bucket = {id(u): i for i, u in self._units_by_bucket.items()}
+        return [_bucket(i, g, self.size) for i, g in enumerate(groups)]
+
+    def shards(self) -> list[nn.Parameter]:
+        """This rank's segments, one flat parameter per bucket: what the optimiser updates."""
+        return [b.zero.shard for b in self.buckets]
+
+    # ----------------------------------------------------------------------------- gradients: reduce
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if id(p) in self._late and not self._late_open:
+            return  # packed in finish(), once before_late() has made it final
+        super()._on_grad(p)
+
+    def _pack(self, p: torch.Tensor) -> None:
+        bucket, _ = self._where[id(p)]
+        if bucket.flat.untyped_storage().nbytes() == 0:  # stages 2-3: this step's first gradient in it
+            _allocate(bucket.flat)
+            bucket.flat[bucket.numel:].zero_()  # padding: adds nothing
+        super()._pack(p)
+        p.grad = None  # the bucket holds it; the model's parameters keep no gradient of their own
+        if self.zero == 3 and self._gate is None and len(bucket.ready) == len(bucket.params) \
+                and bucket.index in self._units_by_bucket:
+            bucket.zero.free()  # its backward is done: the unit's weights are not needed again this step
+
+    def _launch(self, b: Bucket) -> None:
+        b.handle = self._submit(reduce_scatter, self._comm, b.flat, self.algorithm, tracer=self.tracer,
+                                index=b.index)
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        if self._late:
+            if self.before_late is not None:
+                self.before_late()
+            self._late_open = True
+            for b in self.buckets:
+                for p in b.params:
+                    if id(p) in self._late and p.grad is not None and id(p) not in b.ready:
+                        self._pack(p)
+        for b in self.buckets:
+            if b.flat.untyped_storage().nbytes() == 0:  # no gradient packed (find_unused_parameters): zeros
+                _allocate(b.flat)
+                b.flat.zero_()
+        super().finish()
+        for b in self.buckets:
+            if self.zero >= 2:
+                _release(b.flat)
+            b.zero.free()
+        self._fresh = False  # an optimiser step may follow: the next forward gathers again
+
+    def _unpack(self, b: Bucket) -> None:
+        seg = b.handle.result()  # the reduce-scatter bounds its own waits and names the peer
+        shard = b.zero.shard
+        if shard.grad is None:
+            keep = self.zero == 1 or self.algorithm == "native"  # the bucket's own segment stays, or a new tensor
+            shard.grad = seg if keep else seg.clone()
+        elif shard.grad.data_ptr() != seg.data_ptr():
+            shard.grad.add_(seg)  # gradients accumulate until zero_grad, as the model's would
+
+    def _wait(self, b: Bucket) -> None:
+        pass  # _unpack waits for the reduce-scatter's result
+
+    # ---------------------------------------------------------------------------- parameters: gather
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync:
+            self.begin()
+        elif not self._fresh:
+            self._gather([b for b in self.buckets if b.index not in self._units_by_bucket])
+            self._fresh = True
+        out = self.module(*args, **kwargs)
+        if self.zero == 3 and torch.is_grad_enabled():
+            rest = [b for b in self.buckets if b.index not in self._units_by_bucket]
+            if self._units:  # without units every bucket is the rest, and stays gathered through the step
+                for b in rest:
+                    b.zero.free()
+                _on_backward(out, lambda: self._gather(rest))
+        return out
+
+    def begin(self, gated: bool = False) -> None:
+        super().begin(gated)
+        self._late_open = False
+        # Under a pipeline (gated) every bucket is gathered once for all micro-batches; otherwise the units
+        # gather themselves as forward reaches them.
+        self._gather([b for b in self.buckets if gated or b.index not in self._units_by_bucket])
+        self._fresh = True
+
+    def _start(self, b: Bucket, force: bool = False) -> None:
+        """Start ``b``'s all-gather unless it is running or its parameters are current (stage 3: gathered since
+        they were last freed; stages 1-2: gathered since the last step)."""
+        zb = b.zero
+        if zb.handle is not None or (not force and (zb.gathered if self.zero == 3 else self._fresh)):
+            return
+        zb.allocate()
+        zb.handle = self._submit(all_gather, self._comm, zb, self.algorithm, tracer=self.tracer, index=b.index)
+
+    def _gather(self, buckets: Sequence[Bucket], force: bool = False) -> None:
+        for b in buckets:
+            self._start(b, force)
+        for b in buckets:
+            zb = b.zero
+            if zb.handle is not None:
+                zb.handle.result()
+                zb.handle, zb.gathered = None, True
+
+    def _before_unit(self, k: int, module: nn.Module, args: Any) -> None:
+        self._gather([self._order[k]])
+        if k + 1 < len(self._order) and torch.is_grad_enabled():
+            self._start(self._order[k + 1])  # prefetch: the next unit's gather runs while this one computes
+
+    def _after_unit(self, k: int, module: nn.Module, args: Any, out: Any) -> None:
+        if self._gate is not None:
+            return
+        b = self._order[k]
+        b.zero.free()
+
+        def before_backward() -> None:
+            self._gather([b])
+            if k > 0:
+                self._start(self._order[k - 1])  # backward runs the units in reverse
+
+        if torch.is_grad_enabled():
+            _on_backward(out, before_backward)
+
+    @contextlib.contextmanager
+    def gathered(self, write: bool = False) -> Iterator[None]:
+        """Between steps: every parameter whole (gathered from the shards) inside the block; ``write=True``
+        copies what was written into the whole parameters back into this rank's shards on exit."""
+        if not self._finished:
+            self.finish()
+        self._gather(self.buckets, force=self.zero < 3)  # stages 1-2: the shards may have moved since
+        try:
+            yield
+        finally:
+            for b in self.buckets:
+                if write:
+                    b.zero.shard.data.copy_(b.zero.own)
+                b.zero.free()
+
+    def storages(self) -> set[int]:
+        """The parameters' storages as they are now (stage 3 allocates them afresh at every gather)."""
+        return {b.zero.params.untyped_storage().data_ptr() for b in self.buckets}
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        """Every ZeRO collective runs on the one communication thread, in the order issued: the same on every
+        rank."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-zero-comm")
+        return self._executor.submit(fn, *args, **kwargs)
+
+
+def _release(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _allocate(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _on_backward(out: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once, when backward reaches ``out`` (the first gradient of any of its tensors)."""
+    done = [False]
+
+    def hook(grad: torch.Tensor) -> None:
+        if not done[0]:
+            done[0] = True
+            fn()
+
+    for t in _tensors(out):
+        if t.requires_grad:
+            t.register_hook(hook)
+
+
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _tensors(x)
+    elif isinstance(out, dict):  # a Hugging Face ModelOutput is a dict
+        for x in out.values():
+            yield from _tensors(x)
