@@ -56,6 +56,8 @@ def _three_d(ctx) -> list[dict]:
     out = [_train_layout(ctx, 2, 2, 2, f"2x2x2 {s}", schedule=s) for s in ("gpipe", "1f1b", "interleaved", "zb")]
     out.append(_train_layout(ctx, 2, 2, 2, "2x2x2 1f1b ring sp", schedule="1f1b", allreduce="ring",
                              sequence_parallel=True))
+    out.append(_train_layout(ctx, 2, 2, 2, "2x2x2 zb ring sp zero3", schedule="zb", allreduce="ring",
+                             sequence_parallel=True, zero=3))  # ZeRO-3 inside 3D: tied and partial sums first
     return out
 
 
@@ -92,7 +94,7 @@ def _check(per_rank: list[list[dict]], index: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_dp2_tp2_pp2_every_schedule_equals_one_process(index):
     _check(_spawn("three_d"), index)
 

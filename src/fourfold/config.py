@@ -82,6 +82,10 @@ class TrainConfig:
         "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
     allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
+    zero: int = field(default=0, metadata=_help(
+        "with --dp: ZeRO stage. 1 shards the optimiser state over the data-parallel ranks, 2 also the gradients "
+        "(reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered per block, before forward "
+        "and backward); needs --allreduce ring or native"))
     bucket_mb: float = field(default=25.0, metadata=_help(
         "data-parallel gradient bucket size in MB: each full bucket is all-reduced while backward goes on"))
     sync_batchnorm: bool = field(default=False, metadata=_help(
@@ -156,6 +160,12 @@ class TrainConfig:
                              "--pack bfd (or pad, first-fit), or drop them.")
         if self.tokens_per_step is not None and self.tokens_per_step < 1:
             raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got zero={self.zero}.")
+        if self.zero and self.allreduce not in ("ring", "native"):
+            raise ValueError(f"zero needs a reduce-scatter and an all-gather, which {self.allreduce} does not have, "
+                             f"got zero={self.zero} with allreduce={self.allreduce!r}. Pass --allreduce ring (counted) "
+                             "or native.")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:

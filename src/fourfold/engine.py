@@ -46,7 +46,7 @@ from fourfold.data.packing import capture_layout, document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
-from fourfold.observe.memory import parameter_storages, saved_bytes
+from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
@@ -63,7 +63,6 @@ from fourfold.parallel.pipeline.blocks import (
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.schedule import pipeline_schedule
-from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     Layout,
@@ -75,6 +74,7 @@ from fourfold.parallel.tensor import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 
 __all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "parallelize"]
 
@@ -210,12 +210,14 @@ class Engine:
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
-            weights = self._param_storages
+            weights: set[int] | Callable[[], set[int]] = self._param_storages
             if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
                 dp = self.dp
 
-                def weights() -> set[int]:
+                def moving() -> set[int]:
                     return self._param_storages | dp.storages()
+
+                weights = moving
 
             with self.tracer.span("compute", "forward"), document_layout(documents), \
                     saved_bytes(weights) as saved:
@@ -273,6 +275,23 @@ class Engine:
             return self.dp.gathered(write)
         return contextlib.nullcontext()
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+        """Each of this rank's parameters' optimiser state under the model's names, shaped like the parameter as
+        held here (its tensor-parallel piece). Under ZeRO gathered from the dp ranks' segments: a collective."""
+        if isinstance(self.dp, ShardedDataParallel):
+            by_id = self.dp.full_state(optimizer)
+            return {n: by_id[id(p)] for n, p in self.named_parameters() if id(p) in by_id}
+        return {n: dict(optimizer.state[p]) for n, p in self.named_parameters() if p in optimizer.state}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, states: dict[str, dict[str, Any]]) -> None:
+        """The inverse of :meth:`optimizer_state` (under ZeRO each rank keeps its segments' share)."""
+        named = [(n, p) for n, p in self.named_parameters() if n in states]
+        if isinstance(self.dp, ShardedDataParallel):
+            self.dp.load_state(optimizer, {id(p): states[n] for n, p in named})
+        else:
+            for n, p in named:
+                optimizer.state[p] = states[n]
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole, unsharded state dict (CPU tensors, the model's names and key order), on every rank.
@@ -310,6 +329,15 @@ class Engine:
         return out
 
 
+    def memory_estimate(self, optimizer_slots: int = 2) -> dict[str, int]:
+        """This rank's parameters, gradients and optimiser state between steps, from the formula
+        (:func:`~fourfold.observe.memory.estimate_held`) with this rank's own parameter count and dtype."""
+        params = {id(p): p for _, p in self.named_parameters() if p.requires_grad}
+        numel = sum(p.numel() for p in params.values())
+        itemsize = next(iter(params.values())).element_size() if params else 4
+        return estimate_held(numel, itemsize, dp=self.mesh.dp, zero=self.zero, optimizer_slots=optimizer_slots)
+
+
 def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
     """Bytes this rank handed to each axis's communication in ``spans`` (one step's, say).
 
@@ -325,7 +353,7 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
             out["tp"] += s.bytes
         elif s.name in ("send", "tied_grads"):
             out["pp"] += s.bytes
-        elif s.name.startswith("allreduce:"):
+        elif s.name.startswith(("allreduce:", "reduce_scatter:", "all_gather:")):  # ZeRO: the ring's halves
             out["dp"] += s.bytes
     return out
 

@@ -323,7 +323,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     t = cfg.train
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
-            "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing}
+            "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing,
+            "zero": t.zero}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -5,6 +5,7 @@
     fourfold bench tp --nproc 2            a training step: fourfold tensor parallelism vs DTensor vs unsharded
     fourfold bench pp --nproc 2            a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining
     fourfold bench packing                 the same documents padded vs packed first-fit vs bfd
+    fourfold bench zero --nproc 2          ZeRO-1/2/3 vs FSDP2 (fully_shard) vs DDP: step time, memory per rank
 
 Each benchmark is one module here on the shared :mod:`fourfold.bench.harness`; a rank runs
 ``python -m fourfold.bench.NAME``.
@@ -23,6 +24,7 @@ BENCHMARKS = {
     "tp": "a training step: fourfold tensor parallelism vs DTensor vs unsharded",
     "pp": "a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining",
     "packing": "the same documents padded vs packed (first-fit, bfd): real tokens/s against the bound",
+    "zero": "a training step: fourfold ZeRO-1/2/3 vs FSDP2 vs DDP, and the memory each rank holds",
 }
 
 

@@ -50,20 +50,19 @@ def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
     return out
 
 
-def _pieces(engine: Any, optimizer: torch.optim.Optimizer | None) -> Iterator[tuple[str, torch.Tensor, Any]]:
+def _pieces(engine: Any, states: dict[str, dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor, Any]]:
     """``(key, this rank's tensor, layout)`` of everything a checkpoint holds: the model's state under its own
     names (``model/NAME``) and each parameter's optimiser state (``optim/NAME/KEY``, shaped like the parameter
-    or replicated)."""
+    or replicated; ``states``: :meth:`Engine.optimizer_state`)."""
     from fourfold.parallel.tensor.layers import REPLICATED
 
     for name, t in engine.local_state_dict().items():
         yield f"model/{name}", t, engine.layouts.get(name, REPLICATED)
-    if optimizer is not None:
-        for name, p in engine.named_parameters():
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    same = value.shape == p.shape
-                    yield f"optim/{name}/{key}", value, engine.layouts.get(name, REPLICATED) if same else REPLICATED
+    for name, p in engine.named_parameters():
+        for key, value in states.get(name, {}).items():
+            if isinstance(value, torch.Tensor):
+                same = value.shape == p.shape
+                yield f"optim/{name}/{key}", value, engine.layouts.get(name, REPLICATED) if same else REPLICATED
 
 
 def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimizer | None, *,
@@ -78,25 +77,20 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
     where.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, dict[str, Any]] = {}
-    if coord.dp == 0:  # one replica writes; the others hold the same numbers
-        for key, t, layout in _pieces(engine, optimizer):
-            if layout.dim is None and coord.tp != 0:
-                continue
-            index, count = (coord.tp, mesh.tp) if layout.dim is not None else (0, 1)
-            piece = f"{key}#{index}"
-            if piece in tensors:
-                continue  # a tied tensor listed twice on this rank
-            tensors[piece] = t.detach().to("cpu", copy=True)
-            meta[piece] = {"shape": _global_shape(t.shape, layout, count), "dim": layout.dim, "parts": layout.parts,
-                           "index": index, "count": count, "dtype": str(t.dtype).removeprefix("torch.")}
+    states = engine.optimizer_state(optimizer) if optimizer is not None else {}  # ZeRO: gathered over dp
+    with engine.gathered():  # ZeRO: the whole parameters, on every dp rank (a collective)
+        tied = _aliases(engine)
+        if coord.dp == 0:  # one replica writes; the others hold the same numbers
+            _collect(engine, states, coord, mesh, tensors, meta)
     rng = {"cpu": torch.get_rng_state()}
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     name = f"rank-{rank:05d}.pt"
     with atomic_path(where / name) as tmp:
         torch.save({"tensors": tensors, "rng": rng}, tmp)
     mine = {"file": name, "bytes": (where / name).stat().st_size, "sha256": sha256_file(where / name),
-            "meta": meta, "aliases": _aliases(engine)}
+            "meta": meta, "aliases": tied}
     everyone = _gather(mine, "checkpoint save: gather the piece tables")
     if rank == 0:
         located: dict[str, dict[str, Any]] = {}
@@ -114,6 +108,21 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         prune(Path(root), keep)
     _gather(None, "checkpoint save: wait for every rank's files")  # a barrier: the checkpoint exists (manifest written) on return, on every rank
     return where
+
+
+def _collect(engine: Any, states: dict[str, dict[str, Any]], coord: Any, mesh: Any,
+             tensors: dict[str, torch.Tensor], meta: dict[str, dict[str, Any]]) -> None:
+    """This rank's pieces into ``tensors`` (CPU copies) and their descriptions into ``meta``."""
+    for key, t, layout in _pieces(engine, states):
+        if layout.dim is None and coord.tp != 0:
+            continue
+        index, count = (coord.tp, mesh.tp) if layout.dim is not None else (0, 1)
+        piece = f"{key}#{index}"
+        if piece in tensors:
+            continue  # a tied tensor listed twice on this rank
+        tensors[piece] = t.detach().to("cpu", copy=True)
+        meta[piece] = {"shape": _global_shape(t.shape, layout, count), "dim": layout.dim, "parts": layout.parts,
+                       "index": index, "count": count, "dtype": str(t.dtype).removeprefix("torch.")}
 
 
 def _aliases(engine: Any) -> dict[str, str]:
@@ -164,8 +173,9 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
         return shard(full, layout, coord.tp, mesh.tp) if layout.dim is not None else full
 
     with torch.no_grad():
-        for name, t in engine.local_state_dict().items():
-            t.copy_(mine(f"model/{name}", engine.layouts.get(name, REPLICATED)))
+        with engine.gathered(write=True):  # ZeRO: written whole, kept as this rank's segments
+            for name, t in engine.local_state_dict().items():
+                t.copy_(mine(f"model/{name}", engine.layouts.get(name, REPLICATED)))
         if optimizer is not None:
             _load_optimizer(engine, optimizer, manifest, pieces, mine, where)
     rank, world = _world()
@@ -196,6 +206,7 @@ def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dic
             name, key = piece[len("optim/"):-len("#0")].rsplit("/", 1)
             states.setdefault(name, set()).add(key)
     aliases = manifest.get("aliases", {})
+    loaded: dict[str, dict[str, Any]] = {}
     for name, p in engine.named_parameters():
         tie = aliases.get(name, name)  # the checkpoint held the tie as one tensor: its state is under that name
         saved_as = next((n for n in (name, tie, *(a for a, b in aliases.items() if b == tie)) if n in states), None)
@@ -207,7 +218,8 @@ def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dic
             shaped = pieces[f"optim/{saved_as}/{key}#0"]["shape"] == param_shape
             layout = engine.layouts.get(name, REPLICATED) if shaped else REPLICATED
             state[key] = mine(f"optim/{saved_as}/{key}", layout).to(p.device)  # a new tensor already
-        optimizer.state[p] = state
+        loaded[name] = state
+    engine.load_optimizer_state(optimizer, loaded)
 
 
 def _check_model(engine: Any, pieces: dict[str, Any], where: Path) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["held_bytes", "parameter_storages", "process_peak", "saved_bytes", "storage_bytes"]
+__all__ = ["estimate_held", "held_bytes", "parameter_storages", "process_peak", "saved_bytes", "storage_bytes"]
 
 
 def _key(t: torch.Tensor) -> int:
@@ -79,3 +79,14 @@ def process_peak(device: torch.device) -> dict[str, int]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"rss_peak": peak if sys.platform == "darwin" else peak * 1024}
 
+
+
+def estimate_held(numel: int, itemsize: int, *, dp: int = 1, zero: int = 0, optimizer_slots: int = 2) -> dict[str, int]:
+    """What a rank holding ``numel`` parameter elements (its stages', its tensor-parallel pieces) keeps between
+    steps, by the ZeRO paper's formulas with fourfold's dtypes: parameters Ψ, gradients Ψ, optimiser state KΨ
+    (AdamW: K = 2, its two moments), each of them divided by ``dp`` from stage 3, 2 and 1 on (a segment is
+    ceil(Ψ/dp) per bucket; the optimiser's scalar ``step`` counters are left out)."""
+    shard = -(-numel // dp) if zero else numel
+    return {"parameters": (shard if zero >= 3 else numel) * itemsize,
+            "gradients": (shard if zero >= 2 else numel) * itemsize,
+            "optimizer": optimizer_slots * shard * itemsize}

@@ -42,8 +42,8 @@ from fourfold.comm.wait import bounded_wait
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.data import Bucket, DataParallel, _bucket, _group
 
-__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "all_gather", "padded", "reduce_scatter",
-           "theory_bytes"]
+__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "all_gather", "gather_flat", "padded",
+           "reduce_scatter", "theory_bytes"]
 
 ZERO_ALGORITHMS = ("ring", "native")
 """The algorithms that have a reduce-scatter and an all-gather half (the others are all-reduce only)."""
@@ -122,16 +122,24 @@ def reduce_scatter(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tr
 
 def all_gather(comm: Communicator, zb: ZeroBucket, algorithm: str, *, tracer: Tracer | None, index: int) -> None:
     """Every rank's segment into every rank's ``zb.params`` (this rank's own already in place)."""
+    gather_flat(comm, zb.params, algorithm, tracer=tracer, index=index)
+
+
+def gather_flat(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tracer: Tracer | None = None,
+                index: int = 0) -> None:
+    """All-gather ``flat`` (a multiple of G elements) whose segment r group rank r holds."""
     start = tracer.now_ns() if tracer is not None else 0
     before = comm.stats.sent_bytes
     if algorithm == "native":
-        work = dist.all_gather_single(zb.params, zb.own.clone(), group=comm.group, async_op=True)
+        length = flat.numel() // comm.size
+        own = flat[comm.rank * length:(comm.rank + 1) * length].clone()
+        work = dist.all_gather_single(flat, own, group=comm.group, async_op=True)
         bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op=f"native all-gather of bucket {index}",
                      awaited="the data-parallel group of", group_ranks=comm.global_ranks,
                      hint="A peer is dead, stuck, or skipped a step.")
     else:
-        ring.all_gather(comm, zb.params)
-    _record(tracer, f"all_gather:{algorithm}", start, comm, before, index, zb.params)
+        ring.all_gather(comm, flat)
+    _record(tracer, f"all_gather:{algorithm}", start, comm, before, index, flat)
 
 
 def _record(tracer: Tracer | None, name: str, start: int, comm: Communicator, before: int, index: int,
@@ -269,9 +277,10 @@ class ShardedDataParallel(DataParallel):
     def _unpack(self, b: Bucket) -> None:
         seg = b.handle.result()  # the reduce-scatter bounds its own waits and names the peer
         shard = b.zero.shard
-        if shard.grad is None:
-            keep = self.zero == 1 or self.algorithm == "native"  # the bucket's own segment stays, or a new tensor
-            shard.grad = seg if keep else seg.clone()
+        if self.zero == 1 and seg.data_ptr() != b.flat[b.zero.offset:].data_ptr():
+            seg = b.flat[b.zero.offset:b.zero.offset + b.zero.length].copy_(seg)  # stage 1 keeps it in the bucket
+        if shard.grad is None:  # stage 1: a view of the bucket (kept whole); 2-3: its own (the bucket is freed)
+            shard.grad = seg if self.zero == 1 or self.algorithm == "native" else seg.clone()
         elif shard.grad.data_ptr() != seg.data_ptr():
             shard.grad.add_(seg)  # gradients accumulate until zero_grad, as the model's would
 
@@ -354,6 +363,44 @@ class ShardedDataParallel(DataParallel):
                 if write:
                     b.zero.shard.data.copy_(b.zero.own)
                 b.zero.free()
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """Each model parameter's optimiser state (by ``id``), whole: the segments' state gathered over dp and
+        cut like the parameters (a collective; for checkpoints). State that is not shaped like the segment
+        (AdamW's ``step``) is the same for every parameter of the bucket."""
+        if not self._finished:
+            self.finish()
+        out: dict[int, dict[str, Any]] = {}
+        for b in self.buckets:
+            zb = b.zero
+            for key, value in sorted(optimizer.state.get(zb.shard, {}).items()):
+                whole = None
+                if isinstance(value, torch.Tensor) and value.shape == zb.shard.shape:
+                    whole = torch.zeros(b.flat.numel(), dtype=value.dtype, device=value.device)
+                    whole[zb.offset:zb.offset + zb.length] = value
+                    self._submit(gather_flat, self._comm, whole, self.algorithm, index=b.index).result()
+                for p, offset in zip(b.params, b.offsets, strict=True):
+                    out.setdefault(id(p), {})[key] = value if whole is None else \
+                        whole[offset:offset + p.numel()].view_as(p).clone()
+        return out
+
+    def load_state(self, optimizer: torch.optim.Optimizer, states: dict[int, dict[str, Any]]) -> None:
+        """The inverse of :meth:`full_state`: each bucket's segment of its parameters' whole state becomes its
+        shard's state. Parameters without state leave their bucket's shard without."""
+        for b in self.buckets:
+            got = [states.get(id(p)) for p in b.params]
+            if any(g is None for g in got):
+                continue
+            zb, state = b.zero, {}
+            for key, first in got[0].items():  # type: ignore[union-attr]
+                if isinstance(first, torch.Tensor) and first.shape == b.params[0].shape:
+                    whole = torch.zeros(b.flat.numel(), dtype=first.dtype, device=zb.shard.device)
+                    for p, offset, g in zip(b.params, b.offsets, got, strict=True):
+                        whole[offset:offset + p.numel()] = g[key].reshape(-1)  # type: ignore[index]
+                    state[key] = whole[zb.offset:zb.offset + zb.length].clone()
+                else:
+                    state[key] = first
+            optimizer.state[zb.shard] = state
 
     def storages(self) -> set[int]:
         """The parameters' storages as they are now (stage 3 allocates them afresh at every gather)."""
