@@ -149,7 +149,8 @@ def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) 
         mesh = init_device_mesh("cpu", (ranks.mesh.world_size,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped: Any = model  # the model itself, now an FSDP module
     else:
         from torch.nn.parallel import DistributedDataParallel
 
