@@ -82,6 +82,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)    # ids of the parameters whose gradient is in ``flat``
     handle: Any = None                              # the in-flight all-reduce (Work or Future)
     zero: Any = None                                # ZeRO: the parameters' flat buffer and this rank's shard
+    wire: torch.Tensor | None = None                # what the collective reduces (flat, or a reduce_dtype copy)
 
 
 class DataParallel(nn.Module):
@@ -94,7 +95,8 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "native",
                  bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
-                 find_unused_parameters: bool = False, auto_finish: bool = True) -> None:
+                 find_unused_parameters: bool = False, auto_finish: bool = True,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
@@ -102,6 +104,7 @@ class DataParallel(nn.Module):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}. 25 (MB) is a good default.")
         self.module = module
         self.group, self.algorithm, self.tracer = group, algorithm, tracer
+        self.reduce_dtype = reduce_dtype  # e.g. bfloat16: buckets cross the wire in it (half the bytes)
         self.timeout_s, self.find_unused_parameters = timeout_s, find_unused_parameters
         self.size = dist.get_world_size(group)
         self.grad_scale = 1.0 / self.size  # the mean of the ranks' mean losses; 1.0 sums (a loss already global)
@@ -188,10 +191,17 @@ class DataParallel(nn.Module):
             self._launch(b)
             self._launched += 1
 
+    def _wire(self, b: Bucket) -> torch.Tensor:
+        """What the bucket's collective reduces: its buffer, or a copy in ``reduce_dtype`` (read back in
+        :meth:`_wait`)."""
+        b.wire = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
+        return b.wire
+
     def _launch(self, b: Bucket) -> None:
+        flat = self._wire(b)
         if self.algorithm == "native":
             start = self.tracer.now_ns() if self.tracer is not None else 0
-            work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
             b.handle = work
             if self.tracer is not None and self.tracer.enabled:
                 tracer, numel = self.tracer, b.numel
@@ -200,7 +210,7 @@ class DataParallel(nn.Module):
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
-        b.handle = self._executor.submit(allreduce, b.flat, self.algorithm, comm=self._comm, tracer=self.tracer,
+        b.handle = self._executor.submit(allreduce, flat, self.algorithm, comm=self._comm, tracer=self.tracer,
                                          check=not self._checked)
 
     def finish(self) -> None:
@@ -236,10 +246,13 @@ class DataParallel(nn.Module):
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
             b.handle.result()  # the algorithm bounds its own waits and raises CommError naming the peer
-            return
-        bounded_wait(b.handle, self.timeout_s, rank=dist.get_rank(), op=f"native all-reduce of bucket {b.index}",
-                     awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
-                     hint="A peer is dead, stuck, or skipped a backward.")
+        else:
+            bounded_wait(b.handle, self.timeout_s, rank=dist.get_rank(), op=f"native all-reduce of bucket {b.index}",
+                         awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
+                         hint="A peer is dead, stuck, or skipped a backward.")
+        if b.wire is not None and b.wire is not b.flat:
+            b.flat.copy_(b.wire)  # reduced in reduce_dtype, kept in the parameters' dtype
+        b.wire = None
 
 
 def _group(named: list[tuple[str, nn.Parameter]], cap_bytes: int,

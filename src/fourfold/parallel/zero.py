@@ -249,7 +249,7 @@ class ShardedDataParallel(DataParallel):
             bucket.zero.free()  # its backward is done: the unit's weights are not needed again this step
 
     def _launch(self, b: Bucket) -> None:
-        b.handle = self._submit(reduce_scatter, self._comm, b.flat, self.algorithm, tracer=self.tracer,
+        b.handle = self._submit(reduce_scatter, self._comm, self._wire(b), self.algorithm, tracer=self.tracer,
                                 index=b.index)
 
     def finish(self) -> None:
@@ -276,7 +276,9 @@ class ShardedDataParallel(DataParallel):
 
     def _unpack(self, b: Bucket) -> None:
         seg = b.handle.result()  # the reduce-scatter bounds its own waits and names the peer
-        shard = b.zero.shard
+        shard, b.wire = b.zero.shard, None
+        if seg.dtype != shard.dtype:  # reduced in reduce_dtype (bfloat16, say): back to the master's dtype
+            seg = seg.to(shard.dtype)
         if self.zero == 1 and seg.data_ptr() != b.flat[b.zero.offset:].data_ptr():
             seg = b.flat[b.zero.offset:b.zero.offset + b.zero.length].copy_(seg)  # stage 1 keeps it in the bucket
         if shard.grad is None:  # stage 1: a view of the bucket (kept whole); 2-3: its own (the bucket is freed)
