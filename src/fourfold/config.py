@@ -82,6 +82,11 @@ class TrainConfig:
         "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
     allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
+    precision: Literal["full", "bf16"] = field(default="full", metadata=_help(
+        "bf16: mixed precision, forward under bfloat16 autocast (matmuls and their activations in bf16), float32 "
+        "master weights, optimiser state and gradients; needs --dtype float32"))
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata=_help(
+        "with --dp: the dtype gradients are reduced in (auto: the parameters'); bfloat16 halves the bytes"))
     zero: int = field(default=0, metadata=_help(
         "with --dp: ZeRO stage. 1 shards the optimiser state over the data-parallel ranks, 2 also the gradients "
         "(reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered per block, before forward "
@@ -160,6 +165,12 @@ class TrainConfig:
                              "--pack bfd (or pad, first-fit), or drop them.")
         if self.tokens_per_step is not None and self.tokens_per_step < 1:
             raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError(f"precision bf16 keeps float32 master weights, got dtype={self.dtype}. Pass --dtype "
+                             "float32 with --precision bf16.")
+        if self.reduce_dtype == "float32" and self.dtype == "float64":
+            raise ValueError("reduce_dtype float32 would round float64 gradients, got dtype=float64. Leave "
+                             "--reduce-dtype auto (or pass bfloat16 deliberately).")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got zero={self.zero}.")
         if self.zero and self.allreduce not in ("ring", "native"):

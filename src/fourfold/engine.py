@@ -113,12 +113,13 @@ class Engine:
     def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
                  tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
-                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False) -> None:
+                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full") -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
+        self.precision = precision
         self.zero = dp.zero if isinstance(dp, ShardedDataParallel) else 0
         group = ranks.dp_group
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
@@ -199,12 +200,12 @@ class Engine:
         if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
             self.dp.grad_scale = 1.0 if packed else 1.0 / self.dp.size
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
-            around = None
             parts = self.pipeline.microbatches("documents", documents, need=False)  # as inputs are cut
-            if parts is not None:
 
-                def around(i: int) -> contextlib.AbstractContextManager[Any]:
-                    return document_layout(parts[i])
+            @contextlib.contextmanager
+            def around(i: int) -> Iterator[None]:
+                with self._compute(), document_layout(parts[i] if parts is not None else None):
+                    yield
 
             result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not packed, around=around)
             loss = torch.tensor([result.loss], dtype=torch.float64)
@@ -220,7 +221,7 @@ class Engine:
                 weights = moving
 
             with self.tracer.span("compute", "forward"), document_layout(documents), \
-                    saved_bytes(weights) as saved:
+                    saved_bytes(weights) as saved, self._compute():
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
                 loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
@@ -234,6 +235,12 @@ class Engine:
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else sum(saved.values())
         return out_loss
+
+    def _compute(self) -> contextlib.AbstractContextManager[Any]:
+        """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""
+        if self.precision == "bf16":
+            return torch.autocast(self._device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None, divisor: int) -> Loss:
         group = self.ranks.dp_group
@@ -363,7 +370,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
-                activation_checkpointing: str = "none", zero: int = 0,
+                activation_checkpointing: str = "none", zero: int = 0, precision: str = "full",
+                reduce_dtype: torch.dtype | None = None,
                 balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
@@ -391,12 +399,26 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     ``zero``: 1, 2 or 3 shards the optimiser state, then also the gradients, then also the parameters over the
     dp ranks (:mod:`~fourfold.parallel.zero`; ``allreduce`` ``"ring"`` or ``"native"``; nothing to shard when
     dp = 1). Give the optimiser ``engine.parameters()``: under ZeRO these are this rank's flat segments.
+
+    ``precision="bf16"``: mixed precision. The parameters stay float32 (the master weights the optimiser
+    updates, its state float32 too); every forward (each micro-batch's, and a checkpointed block's recompute)
+    runs under ``torch.autocast(dtype=bfloat16)``, so matmuls take bf16 copies of the weights and make bf16
+    activations, while norms, softmax and the loss stay float32; gradients arrive float32. ``reduce_dtype``:
+    the dtype gradients cross the wire in under dp (default the parameters'; ``torch.bfloat16`` halves the
+    bytes).
     """
     from fourfold.models import family_of
 
     ranks = _rank_mesh(mesh, timeout_s)
     m = ranks.mesh
     tracer = tracer if tracer is not None else Tracer(ranks.rank, enabled=False)
+    if precision not in ("full", "bf16"):
+        raise ValueError(f"precision must be 'full' (the parameters' dtype throughout) or 'bf16' (mixed), got "
+                         f"{precision!r}.")
+    if precision == "bf16" and any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("precision='bf16' keeps float32 master weights, got a model with parameters of dtype "
+                         f"{next(p.dtype for p in model.parameters() if p.dtype != torch.float32)}. Build the "
+                         "model in float32 (--dtype float32).")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got {zero}.")
     if zero and allreduce not in ZERO_ALGORITHMS:
@@ -454,10 +476,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if zero:
             dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial,
                           _blocks(model, split) if zero == 3 and pipe is None and _has_blocks(model, split) else (),
-                          tracer, timeout_s)
+                          tracer, timeout_s, reduce_dtype)
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
-                              auto_finish=False)
+                              auto_finish=False, reduce_dtype=reduce_dtype)
         if pipe is not None:
             pipe.grad_sync = dp
     reads = bool(getattr(model, "fourfold_documents", False))
@@ -466,7 +488,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         reads = True
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
-                  reads_documents=reads)
+                  reads_documents=reads, precision=precision)
 
 
 def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None,
@@ -486,7 +508,7 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
 
 def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket_mb: float, pipe: Pipeline | None,
              partial: list[nn.Parameter], units: Sequence[nn.Module], tracer: Tracer,
-             timeout_s: float) -> ShardedDataParallel:
+             timeout_s: float, reduce_dtype: torch.dtype | None) -> ShardedDataParallel:
     """ZeRO over dp. A pipeline's tied copies and sequence parallelism's partial gradients are summed (across
     stages, over tp) before their reduce-scatter, since afterwards each rank holds only a segment of them."""
     late = list(partial)
@@ -502,7 +524,8 @@ def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket
             sum_partial_grads(partial, ranks.tp_group, tracer=tracer)
 
     dp = ShardedDataParallel(held, ranks.dp_group, algorithm, bucket_mb, zero=zero, units=units, late=late,
-                             before_late=before_late, tracer=tracer, timeout_s=timeout_s, auto_finish=False)
+                             before_late=before_late, tracer=tracer, timeout_s=timeout_s, auto_finish=False,
+                             reduce_dtype=reduce_dtype)
     dp.sums_tied = True
     return dp
 

@@ -324,7 +324,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
             "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing,
-            "zero": t.zero}
+            "zero": t.zero, "precision": t.precision,
+            "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype)}
 
 
 def _synchronize(device: torch.device) -> None:

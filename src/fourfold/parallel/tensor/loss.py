@@ -75,4 +75,6 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
         raise ValueError(f"targets must be token ids in [0, {vocab}) (or {IGNORE_INDEX}: none), got values in "
                          f"[{int(real.min())}, {int(real.max())}]. Check the tokenizer's vocabulary size")
+    if local_logits.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the loss in float32, as
+        local_logits = local_logits.float()  # autocast runs cross_entropy (a bf16 loss keeps 3 digits)
     return _VocabParallelCrossEntropy.apply(local_logits, targets, group, tracer, site, reduction)
