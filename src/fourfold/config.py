@@ -87,6 +87,12 @@ class TrainConfig:
         "master weights, optimiser state and gradients; needs --dtype float32"))
     reduce_dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata=_help(
         "with --dp: the dtype gradients are reduced in (auto: the parameters'); bfloat16 halves the bytes"))
+    memory_check: bool = field(default=True, metadata=_help(
+        "before launch, estimate each rank's memory (parameters, gradients, optimiser state, activations) and "
+        "refuse a layout that would not fit, naming the largest term and the cheapest change that fits"))
+    memory_limit: str | None = field(default=None, metadata=_help(
+        "memory per rank to plan against, e.g. 80GB (default: the GPU's, or the machine's available memory "
+        "shared by its ranks)"))
     zero: int = field(default=0, metadata=_help(
         "with --dp: ZeRO stage. 1 shards the optimiser state over the data-parallel ranks, 2 also the gradients "
         "(reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered per block, before forward "
@@ -173,6 +179,10 @@ class TrainConfig:
                              "--reduce-dtype auto (or pass bfloat16 deliberately).")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got zero={self.zero}.")
+        if self.memory_limit is not None:
+            from fourfold.observe.estimate import parse_bytes
+
+            parse_bytes(self.memory_limit)  # refuses anything but a size
         if self.zero and self.allreduce not in ("ring", "native"):
             raise ValueError(f"zero needs a reduce-scatter and an all-gather, which {self.allreduce} does not have, "
                              f"got zero={self.zero} with allreduce={self.allreduce!r}. Pass --allreduce ring (counted) "

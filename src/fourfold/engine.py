@@ -76,7 +76,7 @@ from fourfold.parallel.tensor import (
 )
 from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 
-__all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "parallelize"]
+__all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "model_blocks", "parallelize"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TensorPlan = Callable[..., nn.Module] | Mapping[str, str]
@@ -450,7 +450,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             family.fixups(model, m.tp)
     every = parse_policy(activation_checkpointing)
     if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
-        checkpoint_blocks(_blocks(model, split), every, capture_layout)
+        checkpoint_blocks(model_blocks(model, split), every, capture_layout)
     layouts = shard_layouts(model)
     partial_names = set(getattr(model, "partial_grad_names", ()))
     split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
@@ -474,9 +474,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if m.dp > 1:
         held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
         if zero:
-            dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial,
-                          _blocks(model, split) if zero == 3 and pipe is None and _has_blocks(model, split) else (),
-                          tracer, timeout_s, reduce_dtype)
+            units = _units(model, split) if zero == 3 and pipe is None else []
+            dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial, units, tracer, timeout_s,
+                          reduce_dtype)
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
                               auto_finish=False, reduce_dtype=reduce_dtype)
@@ -530,12 +530,15 @@ def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket
     return dp
 
 
-def _has_blocks(model: nn.Module, split: Split | None) -> bool:
-    return split is not None or isinstance(getattr(model, "blocks", None), nn.ModuleList) or \
-        isinstance(model, nn.Sequential)
+def _units(model: nn.Module, split: Split | None) -> list[nn.Module]:
+    """ZeRO-3's units, gathered and freed one at a time: the model's blocks, or none (the whole model is one)."""
+    try:
+        return model_blocks(model, split)
+    except ValueError:
+        return []
 
 
-def _blocks(model: nn.Module, split: Split | None) -> list[nn.Module]:
+def model_blocks(model: nn.Module, split: Split | None) -> list[nn.Module]:
     """The model's repeated blocks: the split's (given, or the model family's), TinyGPT's ``blocks``, or an
     ``nn.Sequential``'s layers."""
     if split is not None:

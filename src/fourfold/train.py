@@ -385,6 +385,14 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
     barrier("finish the run")
 
 
+def _memory_line(cfg: Config, world_size: int) -> None:
+    """Before launch: each rank's memory, estimated; a layout that would not fit is refused (ValueError)."""
+    if cfg.train.memory_check:
+        from fourfold.cli.plan import check_memory
+
+        print(f"fourfold train: {check_memory(cfg, world_size)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -398,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not worker and cfg.launch.world_size > 1:
             preflight(cfg, cfg.launch.world_size)
+            _memory_line(cfg, cfg.launch.world_size)
             from fourfold.elastic import launch_workers
 
             with lock:
@@ -406,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
         if not worker:
             preflight(cfg, 1)
+            _memory_line(cfg, 1)
         with lock:
             result = train(cfg)
     except ValueError as e:

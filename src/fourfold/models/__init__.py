@@ -108,6 +108,23 @@ def family_of(model: nn.Module) -> Family | None:
     return _hf(kind) if kind is not None else None
 
 
+def shard_plan(model: nn.Module) -> Mapping[str, str] | None:
+    """What tensor parallelism splits in ``model``, as ``{module: style}`` (for memory estimates), or None when
+    fourfold has no plan for it."""
+    family = family_of(model)
+    if family is None or family.plan is None:
+        return None
+    if family.name == "tinygpt":
+        from fourfold.models.gpt_plan import TINYGPT_SHARDS
+
+        return TINYGPT_SHARDS
+    try:
+        plan = family.plan(model)
+    except ValueError:
+        return None
+    return plan if isinstance(plan, Mapping) else None
+
+
 def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module]:
     """The tensor-parallel plan of ``model``'s family; refused for a model fourfold has no plan for."""
     family = family_of(model)
@@ -130,5 +147,6 @@ __all__ = [
     "family_of",
     "lm_loss",
     "sequential_plan",
+    "shard_plan",
     "tensor_plan",
 ]

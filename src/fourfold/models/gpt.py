@@ -197,8 +197,8 @@ class TinyGPT(nn.Module):
         seen: set[int] = set()
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
-                if id(p) in seen:  # a tied weight is drawn once, by its first owner (embed.wte)
-                    continue
+                if id(p) in seen or p.is_meta:  # a tied weight is drawn once, by its first owner (embed.wte);
+                    continue  # on the meta device there is nothing to fill (shapes only: memory estimates)
                 seen.add(id(p))
                 if isinstance(module, nn.LayerNorm):
                     value = torch.ones(p.shape, dtype=torch.float64) if name == "weight" else None

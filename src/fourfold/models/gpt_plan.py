@@ -28,6 +28,7 @@ from fourfold.parallel.tensor import (
 )
 
 __all__ = [
+    "TINYGPT_SHARDS",
     "TensorParallelGPT",
     "check_tinygpt_tp",
     "collective_theory",
@@ -91,6 +92,12 @@ class _Attention(nn.Module):
         y = causal_attention(q, k, v, p)  # (B, H/p, T, D)
         y = y.transpose(1, 2).reshape(B, T, c)  # (B, T, C/p)
         return self.resid_drop(self.proj(y))  # (B, T, C), or (B, T/p, C) with sequence parallelism
+
+
+TINYGPT_SHARDS = {"embed.wte": "vocab", "head.lm_head": "column", "blocks.*.attn.qkv": "column:3",
+                  "blocks.*.attn.proj": "row", "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"}
+"""What :func:`parallelize_tinygpt` splits, as a ``{module: style}`` plan (memory estimates read it; a test checks
+it against the sharded model)."""
 
 
 class TensorParallelGPT(nn.Module):

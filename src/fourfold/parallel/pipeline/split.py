@@ -321,6 +321,7 @@ def sum_tied_grads(stages: Sequence[Stage], remote: dict[tuple[int, int], torch.
         for name, (tie, holders) in stage.tied.items():
             grads[(tie, stage.index)] = named[name].grad
             copies.append((tie, holders, named[name]))
+    totals = []
     for tie, holders, p in copies:
         missing = [j for j in holders if (tie, j) not in grads]
         if missing:
@@ -331,4 +332,9 @@ def sum_tied_grads(stages: Sequence[Stage], remote: dict[tuple[int, int], torch.
             g = grads[(tie, j)]
             if g is not None:
                 total += g.to(p.device)
-        p.grad = total
+        totals.append((p, total))
+    for p, total in totals:  # every sum first: a copy's gradient may be another's term
+        if p.grad is not None:
+            p.grad.copy_(total)  # in place: a data-parallel bucket's view stays the one gradient held
+        else:
+            p.grad = total
