@@ -128,3 +128,13 @@ def test_tinygpt_shards_describe_the_real_plan():
         "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight")}
     assert divided == want
     assert torch.equal(model.head.lm_head.weight, model.embed.wte.weight)  # tied: the head is the embedding
+
+
+def test_draw_memory_draws_stacked_bars(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fourfold.observe.visualize import draw_memory
+
+    terms = {"parameters": 2**20, "gradients": 2**20, "optimizer": 2**21, "activations": 3 * 2**20}
+    assert draw_memory({"dp=2": {"estimated": terms, "measured": terms}, "ZeRO-3": {"measured": terms}},
+                       tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

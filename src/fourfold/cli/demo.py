@@ -12,6 +12,9 @@
    A timeline picture shows one data-parallel step on both ranks.
 3. The layers on 2 pipeline ranks: model parallel, GPipe and 1F1B, with the bubble against theory.
 4. Whole documents padded vs packed (best-fit decreasing): real tokens/s, padding, and a picture of one batch.
+5. Memory: the same model on 2 data-parallel ranks plain, with ZeRO-1, ZeRO-3, and ZeRO-3 with activation
+   checkpointing: each rank's parameters, gradients, optimiser state and activations, estimated before launch
+   and measured, as stacked bars (``memory.png``).
 
 Everything lands under ``--out`` (default ``runs/demo``): one folder per run with ``metrics.jsonl``,
 ``trace.json`` (open in ui.perfetto.dev) and ``model.pt``, plus ``timeline-*.png`` pictures.
@@ -101,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out)
     base = TrainConfig(out=str(root / "single"), overwrite=True, device="cpu")
     cfg = Config(train=replace(base, steps=args.steps))
-    print(f"fourfold demo 1/4: TinyGPT trains for {args.steps} steps on one process "
+    print(f"fourfold demo 1/5: TinyGPT trains for {args.steps} steps on one process "
           f"(global batch {cfg.train.batch_size} x {cfg.model.seq_len} bytes of Python source)\n", flush=True)
     result = train(cfg)
     print("\n" + result.summary())
     prompt = "def "
     print(f"\nthe trained model continues {prompt!r}:\n---\n{prompt}{_sample(cfg, result, prompt, 160)}\n---\n")
 
-    print(f"fourfold demo 2/4: the same batches on 2 ranks, {args.dp_steps} steps each: data parallel (every rank "
+    print(f"fourfold demo 2/5: the same batches on 2 ranks, {args.dp_steps} steps each: data parallel (every rank "
           "sees half of each batch, gradients averaged during backward), then tensor parallel (every rank holds "
           "half of each big matmul)\n", flush=True)
     from fourfold.train import main as train_main
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     step = max(1, args.dp_steps - 1)
     _draw(root / "single", 1, "timeline-single.png", f"one training step (step {step}), one process", step)
     _draw(root / "dp2-ring", 2, "timeline-dp.png", f"one data-parallel step (step {step}), 2 ranks, ring", step)
-    if _pipelines(root, flags) != 0 or _packing(root, flags, args.pack_steps) != 0:
+    if _pipelines(root, flags) != 0 or _packing(root, flags, args.pack_steps) != 0 or _memory(root) != 0:
         return 1
     print("\n  open any trace.json in https://ui.perfetto.dev to explore every span")
     return 0
@@ -159,7 +162,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
     from fourfold.parallel.schedule import theory_bubble
     from fourfold.train import main as train_main
 
-    print("\nfourfold demo 3/4: the model's layers split over 2 ranks (pipeline parallelism): model parallel "
+    print("\nfourfold demo 3/5: the model's layers split over 2 ranks (pipeline parallelism): model parallel "
           "(one rank busy at a time), then GPipe and 1F1B with 8 micro-batches\n", flush=True)
     # 64 sequences a step, so each of the 8 micro-batches (8 sequences) computes long enough to outweigh a
     # message between the ranks (milliseconds with gloo on 2 busy cores)
@@ -198,7 +201,7 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
     from fourfold.train import main as train_main
     from fourfold.train import make_loader
 
-    print(f"\nfourfold demo 4/4: whole documents, the standard library's functions (most a few hundred bytes, a "
+    print(f"\nfourfold demo 4/5: whole documents, the standard library's functions (most a few hundred bytes, a "
           f"few thousands), 16 a step in rows of 1024: padded to the longest, then packed best-fit decreasing; "
           f"{steps} steps each on one process\n", flush=True)
     flags = ["--steps", str(steps), "--seq-len", "1024", "--batch-size", "16", "--overwrite", "--no-progress",
@@ -232,6 +235,50 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
     if draw_packing(batches, root / "packing.png", "step 1's documents, padded (left) and packed (right); "
                     "white = padding"):
         print(f"  one step's documents, padded and packed: {root / 'packing.png'}")
+    return 0
+
+
+MEMORY = {  # name: flags (2 data-parallel ranks each)
+    "dp=2": [],
+    "ZeRO-1": ["--zero", "1"],
+    "ZeRO-3": ["--zero", "3"],
+    "ZeRO-3 + ckpt": ["--zero", "3", "--activation-checkpointing", "full"],
+}
+
+
+def _memory(root: Path, steps: int = 3) -> int:
+    """Part 5: one model, four layouts: what a rank holds, estimated before launch and measured."""
+    from fourfold.cli.plan import layout_memory
+    from fourfold.config import parse_args
+    from fourfold.observe.visualize import MEMORY_TERMS, draw_memory
+    from fourfold.train import main as train_main
+
+    print("\nfourfold demo 5/5: memory. The same model on 2 data-parallel ranks: plain (every rank holds everything),"
+          " ZeRO-1 (optimiser state split), ZeRO-3 (parameters and gradients too), and ZeRO-3 with activation "
+          f"checkpointing; {steps} steps each\n", flush=True)
+    flags = ["--nproc", "2", "--steps", str(steps), "--overwrite", "--no-progress", "--device", "cpu"]
+    layouts: dict[str, dict[str, dict[str, int]]] = {}
+    for name, extra in MEMORY.items():
+        out = root / f"memory-{name.lower().replace(' + ', '-').replace('=', '')}"
+        print(f"$ fourfold train {' '.join(flags)} {' '.join(extra)} --out {out}", flush=True)
+        if train_main([*flags, *extra, "--out", str(out)]) != 0:
+            print(f"fourfold demo: the {name} run failed; its error is above.", file=sys.stderr)
+            return 1
+        estimated = layout_memory(parse_args([*flags, *extra, "--out", str(out)]), 2)[0][0]
+        measured = _rows(out)[-1]["memory_bytes"]
+        layouts[name] = {"estimated": {t: getattr(estimated, t) for t in MEMORY_TERMS},
+                         "measured": {t: measured[t] for t in MEMORY_TERMS}}
+    print(f"\n  {'MiB per rank':<16} " + " ".join(f"{t:>12}" for t in (*MEMORY_TERMS, "total")) + "   (estimated)")
+    for name, kinds in layouts.items():
+        m, e = kinds["measured"], kinds["estimated"]
+        print(f"  {name:<16} " + " ".join(f"{m[t] / 2**20:12.2f}" for t in MEMORY_TERMS) +
+              f" {sum(m.values()) / 2**20:12.2f}   ({sum(e.values()) / 2**20:.2f})")
+    print("\n  ZeRO-1 splits the optimiser's state over the ranks, ZeRO-3 the parameters and gradients too (each")
+    print("  gathered just before use); checkpointing keeps only each block's input for backward and recomputes")
+    print("  the rest. The estimate is what `fourfold plan --memory` prints (and every run checks) before launch.")
+    if draw_memory(layouts, root / "memory.png", "memory per rank, TinyGPT on 2 ranks: estimated before launch "
+                   "(hatched) and measured"):
+        print(f"  memory per rank, as stacked bars: {root / 'memory.png'}")
     return 0
 
 

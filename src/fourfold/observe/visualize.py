@@ -209,3 +209,41 @@ def draw_packing(batches: Mapping[str, Any], path: str | os.PathLike[str], title
     with atomic_path(path) as tmp:
         FigureCanvasAgg(fig).print_png(str(tmp))
     return True
+
+
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations")
+
+
+def draw_memory(layouts: Mapping[str, Mapping[str, Mapping[str, int]]], path: str | os.PathLike[str],
+                title: str | None = None) -> bool:
+    """Bytes per rank as stacked bars, one pair per layout: ``{layout: {"estimated": {term: bytes}, "measured":
+    {...}}}`` with the terms of :data:`MEMORY_TERMS`. False, drawing nothing, when matplotlib is missing."""
+    try:
+        Figure, FigureCanvasAgg = _matplotlib()
+    except ImportError:
+        return False
+    fig = Figure(figsize=(2.2 + 1.9 * len(layouts), 4.8), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    colors = dict(zip(MEMORY_TERMS, ("C0", "C2", "C3", "C1"), strict=True))
+    ticks, labels = [], []
+    for i, (name, kinds) in enumerate(layouts.items()):
+        for j, kind in enumerate(("estimated", "measured")):
+            if kind not in kinds:
+                continue
+            x = 3 * i + j
+            bottom = 0.0
+            for term in MEMORY_TERMS:
+                value = kinds[kind].get(term, 0) / 2**20
+                ax.bar(x, value, bottom=bottom, color=colors[term], width=0.9, hatch="//" if j == 0 else None,
+                       edgecolor="white", label=term if i == 0 and j == 1 else None)
+                bottom += value
+            ax.annotate(f"{bottom:.1f}", (x, bottom), ha="center", va="bottom", fontsize=7)
+            ticks.append(x)
+            labels.append(f"{name}\n{'est.' if j == 0 else 'meas.'}")
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set(ylabel="MiB per rank")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(title or "memory per rank: estimated before launch (hatched) and measured", fontsize=10)
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
+    return True
