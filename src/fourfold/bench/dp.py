@@ -45,6 +45,8 @@ from typing import Any, NamedTuple
 
 from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
+    add_round_flags,
+    check_rounds,
     fmt_time,
     format_bytes,
     name_list,
@@ -99,15 +101,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = make_parser("fourfold bench dp", "Time a training step of fourfold's DataParallel, PyTorch's "
                     "DistributedDataParallel and no gradient sync side by side on --nproc ranks.")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine, >= 2 (default: 2)")
+    add_round_flags(p, nproc="data-parallel replicas", rounds=20, warmup=3, checks="the gradients")
     p.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp (default: gpt,mlp)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="none, ddp, fourfold algorithms, NAME@MB for "
                    f"a bucket size of its own (default: {DEFAULT_VARIANTS})")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB for ddp and fourfold "
                    "(default: 25, DDP's default)")
-    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks the "
-                   "gradients (default: 3)")
     p.add_argument("--gpt-layers", type=int, default=4, help="TinyGPT n_layer (default: 4)")
     p.add_argument("--gpt-d-model", type=int, default=256, help="TinyGPT d_model (default: 256)")
     p.add_argument("--gpt-heads", type=int, default=4, help="TinyGPT n_head (default: 4)")
@@ -130,12 +129,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     names = [v.name for v in ns.variants]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"variants must be distinct and at least one, got {names}.")
-    if ns.nproc < 2:
-        raise ValueError(f"nproc must be >= 2 (data parallelism over one rank syncs nothing), got {ns.nproc}. "
-                         "Pass --nproc 2.")
-    if ns.rounds < 1 or ns.warmup < 1:
-        raise ValueError(f"rounds and warmup must be >= 1 (the first warm-up round checks the gradients), got "
-                         f"rounds={ns.rounds}, warmup={ns.warmup}.")
+    check_rounds(ns, "data parallelism over one rank syncs nothing", "the gradients")
     for flag in ("gpt_batch", "mlp_batch"):
         if getattr(ns, flag) % ns.nproc or getattr(ns, flag) < ns.nproc:
             raise ValueError(f"{flag.replace('_', '-')} must be a positive multiple of nproc (equal shards), got "

@@ -61,6 +61,8 @@ from typing import Any
 from fourfold.bench.dp import GRAD_RTOL
 from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
+    add_round_flags,
+    check_rounds,
     fmt_time,
     format_bytes,
     name_list,
@@ -95,11 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     p = make_parser("fourfold bench pp", "Time a training step of fourfold's pipeline runtime and PyTorch's "
                     "torch.distributed.pipelining (GPipe and 1F1B) side by side on --nproc ranks (pp); "
                     "measure the bubble and the activation memory.")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine: pp, >= 2 (default: 2)")
+    add_round_flags(p, nproc="pp", rounds=20, warmup=3, checks="losses and gradients")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
-    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks losses and "
-                   "gradients (default: 3)")
     for flag, default, what in _SIZES:
         p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
@@ -112,12 +111,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     from fourfold.models import GPTConfig
 
     ns.variants = name_list(ns.variants, VARIANTS, "variants", "fourfold-1f1b,torch-1f1b")
-    if ns.nproc < 2:
-        raise ValueError(f"nproc must be >= 2 (a pipeline of one stage has nothing to overlap), got {ns.nproc}. "
-                         "Pass --nproc 2.")
-    if min(ns.rounds, ns.warmup) < 1:
-        raise ValueError(f"rounds and warmup must be >= 1 (step 1, untimed, checks every variant against the "
-                         f"first), got rounds={ns.rounds}, warmup={ns.warmup}.")
+    check_rounds(ns, "a pipeline of one stage has nothing to overlap", "every variant against the first")
     small = {flag: getattr(ns, flag.replace("-", "_")) for flag, _, _ in _SIZES}
     if any(n < 1 for n in small.values()):
         raise ValueError(f"sizes must be >= 1, got {', '.join(f'--{f} {n}' for f, n in small.items() if n < 1)}.")

@@ -59,6 +59,8 @@ from typing import Any
 from fourfold.bench.dp import GRAD_RTOL, Workload, _workload
 from fourfold.bench.harness import (  # the harness imports torch lazily too
     add_output_flags,
+    add_round_flags,
+    check_rounds,
     fmt_time,
     format_bytes,
     name_list,
@@ -118,14 +120,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = make_parser("fourfold bench tp", "Time a training step of fourfold's tensor parallelism, PyTorch's "
                     "DTensor tensor parallelism and the unsharded model side by side on --nproc ranks (tp).")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine: the tp degree, >= 2 "
-                   "(default: 2)")
+    add_round_flags(p, nproc="the tp degree", rounds=20, warmup=3, checks="losses, gradients and collectives")
     p.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp (default: gpt,mlp)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}; single is "
                    "always run; the mlp model has only the mlp plan (default: all)")
-    p.add_argument("--rounds", type=int, default=20, help="timed steps per variant (default: 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first; the first checks losses, "
-                   "gradients and collectives (default: 3)")
     for flag, default, what in _SIZES:
         p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
@@ -141,12 +139,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     ns.models = name_list(ns.models, ("gpt", "mlp"), "models", "gpt")
     ns.variants = name_list(ns.variants, VARIANTS, "variants", "single,fourfold-mlp,dtensor-mlp")
     ns.variants = ["single", *(v for v in ns.variants if v != "single")]  # the reference of the check
-    if ns.nproc < 2:
-        raise ValueError(f"nproc must be >= 2 (tensor parallelism over one rank splits nothing), got {ns.nproc}. "
-                         "Pass --nproc 2.")
-    if ns.rounds < 1 or ns.warmup < 1:
-        raise ValueError(f"rounds and warmup must be >= 1 (the first warm-up round checks the variants), got "
-                         f"rounds={ns.rounds}, warmup={ns.warmup}.")
+    check_rounds(ns, "tensor parallelism over one rank splits nothing", "the variants")
     small = {flag: getattr(ns, flag.replace("-", "_")) for flag, _, _ in _SIZES}
     if any(n < 1 for n in small.values()):
         raise ValueError(f"sizes must be >= 1, got {', '.join(f'--{f} {n}' for f, n in small.items() if n < 1)}. "

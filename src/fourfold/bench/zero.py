@@ -33,6 +33,8 @@ from typing import Any
 
 from fourfold.bench.harness import (
     add_output_flags,
+    add_round_flags,
+    check_rounds,
     fmt_time,
     format_bytes,
     paired_ratio,
@@ -69,12 +71,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = make_parser("fourfold bench zero", "Time a training step of fourfold's ZeRO stages, PyTorch's FSDP2 "
                     "and DDP side by side on --nproc ranks, and the memory each rank holds.")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine, >= 2 (default: 2)")
+    add_round_flags(p, nproc="data-parallel ranks", rounds=10, warmup=2, checks="the losses against fsdp2's")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"fsdp2, ddp, zeroK[-ring] (default: "
                    f"{DEFAULT_VARIANTS})")
-    p.add_argument("--rounds", type=int, default=10, help="timed steps per variant (default: 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first; they check the losses "
-                   "(default: 2)")
     p.add_argument("--layers", type=int, default=4, help="TinyGPT n_layer (default: 4)")
     p.add_argument("--d-model", type=int, default=256, help="TinyGPT d_model (default: 256)")
     p.add_argument("--heads", type=int, default=4, help="TinyGPT n_head (default: 4)")
@@ -90,10 +89,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     names = [v[0] for v in ns.variants]
     if len(set(names)) != len(names) or "fsdp2" not in names:
         raise ValueError(f"variants must be distinct and include fsdp2 (the reference), got {names}.")
-    if ns.nproc < 2:
-        raise ValueError(f"nproc must be >= 2 (ZeRO shards over data-parallel ranks), got {ns.nproc}.")
-    if ns.rounds < 1 or ns.warmup < 1:
-        raise ValueError(f"rounds and warmup must be >= 1, got rounds={ns.rounds}, warmup={ns.warmup}.")
+    check_rounds(ns, "ZeRO shards over data-parallel ranks", "the losses against fsdp2's")
     if ns.batch % ns.nproc or ns.batch < ns.nproc:
         raise ValueError(f"batch must be a positive multiple of nproc, got {ns.batch} on {ns.nproc} ranks.")
     return ns
