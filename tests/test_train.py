@@ -203,6 +203,10 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert all(r["comm_bytes"] == expected for r in rows), (rows[0]["comm_bytes"], expected)
     assert all(0.0 <= r["comm_hidden_fraction"] <= 1.0 for r in rows)
+    # every rank's memory on the first and the last step; the replicas hold the same parameters
+    assert [("memory_bytes_by_rank" in r) for r in rows] == [True, False, True]
+    by_rank = rows[-1]["memory_bytes_by_rank"]
+    assert len(by_rank) == 2 and by_rank[0]["parameters"] == by_rank[1]["parameters"] > 0
 
 
 def test_cli_help_reads_well():

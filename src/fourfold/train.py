@@ -41,7 +41,7 @@ from fourfold import checkpoint, launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
 from fourfold.comm.ledger import LEDGER
-from fourfold.comm.wait import barrier
+from fourfold.comm.wait import barrier, gather_objects
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import (
     BatchLoader,
@@ -276,8 +276,10 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
-            row["memory_bytes"] = {**held, "activations": loss.activation_bytes,  # rank 0's in metrics.jsonl
+            row["memory_bytes"] = {**held, "activations": loss.activation_bytes,  # this rank's (rank 0 writes)
                                    **process_peak(ctx.device)}
+            if step in (first, t.steps) and ctx.world_size > 1:  # every rank's, on the first and the last step
+                row["memory_bytes_by_rank"] = gather_objects(row["memory_bytes"], op="gather every rank's memory")
             if loss.pipeline is not None:
                 res = loss.pipeline
                 row.update({"bubble": res.bubble, "bubble_by_rank": list(res.bubble_by_rank),
