@@ -46,7 +46,7 @@ from fourfold.data.packing import capture_layout, document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
-from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes
+from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Span, Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
@@ -124,6 +124,7 @@ class Engine:
         group = ranks.dp_group
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
+        self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
@@ -220,8 +221,9 @@ class Engine:
 
                 weights = moving
 
+            key = (tuple(inputs.shape), documents is not None, torch.is_grad_enabled())
             with self.tracer.span("compute", "forward"), document_layout(documents), \
-                    saved_bytes(weights) as saved, self._compute():
+                    saved_bytes_once(self._activations, key, weights) as saved, self._compute():
                 out = self.dp(inputs) if self.dp is not None else self.model(inputs)
                 loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
             with self.tracer.span("compute", "backward"):
@@ -229,11 +231,13 @@ class Engine:
             if self.dp is not None:
                 self.dp.finish()  # the engine owns the end of backward
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
+            if saved is not None:  # this shape's first step: measured (the same bytes every step after)
+                self._activations[key] = sum(saved.values())
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
-        out_loss.activation_bytes = result.peak_activation_bytes if result is not None else sum(saved.values())
+        out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
         return out_loss
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:

@@ -53,7 +53,7 @@ from torch import nn
 from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
-from fourfold.observe.memory import parameter_storages, saved_bytes
+from fourfold.observe.memory import parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.pipeline.backward import Call, weight_grads_are_local
 from fourfold.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Links, PipelineError, describe
@@ -162,6 +162,7 @@ class Pipeline:
                            tracer=self.tracer)
         self._params: dict[int, list[nn.Parameter]] = {}
         self._param_storage: set[int] = set()
+        self._activations: dict[Any, int] = {}  # (stage, input shape, ...) -> bytes saved for backward
         self._calls: list[Call] | None = None  # recording during a split-backward F
         self._local_w: dict[int, bool] = {}  # stage -> W per module call is exact (decided on its first F)
         self._ncalls: dict[int, int] = {}  # stage -> module calls in that first F
@@ -291,7 +292,8 @@ class Pipeline:
         self._calls = calls if self.schedule.split_backward else None
         t0 = time.perf_counter_ns()
         try:
-            with saved_bytes(self._param_storage) as saved, \
+            key = (a.stage, tuple(x.shape), x.dtype, torch.is_grad_enabled())
+            with saved_bytes_once(self._activations, key, self._param_storage) as saved, \
                     (self._around(i) if self._around is not None else contextlib.nullcontext()):
                 y = st(x)
                 out = self._loss(y, ys[i]) / self._divide if st.is_last and ys is not None else y
@@ -306,11 +308,13 @@ class Pipeline:
         local = self._local_w.get(a.stage, False) and len(calls) == self._ncalls[a.stage]  # same graph as checked
         calls = [c._replace(inputs=()) for c in calls] if local else []  # W needs outputs only
         self._trace_compute(a, t0)
-        if not st.is_last:  # the output stays alive as backward's root
-            saved.setdefault(y.untyped_storage().data_ptr(), y.untyped_storage().nbytes())
-        else:
+        if saved is not None:  # this stage and shape's first forward: measured (the same every step after)
+            if not st.is_last:  # the output stays alive as backward's root
+                saved.setdefault(y.untyped_storage().data_ptr(), y.untyped_storage().nbytes())
+            self._activations[key] = sum(saved.values())
+        if st.is_last:
             s.loss = out.detach() if s.loss is None else s.loss + out.detach()
-        nbytes = sum(saved.values())
+        nbytes = self._activations[key]
         s.held[(a.stage, i)] = _Held(x, out, nbytes, calls=calls)
         s.held_bytes += nbytes
         s.peak_bytes = max(s.peak_bytes, s.held_bytes)
