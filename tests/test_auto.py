@@ -29,19 +29,21 @@ LINK = auto.CostModel(alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
 def test_small_messages_pick_tree_and_large_pick_ring_with_the_default_model(world_size):
     assert auto.choose(1024, 4, world_size, auto.DEFAULT)[0] == "tree"  # 4 KB: latency-bound
-    assert auto.choose(16 << 20, 4, world_size, auto.DEFAULT)[0] == "ring"  # 64 MB: bandwidth-bound
+    # 64 MB, bandwidth-bound: the ring's bytes; at powers of two above 2 Rabenseifner sends them in fewer steps
+    large = "rabenseifner" if world_size > 2 and world_size & (world_size - 1) == 0 else "ring"
+    assert auto.choose(16 << 20, 4, world_size, auto.DEFAULT)[0] == large
     name, reason = auto.choose(1024, 4, world_size, auto.DEFAULT)
     assert reason.startswith("tree ") and "ring" in reason and f"G={world_size}" in reason
 
 
 @pytest.mark.parametrize("world_size", [4, 8, 16])
 def test_switch_point_is_the_analytical_crossover_for_powers_of_two(world_size):
-    # gamma = 0, G = 2^k: ring 2(G-1) alpha + 2(G-1)/G N beta, tree k alpha + k N beta, equal at
-    # N* = (2(G-1) - k) alpha / ((k - 2(G-1)/G) beta) bytes.
+    # gamma = 0, G = 2^k: Rabenseifner 2k alpha + 2(G-1)/G N beta (below the ring's 2(G-1) alpha at every size),
+    # tree k alpha + k N beta, equal at N* = k alpha / ((k - 2(G-1)/G) beta) bytes.
     k, g = int(math.log2(world_size)), world_size
-    n_star = (2 * (g - 1) - k) * LINK.alpha_s / ((k - 2 * (g - 1) / g) * LINK.beta_s_per_byte)
+    n_star = k * LINK.alpha_s / ((k - 2 * (g - 1) / g) * LINK.beta_s_per_byte)
     [(numel, before, after)] = auto.switch_points(4, g, LINK)
-    assert (before, after) == ("tree", "ring")
+    assert (before, after) == ("tree", "rabenseifner")
     assert abs(numel * 4 - n_star) <= 4 * g, (numel * 4, n_star)  # within a few elements (uneven segments)
 
 
@@ -63,8 +65,11 @@ def test_cost_uses_the_algorithms_own_theory():
         t = auto.cost("tree", n, 4, g)
         most = max(tree.theory(n, g, r, 4)[0] for r in range(g))
         assert t.wire_bytes == most + (0 if g & (g - 1) == 0 else n * 4)  # + the fold, a receive
-    assert auto.candidates(4) == ["ring", "tree"] and auto.candidates(4, node_size=4) == ["ring", "tree"]
-    assert auto.candidates(4, node_size=2) == ["ring", "tree", "hierarchical"]
+    assert auto.candidates(4) == auto.candidates(4, node_size=4) == ["ring", "tree", "rabenseifner"]
+    assert auto.candidates(4, node_size=2) == ["ring", "tree", "rabenseifner", "hierarchical"]
+    for g in (2, 4, 8):  # the ring's bytes (G divides N) in 2 log2 G steps
+        r = auto.cost("rabenseifner", 8000, 4, g)
+        assert r.wire_bytes == auto.cost("ring", 8000, 4, g).wire_bytes and r.steps == 2 * (g.bit_length() - 1)
 
 
 def test_cost_model_round_trips_through_json(tmp_path):

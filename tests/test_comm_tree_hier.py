@@ -241,3 +241,20 @@ def test_node_size_resolution(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be a positive int"):
         resolve(4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8, 16])
+def test_rabenseifner_moves_the_rings_bytes_in_2_log2_g_steps(world_size):
+    """At powers of two: per rank exactly the ring's bytes, in 2 log2(G) messages instead of 2(G-1). (The real
+    counts equal theory() in test_comm's sweep.)"""
+    from fourfold.comm import rabenseifner, ring
+
+    k = world_size.bit_length() - 1
+    for numel in (world_size * 1000, world_size * 7 + 3):
+        for r in range(world_size):
+            rab, rng = rabenseifner.theory(numel, world_size, r, 4), ring.theory(numel, world_size, r, 4)
+            assert rab[1] == 2 * k and rng[1] == 2 * (world_size - 1)
+            if numel % world_size == 0:
+                assert rab[0] == rng[0] == 2 * (world_size - 1) * numel // world_size * 4
+        total = sum(rabenseifner.theory(numel, world_size, r, 4)[0] for r in range(world_size))
+        assert total == sum(ring.theory(numel, world_size, r, 4)[0] for r in range(world_size))  # uneven too

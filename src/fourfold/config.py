@@ -80,7 +80,7 @@ class TrainConfig:
         "at a time)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
-    allreduce: Literal["native", "naive", "master", "ring", "tree", "hierarchical", "auto"] = field(
+    allreduce: Literal["native", "naive", "master", "ring", "tree", "rabenseifner", "hierarchical", "auto"] = field(
         default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
     precision: Literal["full", "bf16"] = field(default="full", metadata=_help(
         "bf16: mixed precision, forward under bfloat16 autocast (matmuls and their activations in bf16), float32 "

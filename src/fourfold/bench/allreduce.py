@@ -46,7 +46,7 @@ from fourfold.bench.harness import (
 __all__ = ["fit_line", "main", "parse_size"]
 
 DEFAULT_SIZES = "4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB"
-CANDIDATES = ("ring", "tree", "hierarchical")  # what auto may pick: "auto vs best" compares with these
+CANDIDATES = ("ring", "tree", "rabenseifner", "hierarchical")  # what auto may pick: "auto vs best" compares with these
 _PINGPONG = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
@@ -303,7 +303,7 @@ def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
     for name in dict.fromkeys(r["algorithm"] for r in rows):
         mine = [r for r in rows if r["algorithm"] == name]
         line, = ax.plot([r["bytes"] for r in mine], [r["median_s"] * 1e3 for r in mine], "o-", label=name)
-        if name in ("ring", "tree"):
+        if name in ("ring", "tree", "rabenseifner"):
             sizes = [r["bytes"] for r in mine]
             ax.plot(sizes, [auto.predict(model, name, s // 4, 4, g) * 1e3 for s in sizes], ":",
                     color=line.get_color(), label=f"{name} (model)")

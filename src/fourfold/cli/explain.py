@@ -3,6 +3,7 @@
     fourfold explain ring --world 4          # the ring's share-reduce and share-only steps
     fourfold explain tree --world 5          # recursive doubling, with the fold for a non-power of two
     fourfold explain naive --world 3
+    fourfold explain rabenseifner --world 8  # recursive halving, then recursive doubling: the ring's bytes, 6 steps
 
 G ranks are started through torchrun's launcher and run the algorithm for real on a tiny integer tensor in
 which rank r holds the value 2**r everywhere. Since every contribution is a distinct bit, any element's value
@@ -102,7 +103,8 @@ def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
         print(f"\nstep {i} ({batch[0].phase}):")
         for m in batch:
             what = masks_label(m.mask, m.segments[0] if len(m.segments) == 1 else None)
-            where = f"segment {m.segments[0]}" if len(m.segments) == 1 else "the whole tensor"
+            where = (f"segment {m.segments[0]}" if len(m.segments) == 1 else "the whole tensor"
+                     if len(m.segments) == g else f"segments {m.segments[0]}-{m.segments[-1]}")
             print(f"  rank {m.src} -> rank {m.dst}: {where} = {what}")
         _print_state(states, i + 1, g)
     pieces = sum(len(m.segments) for m in messages)

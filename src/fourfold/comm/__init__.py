@@ -13,8 +13,9 @@
 | ``master`` | gather to one root, it sums and sends back | root (G-1)N, others N | 2 |
 | ``ring``   | reduce-scatter then all-gather around a ring | 2(G-1)N/G | 2(G-1) |
 | ``tree``   | recursive doubling (fold extras when G is not 2^k) | log2(G)N, G = 2^k | log2(G) (+2) |
+| ``rabenseifner`` | recursive halving reduce-scatter, recursive doubling all-gather (fold extras) | 2(G-1)N/G, G = 2^k | 2 log2(G) (+2) |
 | ``hierarchical`` | rings in node, across nodes on N/g, in node | 2(G-1)N/G; 2(n-1)N/(gn) across | 2(g+n-2) |
-| ``auto``   | ring, tree or hierarchical, whichever an α-β-γ cost model predicts fastest (``comm/auto.py``) | that algorithm's | that algorithm's |
+| ``auto``   | ring, tree, rabenseifner or hierarchical, whichever an α-β-γ cost model predicts fastest (``comm/auto.py``) | that algorithm's | that algorithm's |
 | ``native`` | ``torch.distributed.all_reduce`` (the backend's own) | - | - |
 
 Any contiguous tensor of any length (0, 1, not divisible by G), dtypes float16, bfloat16, float32, float64 and
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fourfold.comm import auto, hierarchical, master, naive, ring, tree
+from fourfold.comm import auto, hierarchical, master, naive, rabenseifner, ring, tree
 from fourfold.comm.p2p import CommStats, Communicator, Message, check_same
 from fourfold.comm.wait import CommError, bounded_wait
 from fourfold.observe.trace import Tracer
@@ -51,6 +52,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "master": master.allreduce,
     "ring": ring.allreduce,
     "tree": tree.allreduce,
+    "rabenseifner": rabenseifner.allreduce,
     "hierarchical": hierarchical.allreduce,
     "auto": auto.allreduce,
     "native": _native,

@@ -11,6 +11,7 @@ E = G - 2^d)::
 
     ring          2(G-1) steps          2(G-1)N/G on the wire    (G-1)N/G reduced
     tree          d (+2 if E > 0)       d*N (+2N if E > 0)       d*N (+N if E > 0)
+    rabenseifner  2d (+2 if E > 0)      2(P-1)N/P (+2N if E > 0) (P-1)N/P (+N if E > 0), P = 2^d
     hierarchical  2(g-1) + 2(n-1)       2(G-1)N/G                (g-1)N/g + (n-1)N/(gn)
 
 (the tree's fold is a receive, so ``theory()``, which counts sends, misses N of its wire bytes; it is added
@@ -21,10 +22,13 @@ fewer, so the model would never pick the ring there; what the ring saves is half
 and on a CPU, where loopback "wire" and addition both run at memory speed, that is what makes it win for large
 messages. γ is cheap to measure (time ``add_``) and costs nothing to evaluate.
 
-Candidates: ``ring`` and ``tree``; ``hierarchical`` when the group spans more than one node (g ranks per node,
+Candidates: ``ring``, ``tree`` and ``rabenseifner``; ``hierarchical`` when the group spans more than one node (g ranks per node,
 1 < g < G, from ``LOCAL_WORLD_SIZE`` as :func:`fourfold.comm.hierarchical.resolve_node_size` reads it). With one
 (α, β) for every link it is the ring's bytes in fewer steps, and across slow inter-node links it gains more,
-so the single-link model never favours it wrongly. ``naive`` is left out: at G = 2 it is the tree's one
+so the single-link model never favours it wrongly. ``rabenseifner`` sends the ring's bytes in 2 log2 G steps, so
+at powers of two above 2 the model prefers it to the ring for every size (at G = 2 they are the same exchange:
+the tie goes to the ring; elsewhere its fold costs 2N more); measured on this machine at G = 4 it is 0.78-0.90x
+the ring's time from 256 KB to 16 MB (docs/allreduce.md). ``naive`` is left out: at G = 2 it is the tree's one
 exchange plus two copies, and beyond it sends (G-1)N; ``master`` funnels 2(G-1)N through one rank.
 
 Every rank must run the same algorithm, so the choice depends only on (numel, itemsize, G, model, g), and the
@@ -53,7 +57,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fourfold.comm import hierarchical, ring, tree
+from fourfold.comm import hierarchical, rabenseifner, ring, tree
 from fourfold.comm.p2p import Communicator
 from fourfold.comm.wait import bounded_wait
 from fourfold.files import write_text_atomic
@@ -155,7 +159,7 @@ def _max_sent(algorithm: str, numel: int, world_size: int, itemsize: int, node_s
     """The busiest rank's bytes sent, from the algorithm's own ``theory()``."""
     if algorithm == "hierarchical":
         return max(hierarchical.theory(numel, world_size, r, itemsize, node_size)[0] for r in range(world_size))
-    fn = {"ring": ring.theory, "tree": tree.theory}[algorithm]
+    fn = {"ring": ring.theory, "tree": tree.theory, "rabenseifner": rabenseifner.theory}[algorithm]
     return max(fn(numel, world_size, r, itemsize)[0] for r in range(world_size))
 
 
@@ -169,15 +173,20 @@ def cost(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: 
     elif algorithm == "tree":
         d, extra = g_.bit_length() - 1, g_ - (1 << (g_.bit_length() - 1))
         steps, reduced = d + (2 if extra else 0), (d + (1 if extra else 0)) * n
+    elif algorithm == "rabenseifner":
+        d, extra = g_.bit_length() - 1, g_ - (1 << (g_.bit_length() - 1))
+        steps = 2 * d + (2 if extra else 0)
+        reduced = ((1 << d) - 1) * -(-n // (1 << d)) + (n if extra else 0)
     elif algorithm == "hierarchical":
         g = node_size or g_
         nodes = g_ // g
         steps = 2 * (g - 1) + 2 * (nodes - 1)
         reduced = (g - 1) * -(-n // g) + (nodes - 1) * -(-n // g_)
     else:
-        raise ValueError(f"algorithm must be ring, tree or hierarchical for the cost model, got {algorithm!r}.")
+        raise ValueError(f"algorithm must be ring, tree, rabenseifner or hierarchical for the cost model, got "
+                         f"{algorithm!r}.")
     wire = _max_sent(algorithm, n, g_, itemsize, node_size or g_)
-    if algorithm == "tree" and g_ & (g_ - 1):
+    if algorithm in ("tree", "rabenseifner") and g_ & (g_ - 1):
         wire += n * itemsize  # the fold: received by ranks j < E before they send anything
     return Cost(steps, wire, reduced * itemsize)
 
@@ -192,7 +201,7 @@ def predict(model: CostModel, algorithm: str, numel: int, itemsize: int, world_s
 def candidates(world_size: int, node_size: int | None = None) -> list[str]:
     """The algorithms ``auto`` may pick, in tie-break order."""
     multi_node = node_size is not None and 1 < node_size < world_size
-    return ["ring", "tree"] + (["hierarchical"] if multi_node else [])
+    return ["ring", "tree", "rabenseifner"] + (["hierarchical"] if multi_node else [])
 
 
 def _fmt_s(s: float) -> str:
@@ -304,5 +313,7 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
         hierarchical.allreduce(comm, flat, node_size=state.node_size)
     elif name == "tree":
         tree.allreduce(comm, flat)
+    elif name == "rabenseifner":
+        rabenseifner.allreduce(comm, flat)
     else:
         ring.allreduce(comm, flat)
