@@ -1,8 +1,10 @@
 """Memory per rank, known before launch: what ``fourfold plan --memory`` prints and every run checks first.
 
-    rows = estimate_memory(model, Mesh(dp=2, tp=2, pp=2), batch_size=16, seq_len=64, microbatches=4,
-                           schedule="1f1b", zero=1)
-    print(format_estimate(rows, available=per_rank_memory(world_size=8)))
+    blocks = list(model.blocks)                                   # engine.model_blocks(model, split)
+    probe = probe_activations(model, blocks, seq_len=64, shards=shard_plan(model))
+    rows = estimate_memory(model, blocks, dp=2, tp=2, pp=2, batch_size=16, microbatches=4, schedule="1f1b",
+                           zero=1, shards=shard_plan(model), probe=probe)
+    print(format_estimate(rows, *per_rank_memory(world_size=8)))
 
 Per rank (one row per pipeline rank: data-parallel replicas and tensor-parallel ranks hold the same amounts):
 
