@@ -28,14 +28,9 @@ import torch
 
 from fourfold.comm.p2p import Communicator
 from fourfold.comm.ring import segments
+from fourfold.comm.tree import power_split
 
 __all__ = ["allreduce", "theory"]
-
-
-def _split(world_size: int) -> tuple[int, int, int]:
-    """``(P, E, d)``: the largest power of two P <= G, the E = G - P extra ranks, d = log2(P)."""
-    d = world_size.bit_length() - 1
-    return 1 << d, world_size - (1 << d), d
 
 
 def _span(segs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
@@ -50,7 +45,7 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
     size, me, numel = comm.size, comm.rank, flat.numel()
     if size == 1 or numel == 0:
         return
-    power, extra, d = _split(size)
+    power, extra, d = power_split(size)
     record = comm.record_messages
     first = 1 if extra else 0
     if me >= power:  # an extra rank: hand the vector over, then wait for the total
@@ -99,7 +94,7 @@ def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, 
     """
     if numel == 0 or world_size == 1:
         return 0, 0
-    power, extra, d = _split(world_size)
+    power, extra, d = power_split(world_size)
     if rank >= power:
         return numel * itemsize, 1
     segs = segments(numel, power)

@@ -35,10 +35,10 @@ import torch
 
 from fourfold.comm.p2p import Communicator
 
-__all__ = ["allreduce", "theory"]
+__all__ = ["allreduce", "power_split", "theory"]
 
 
-def _split(world_size: int) -> tuple[int, int, int]:
+def power_split(world_size: int) -> tuple[int, int, int]:
     """``(P, E, d)``: the largest power of two P <= G, the E = G - P extra ranks, d = log2(P)."""
     d = world_size.bit_length() - 1
     return 1 << d, world_size - (1 << d), d
@@ -57,7 +57,7 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
     size, me, numel = comm.size, comm.rank, flat.numel()
     if size == 1 or numel == 0:
         return
-    power, extra, d = _split(size)
+    power, extra, d = power_split(size)
     record = comm.record_messages
     first = 1 if extra else 0  # the doubling steps follow the fold step, when there is one
     if me >= power:  # an extra rank: hand the vector over, then wait for the total
@@ -88,6 +88,6 @@ def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, 
     """
     if numel == 0 or world_size == 1:
         return 0, 0
-    power, extra, d = _split(world_size)
+    power, extra, d = power_split(world_size)
     messages = 1 if rank >= power else d + 1 if rank < extra else d
     return messages * numel * itemsize, messages
