@@ -28,7 +28,7 @@ Two implementations, side by side:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,10 +208,15 @@ class DataParallel(nn.Module):
                 work.get_future().then(lambda _: tracer.record(
                     "comm", "allreduce:native", start, tracer.now_ns(), bucket=b.index, numel=numel))
             return
+        b.handle = self._submit(allreduce, flat, self.algorithm, comm=self._comm, tracer=self.tracer,
+                                check=not self._checked)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run ``fn`` on the one communication thread: collectives go in the order issued, the same on every
+        rank."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
-        b.handle = self._executor.submit(allreduce, flat, self.algorithm, comm=self._comm, tracer=self.tracer,
-                                         check=not self._checked)
+        return self._executor.submit(fn, *args, **kwargs)
 
     def finish(self) -> None:
         """Wait for every bucket and write the averaged gradients into ``p.grad`` (idempotent)."""
@@ -276,6 +281,11 @@ def _group(named: list[tuple[str, nn.Parameter]], cap_bytes: int,
     return groups
 
 
+def padded(numel: int, multiple: int) -> int:
+    """``numel`` rounded up to a multiple of ``multiple`` (ZeRO: every rank's segment the same length)."""
+    return -(-numel // multiple) * multiple
+
+
 def _bucket(index: int, members: list[tuple[str, nn.Parameter]], multiple: int = 1) -> Bucket:
     """One bucket of ``members``, its flat buffer padded with zeros to a multiple of ``multiple`` elements."""
     offsets, total = [], 0
@@ -283,7 +293,7 @@ def _bucket(index: int, members: list[tuple[str, nn.Parameter]], multiple: int =
         offsets.append(total)
         total += p.numel()
     first = members[0][1]
-    flat = torch.zeros(-(-total // multiple) * multiple, dtype=first.dtype, device=first.device)
+    flat = torch.zeros(padded(total, multiple), dtype=first.dtype, device=first.device)
     return Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, total, flat)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,18 +39,13 @@ from torch import nn
 from fourfold.comm import Communicator, ring
 from fourfold.comm.wait import bounded_wait
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.data import Bucket, DataParallel, _bucket, _group
+from fourfold.parallel.data import Bucket, DataParallel, _bucket, _group, padded
 
-__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "all_gather", "gather_flat", "padded",
-           "reduce_scatter", "theory_bytes"]
+__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "gather_flat", "padded", "reduce_scatter",
+           "theory_bytes"]
 
 ZERO_ALGORITHMS = ("ring", "native")
 """The algorithms that have a reduce-scatter and an all-gather half (the others are all-reduce only)."""
-
-
-def padded(numel: int, size: int) -> int:
-    """``numel`` rounded up to a multiple of ``size``: every rank's segment has the same length."""
-    return -(-numel // size) * size
 
 
 @dataclass(eq=False)
@@ -74,13 +68,13 @@ class ZeroBucket:
     def free(self) -> None:
         """Stage 3: release the whole parameters (their storage shrinks to nothing; the views stay valid)."""
         if self.stage == 3 and self.gathered:
-            self.params.untyped_storage().resize_(0)
+            _release(self.params)
             self.gathered = False
 
     def allocate(self) -> None:
         """Stage 3: the whole parameters' storage back, this rank's segment copied in, ready to gather."""
         if not self.gathered:
-            self.params.untyped_storage().resize_(self.params.numel() * self.params.element_size())
+            _allocate(self.params)
             self.own.copy_(self.shard.detach())
 
 
@@ -88,12 +82,9 @@ def flatten(params: Sequence[nn.Parameter], offsets: Sequence[int], numel: int, 
             stage: int) -> ZeroBucket:
     """Move ``params`` into one flat buffer of ``numel`` elements (padded with zeros) and make each parameter a
     view of its slice; this rank's segment becomes the optimiser's shard (its own copy under stage 3)."""
-    first = params[0]
-    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        for p, offset in zip(params, offsets, strict=True):
-            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = flat[offset:offset + p.numel()].view_as(p)
+    flat = _flat_of([p.detach() for p in params], offsets, numel)
+    for p, offset in zip(params, offsets, strict=True):
+        p.data = flat[offset:offset + p.numel()].view_as(p)
     length = numel // size
     own = flat[group_rank * length:(group_rank + 1) * length]
     shard = nn.Parameter(own.clone() if stage == 3 else own)
@@ -118,11 +109,6 @@ def reduce_scatter(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tr
         out = flat[offset:offset + length]
     _record(tracer, f"reduce_scatter:{algorithm}", start, comm, before, index, flat)
     return out
-
-
-def all_gather(comm: Communicator, zb: ZeroBucket, algorithm: str, *, tracer: Tracer | None, index: int) -> None:
-    """Every rank's segment into every rank's ``zb.params`` (this rank's own already in place)."""
-    gather_flat(comm, zb.params, algorithm, tracer=tracer, index=index)
 
 
 def gather_flat(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tracer: Tracer | None = None,
@@ -320,8 +306,9 @@ class ShardedDataParallel(DataParallel):
         zb = b.zero
         if zb.handle is not None or (not force and (zb.gathered if self.zero == 3 else self._fresh)):
             return
-        zb.allocate()
-        zb.handle = self._submit(all_gather, self._comm, zb, self.algorithm, tracer=self.tracer, index=b.index)
+        zb.allocate()  # this rank's segment in place; the gather brings every other rank's
+        zb.handle = self._submit(gather_flat, self._comm, zb.params, self.algorithm, tracer=self.tracer,
+                                 index=b.index)
 
     def _gather(self, buckets: Sequence[Bucket], force: bool = False) -> None:
         for b in buckets:
@@ -396,9 +383,8 @@ class ShardedDataParallel(DataParallel):
             zb, state = b.zero, {}
             for key, first in got[0].items():  # type: ignore[union-attr]
                 if isinstance(first, torch.Tensor) and first.shape == b.params[0].shape:
-                    whole = torch.zeros(b.flat.numel(), dtype=first.dtype, device=zb.shard.device)
-                    for p, offset, g in zip(b.params, b.offsets, got, strict=True):
-                        whole[offset:offset + p.numel()] = g[key].reshape(-1)  # type: ignore[index]
+                    whole = _flat_of([g[key].to(zb.shard.device) for g in got], b.offsets,  # type: ignore[index]
+                                     b.flat.numel())
                     state[key] = whole[zb.offset:zb.offset + zb.length].clone()
                 else:
                     state[key] = first
@@ -408,12 +394,17 @@ class ShardedDataParallel(DataParallel):
         """The parameters' storages as they are now (stage 3 allocates them afresh at every gather)."""
         return {b.zero.params.untyped_storage().data_ptr() for b in self.buckets}
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        """Every ZeRO collective runs on the one communication thread, in the order issued: the same on every
-        rank."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-zero-comm")
-        return self._executor.submit(fn, *args, **kwargs)
+
+
+def _flat_of(tensors: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> torch.Tensor:
+    """A new flat tensor of ``numel`` elements (zeros past the last: padding) holding ``tensors`` at
+    ``offsets``."""
+    first = tensors[0]
+    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for t, offset in zip(tensors, offsets, strict=True):
+            flat[offset:offset + t.numel()].copy_(t.reshape(-1))
+    return flat
 
 
 def _release(t: torch.Tensor) -> None:
