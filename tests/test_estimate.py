@@ -19,9 +19,10 @@ import torch
 from fourfold import Mesh, parallelize
 from fourfold.engine import model_blocks
 from fourfold.models import GPTConfig, TinyGPT, shard_plan
-from fourfold.observe.estimate import estimate_memory, parse_bytes, probe_activations
+from fourfold.observe.estimate import estimate_memory, probe_activations
 from fourfold.observe.memory import held_bytes
 from fourfold.testing import run_ranks
+from fourfold.units import parse_bytes
 from helpers import batches, optimizer, shard
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, d_model=64)

@@ -180,7 +180,7 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got zero={self.zero}.")
         if self.memory_limit is not None:
-            from fourfold.observe.estimate import parse_bytes
+            from fourfold.units import parse_bytes
 
             parse_bytes(self.memory_limit)  # refuses anything but a size
         if self.zero and self.allreduce not in ("ring", "native"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import sys
@@ -18,21 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.files import write_text_atomic
+from fourfold.units import format_bytes, parse_bytes
 
 __all__ = ["add_output_flags", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
            "paired_ratio", "parse_size", "run_or_launch", "run_record", "start_rank", "timed_rounds", "write_report"]
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
 
 def parse_size(text: str) -> int:
     """``"64KB"`` -> 65536 (KB = 1024 B, as NCCL-tests counts); a multiple of 4 bytes (float32), >= 4."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size must be a number with an optional unit B, KB, MB or GB, got {text!r}. "
-                         f"E.g. --sizes 4KB,1MB.")
-    n = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    n = parse_bytes(text)  # refuses anything but a size (ValueError: "size must be ...")
     if n < 4 or n % 4:
         raise ValueError(f"size must be a positive multiple of 4 bytes (float32 elements), got {text!r} = {n} B.")
     return n
@@ -76,13 +69,6 @@ def name_list(text: str, valid: Sequence[str], flag: str, example: str) -> list[
         raise ValueError(f"{flag} must be distinct names among {', '.join(valid)}, got {names}. E.g. --{flag} "
                          f"{example}.")
     return names
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_time(s: float) -> str:

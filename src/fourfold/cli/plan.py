@@ -50,35 +50,58 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     return estimate(options), options, estimate
 
 
+def _available(cfg: Any, world_size: int) -> tuple[int, str]:
+    """(bytes per rank, where that came from): ``--memory-limit``, else the device's (per_rank_memory)."""
+    from fourfold.observe.estimate import per_rank_memory
+    from fourfold.units import parse_bytes
+
+    t = cfg.train
+    if t.memory_limit is not None:
+        return parse_bytes(t.memory_limit), "--memory-limit"
+    return per_rank_memory(world_size, "cuda" if t.device == "cuda" else "cpu")
+
+
+def _overflow(rows: list[Any], available: int, options: dict[str, Any],
+              estimate: Any) -> tuple[str, str, str] | None:
+    """None when the largest rank fits; else (its largest term, that term's size, the cheapest change that
+    fits)."""
+    from fourfold.observe.estimate import suggest
+    from fourfold.units import format_bytes
+
+    worst = max(rows, key=lambda r: r.total)
+    if worst.total <= available:
+        return None
+    term, size = worst.largest()
+    return term, format_bytes(size), suggest(estimate, available, options)
+
+
 def check_memory(cfg: Any, world_size: int) -> str:
     """Estimate every rank's memory for ``cfg``; refuse (ValueError: the largest term, the cheapest change that
     fits) a layout that would not fit. Returns the one line a run prints first."""
-    from fourfold.observe.estimate import _size, parse_bytes, per_rank_memory, suggest
+    from fourfold.units import format_bytes
 
     try:
         rows, options, estimate = layout_memory(cfg, world_size)
     except Exception as e:  # the estimate must never stop a run it cannot read: say so and go on
         return f"memory estimate skipped: {type(e).__name__}: {e}"
-    t = cfg.train
-    if t.memory_limit is not None:
-        available, where = parse_bytes(t.memory_limit), "--memory-limit"
-    else:
-        available, where = per_rank_memory(world_size, "cuda" if t.device == "cuda" else "cpu")
+    available, where = _available(cfg, world_size)
     worst = max(rows, key=lambda r: r.total)
-    if worst.total > available:
-        term, size = worst.largest()
-        fix = suggest(estimate, rows, available, options)
+    over = _overflow(rows, available, options, estimate)
+    if over is not None:
+        term, size, fix = over
         raise ValueError(
-            f"this layout needs {_size(worst.total)} on pipeline rank {worst.pp_rank}'s ranks, more than the "
-            f"{_size(available)} each rank has ({where}); the largest term is {term}, {_size(size)}. Cheapest change "
-            f"that fits: {fix}. See `fourfold plan --memory` with the same flags, or --no-memory-check to try anyway.")
-    return (f"memory per rank (estimated, largest: pp rank {worst.pp_rank}): parameters {_size(worst.parameters)}, "
-            f"gradients {_size(worst.gradients)}, optimiser {_size(worst.optimizer)}, activations "
-            f"{_size(worst.activations)} = {_size(worst.total)} of {_size(available)} ({where})")
+            f"this layout needs {format_bytes(worst.total)} on pipeline rank {worst.pp_rank}'s ranks, more than the "
+            f"{format_bytes(available)} each rank has ({where}); the largest term is {term}, {size}. Cheapest "
+            f"change that fits: {fix}. See `fourfold plan --memory` with the same flags, or --no-memory-check to "
+            "try anyway.")
+    return (f"memory per rank (estimated, largest: pp rank {worst.pp_rank}): parameters "
+            f"{format_bytes(worst.parameters)}, gradients {format_bytes(worst.gradients)}, optimiser "
+            f"{format_bytes(worst.optimizer)}, activations {format_bytes(worst.activations)} = "
+            f"{format_bytes(worst.total)} of {format_bytes(available)} ({where})")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fourfold.observe.estimate import _size, format_estimate, parse_bytes, per_rank_memory, suggest
+    from fourfold.observe.estimate import format_estimate
     from fourfold.train import parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -95,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
         return 2
     t = cfg.train
-    if t.memory_limit is not None:
-        available, where = parse_bytes(t.memory_limit), "--memory-limit"
-    else:
-        available, where = per_rank_memory(world, "cuda" if t.device == "cuda" else "cpu")
+    available, where = _available(cfg, world)
     layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
         f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else "") + (
         f" zero={options['zero']}" if options["zero"] else "") + (
@@ -106,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory per rank, {t.model} on {world} rank(s), {layout}, batch {t.batch_size} x {cfg.model.seq_len}, "
           f"{t.dtype}:")
     print(format_estimate(rows, available, where))
-    worst = max(rows, key=lambda r: r.total)
-    if worst.total > available:
-        term, size = worst.largest()
-        print(f"  largest term: {term}, {_size(size)}; cheapest change that fits: "
-              f"{suggest(estimate, rows, available, options)}")
+    over = _overflow(rows, available, options, estimate)
+    if over is not None:
+        term, size, fix = over
+        print(f"  largest term: {term}, {size}; cheapest change that fits: {fix}")
         return 1
     return 0
 

@@ -27,7 +27,6 @@ these for the layouts in ``tests/test_estimate.py``.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,9 +36,10 @@ import torch
 from torch import nn
 
 from fourfold.observe.memory import estimate_held
+from fourfold.units import format_bytes
 
-__all__ = ["Probe", "RankMemory", "estimate_memory", "format_estimate", "parse_bytes", "per_rank_memory",
-           "probe_activations", "suggest"]
+__all__ = ["Probe", "RankMemory", "estimate_memory", "format_estimate", "per_rank_memory", "probe_activations",
+           "suggest"]
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,9 @@ class Probe:
 
 def _units(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Parameter]]:
     """The model's parameters by unit: those registered before the first block, each block's, those after."""
-    in_block = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    in_block = {id(p) for b in blocks for p in b.parameters()}
     before: list[nn.Parameter] = []
     after: list[nn.Parameter] = []
-    units: list[list[nn.Parameter]] = [[] for _ in blocks]
-    for i, b in enumerate(blocks):
-        units[i] = list(b.parameters())
     seen_block = False
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in in_block:
@@ -92,25 +89,27 @@ def _units(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Parameter]
             after.append(p)
         else:
             before.append(p)
-    return [before, *units, after]
+    return [before, *(list(b.parameters()) for b in blocks), after]
+
+
+def _kinds(model: nn.Module, shards: Mapping[str, str] | None) -> dict[int, str]:
+    """id(module) -> its tensor-parallel kind (column, row, vocab, head) under ``shards``, the plan as
+    :func:`~fourfold.parallel.tensor.plan.expand_plan` reads it (wildcards, Hugging Face's style names)."""
+    from fourfold.parallel.tensor.plan import expand_plan
+
+    styles = expand_plan(model, shards) if shards else {}
+    return {id(model.get_submodule(name)): style.split(":")[0] for name, style in styles.items() if style}
 
 
 def _shard_divisors(model: nn.Module, shards: Mapping[str, str] | None, tp: int) -> dict[int, int]:
-    """id(parameter) -> its tensor-parallel divisor (tp where the plan splits it, else 1)."""
-    out: dict[int, int] = {}
-    if tp == 1 or not shards:
-        return out
-    for name, module in model.named_modules():
-        style = next((s for pattern, s in shards.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is None:
-            continue
-        from fourfold.parallel.tensor.plan import HF_STYLES
-
-        kind = (HF_STYLES.get(style, style) or "replicate").split(":")[0]
-        for pname, p in module.named_parameters(recurse=False):
-            if pname == "weight" or (pname == "bias" and kind in ("column", "head")):
-                out[id(p)] = tp
-    return out
+    """id(parameter) -> its tensor-parallel divisor (tp where the plan splits it, else 1): weights of every
+    sharded layer, biases of column-parallel ones."""
+    if tp == 1:
+        return {}
+    kinds = _kinds(model, shards)
+    return {id(p): tp for module in model.modules() if id(module) in kinds
+            for pname, p in module.named_parameters(recurse=False)
+            if pname == "weight" or (pname == "bias" and kinds[id(module)] in ("column", "head"))}
 
 
 def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
@@ -120,7 +119,6 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     tensor-parallel plan, to tell which layers are column-parallel."""
     from fourfold.loss import lm_loss
     from fourfold.parallel.pipeline.blocks import output_tensor
-    from fourfold.parallel.tensor.plan import HF_STYLES
 
     device = next(model.parameters()).device
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -129,11 +127,7 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     unit = [0]
     stack: list[bool] = []  # per module entered: is it column-parallel (its saved input stays whole)?
     seen: set[int] = set()
-    column = set()
-    for name, module in model.named_modules():
-        style = next((v for k, v in (shards or {}).items() if fnmatch.fnmatchcase(name, k)), None)
-        if style is not None and (HF_STYLES.get(style, style) or "").split(":")[0] in ("column", "head"):
-            column.add(id(module))
+    column = {i for i, kind in _kinds(model, shards).items() if kind in ("column", "head")}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
@@ -269,29 +263,21 @@ def per_rank_memory(world_size: int, device: str = "cpu") -> tuple[int, str]:
     return available // world_size, f"the machine's available memory / {world_size} rank(s)"
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
 def format_estimate(rows: list[RankMemory], available: int | None = None, where: str = "") -> str:
     """The table ``fourfold plan --memory`` prints: one row per pipeline rank."""
     lines = [f"  {'pp rank':>7}  {'parameters':>11}  {'gradients':>10}  {'optimiser':>10}  {'activations':>11}  "
              f"{'total':>10}"]
     for r in rows:
-        lines.append(f"  {r.pp_rank:>7}  {_size(r.parameters):>11}  {_size(r.gradients):>10}  "
-                     f"{_size(r.optimizer):>10}  {_size(r.activations):>11}  {_size(r.total):>10}")
+        lines.append(f"  {r.pp_rank:>7}  {format_bytes(r.parameters):>11}  {format_bytes(r.gradients):>10}  "
+                     f"{format_bytes(r.optimizer):>10}  {format_bytes(r.activations):>11}  {format_bytes(r.total):>10}")
     if available is not None:
         worst = max(rows, key=lambda r: r.total)
         verdict = "fits" if worst.total <= available else "does NOT fit"
-        lines.append(f"  largest rank: {_size(worst.total)} of {_size(available)} ({where}): {verdict}")
+        lines.append(f"  largest rank: {format_bytes(worst.total)} of {format_bytes(available)} ({where}): {verdict}")
     return "\n".join(lines)
 
 
-def suggest(estimate: Any, rows: list[RankMemory], available: int, options: dict[str, Any]) -> str:
+def suggest(estimate: Any, available: int, options: dict[str, Any]) -> str:
     """The cheapest change to ``options`` (estimate_memory's keyword arguments) that fits ``available``, in
     order of what it costs: a higher ZeRO stage (communication only), activation checkpointing (one more
     forward), more micro-batches (a smaller micro-batch), a smaller batch; else more tensor/pipeline ranks."""
@@ -307,6 +293,7 @@ def suggest(estimate: Any, rows: list[RankMemory], available: int, options: dict
     b = options["batch_size"]
     tries += [(f"--batch-size {b // k}", {"batch_size": b // k}) for k in (2, 4)
               if b // k >= options.get("dp", 1) and (b // k) % options.get("dp", 1) == 0]
+
     def fits(change: dict[str, Any]) -> int | None:
         worst = max(r.total for r in estimate({**options, **change}))
         return worst if worst <= available else None
@@ -314,7 +301,7 @@ def suggest(estimate: Any, rows: list[RankMemory], available: int, options: dict
     for label, change in tries:  # one change alone, cheapest first
         worst = fits(change)
         if worst is not None:
-            return f"{label} (largest rank then {_size(worst)})"
+            return f"{label} (largest rank then {format_bytes(worst)})"
     labels: list[str] = []
     together: dict[str, Any] = {}
     for label, change in tries:  # then together, each kind at its strongest, in the same order
@@ -325,17 +312,6 @@ def suggest(estimate: Any, rows: list[RankMemory], available: int, options: dict
         together.update(change)
         worst = fits(together)
         if worst is not None:
-            return f"{' '.join(labels)} (largest rank then {_size(worst)})"
+            return f"{' '.join(labels)} (largest rank then {format_bytes(worst)})"
     return "more devices: a larger --tp or --pp (each rank then holds a smaller share of the model)"
 
-
-def parse_bytes(text: str) -> int:
-    """``"80GB"`` -> 85899345920 (KB = 1024 B); ``"512MB"``, ``"1.5GB"``, a plain number of bytes."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text, flags=re.IGNORECASE)
-    units = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30,
-             "T": 2**40, "TB": 2**40}
-    if not m or m.group(2).upper() not in units:
-        raise ValueError(f"memory must be a size like 80GB, 512MB or 1.5GB, got {text!r}.")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
