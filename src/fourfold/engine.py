@@ -339,7 +339,6 @@ class Engine:
             out["dp_sent_bytes"] = self.dp.stats.sent_bytes
         return out
 
-
     def memory_estimate(self, optimizer_slots: int = 2) -> dict[str, int]:
         """This rank's parameters, gradients and optimiser state between steps, from the formula
         (:func:`~fourfold.observe.memory.estimate_held`) with this rank's own parameter count and dtype."""

@@ -406,18 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     lock = (run_lock(cfg.train.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.train.out
             else contextlib.nullcontext())
     try:
-        if not worker and cfg.launch.world_size > 1:
+        if not worker:  # the checks that need no process group, before any rank starts
             preflight(cfg, cfg.launch.world_size)
             _memory_line(cfg, cfg.launch.world_size)
+        if not worker and cfg.launch.world_size > 1:
             from fourfold.elastic import launch_workers
 
             with lock:
                 os.environ[_LOCK_HELD] = cfg.train.out
                 # Workers need no launch flags (and torchrun's parser would trip over --nproc).
                 return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
-        if not worker:
-            preflight(cfg, 1)
-            _memory_line(cfg, 1)
         with lock:
             result = train(cfg)
     except ValueError as e:

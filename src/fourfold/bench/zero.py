@@ -103,24 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 @dataclass(eq=False)
 class _Replica:
     name: str
-    step: Any  # (x, y) -> loss (a fourfold Loss, or a float)
+    step: Any  # (x, y) -> the step's Loss (its all-reduce waited for after the optimiser)
     optimizer: Any
-    params: list[Any]  # what the optimiser steps (local shards)
+    params: list[Any]  # what the optimiser steps (local shards; DTensors for FSDP2)
     losses: list[float]
-
-
-def _local(t: Any) -> Any:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _held(r: _Replica) -> dict[str, int]:
-    from fourfold.observe.memory import storage_bytes
-
-    state = [_local(v) for s in r.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
-    return {"parameters": storage_bytes(_local(p) for p in r.params),
-            "gradients": storage_bytes(_local(p.grad) if p.grad is not None else None for p in r.params),
-            "optimizer": storage_bytes(state)}
 
 
 def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) -> _Replica:
@@ -128,6 +114,7 @@ def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) 
     import torch.distributed as dist
 
     from fourfold import parallelize
+    from fourfold.engine import Loss
     from fourfold.loss import lm_loss
     from fourfold.models import GPTConfig, TinyGPT
 
@@ -155,19 +142,20 @@ def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) 
     def step(x: Any, y: Any) -> Any:
         loss = lm_loss(wrapped(x), y)
         loss.backward()
-        value = loss.detach().reshape(1).to(torch.float64)
-        dist.all_reduce(value)  # the global mean loss, as the engine reports it
-        return value.item() / ranks.mesh.world_size
+        value = loss.detach().reshape(1).to(torch.float64)  # the global mean loss, as the engine reports it:
+        return Loss(value, ranks.mesh.dp, dist.all_reduce(value, async_op=True), ns.timeout)  # waited in item()
 
     params = list(wrapped.parameters())
     return _Replica(name, step, torch.optim.AdamW(params, lr=ns.lr), params, [])
 
 
 def _step(r: _Replica, x: Any, y: Any, it: int, held: dict[str, dict[str, int]]) -> None:
+    from fourfold.observe.memory import held_bytes
+
     loss = r.step(x, y)
     r.optimizer.step()
     if r.name not in held:
-        held[r.name] = _held(r)  # fixed from the first step on (gradients: before zero_grad)
+        held[r.name] = held_bytes(r.params, r.optimizer)  # fixed from the first step on (before zero_grad)
     r.optimizer.zero_grad(set_to_none=True)
     r.losses.append(float(loss))
 
@@ -179,14 +167,16 @@ def _run(ns: argparse.Namespace) -> None:
     from fourfold.comm.wait import barrier
     from fourfold.data import BatchLoader, load_corpus
     from fourfold.mesh import Mesh
+    from fourfold.models import GPTConfig, TinyGPT
 
     ctx, say, started, load_before = start_rank("[bench zero]", ns.timeout)
     g = ctx.world_size
     ranks = Mesh.for_world(g, dp=g).build(ns.timeout)
     loader = BatchLoader(load_corpus(), ns.batch, ns.seq_len, seed=0, dp_rank=ctx.rank, dp_size=g)
     replicas = [_replica(v, ns, ranks) for v in ns.variants]
-    n = sum(p.numel() for p in replicas[[v[0] for v in ns.variants].index("fsdp2")].params) * g  # about
-    say(f"G={g}, TinyGPT L={ns.layers} C={ns.d_model} T={ns.seq_len}, batch {ns.batch}, about {n / 1e6:.2f} M "
+    n = TinyGPT(GPTConfig(seq_len=ns.seq_len, n_layer=ns.layers, n_head=ns.heads, d_model=ns.d_model),
+                device="meta").num_parameters()
+    say(f"G={g}, TinyGPT L={ns.layers} C={ns.d_model} T={ns.seq_len}, batch {ns.batch}, {n / 1e6:.2f} M "
         f"parameters; {ns.warmup} warm-up + {ns.rounds} rounds of {', '.join(v[0] for v in ns.variants)}")
     held: dict[str, dict[str, int]] = {}
     timed = timed_rounds([partial(_step, r, held=held) for r in replicas], loader.shard, ns.warmup, ns.rounds)

@@ -83,7 +83,6 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         if coord.dp == 0:  # one replica writes; the others hold the same numbers
             _collect(engine, states, coord, mesh, tensors, meta)
     rng = {"cpu": torch.get_rng_state()}
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     name = f"rank-{rank:05d}.pt"

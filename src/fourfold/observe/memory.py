@@ -27,11 +27,13 @@ def _key(t: torch.Tensor) -> int:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (None skipped)."""
+    """Bytes of the distinct storages behind ``tensors`` (None skipped; a DTensor counts its local shard, as
+    FSDP2's parameters, gradients and optimiser state are)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
-            seen[_key(t)] = t.untyped_storage().nbytes()
+            local = t.to_local() if hasattr(t, "to_local") else t
+            seen[_key(local)] = local.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -93,7 +95,6 @@ def process_peak(device: torch.device) -> dict[str, int]:
         return {"cuda_peak_allocated": torch.cuda.max_memory_allocated(device)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"rss_peak": peak if sys.platform == "darwin" else peak * 1024}
-
 
 
 def estimate_held(numel: int, itemsize: int, *, dp: int = 1, zero: int = 0, optimizer_slots: int = 2) -> dict[str, int]:
