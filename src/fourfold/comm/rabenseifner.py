@@ -28,7 +28,7 @@ import torch
 
 from fourfold.comm.p2p import Communicator
 from fourfold.comm.ring import segments
-from fourfold.comm.tree import power_split
+from fourfold.comm.tree import folded, power_split
 
 __all__ = ["allreduce", "theory"]
 
@@ -48,41 +48,32 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
     power, extra, d = power_split(size)
     record = comm.record_messages
     first = 1 if extra else 0
-    if me >= power:  # an extra rank: hand the vector over, then wait for the total
-        comm.exchange([(me - power, flat)], [], algorithm="rabenseifner", step=0, phase="fold", offsets=([0], []),
-                      labels=[f"all of rank {me}"] if record else None)
-        comm.exchange([], [(me - power, flat)], algorithm="rabenseifner", step=first + 2 * d, phase="unfold")
-        return
-    if me < extra:
-        scratch = comm.buffer(numel, flat)
-        comm.exchange([], [(me + power, scratch)], algorithm="rabenseifner", step=0, phase="fold")
-        flat.add_(scratch)
-    segs = segments(numel, power)
-    lo, hi = 0, power  # the block of segments this rank still reduces
-    for k in range(d):  # reduce-scatter by recursive halving: distance P/2, P/4, ..., 1
-        half = (hi - lo) // 2
-        partner = me ^ half
-        mid = lo + half
-        keep, give = ((lo, mid), (mid, hi)) if me < mid else ((mid, hi), (lo, mid))
-        (ko, kl), (go, gl) = _span(segs, *keep), _span(segs, *give)
-        scratch = comm.buffer(kl, flat)
-        comm.exchange([(partner, flat[go:go + gl])], [(partner, scratch)], algorithm="rabenseifner",
-                      step=first + k, phase="reduce-scatter (halving)", offsets=([go], [ko]),
-                      labels=[f"segments {give[0]}..{give[1] - 1}, partial sum"] if record else None)
-        flat[ko:ko + kl].add_(scratch)
-        lo, hi = keep
-    for k in range(d):  # all-gather by recursive doubling: distance 1, 2, ..., P/2
-        width = hi - lo
-        partner = me ^ width
-        other = (lo + width, hi + width) if me & width == 0 else (lo - width, hi - width)
-        (mo, ml), (oo, ol) = _span(segs, lo, hi), _span(segs, *other)
-        comm.exchange([(partner, flat[mo:mo + ml])], [(partner, flat[oo:oo + ol])], algorithm="rabenseifner",
-                      step=first + d + k, phase="all-gather (doubling)", offsets=([mo], [oo]),
-                      labels=[f"segments {lo}..{hi - 1}, summed"] if record else None)
-        lo, hi = min(lo, other[0]), max(hi, other[1])
-    if me < extra:  # the total back to the extra rank
-        comm.exchange([(me + power, flat)], [], algorithm="rabenseifner", step=first + 2 * d, phase="unfold",
-                      offsets=([0], []), labels=["sum of all ranks"] if record else None)
+    with folded(comm, flat, "rabenseifner", 2 * d) as inside:
+        if not inside:
+            return
+        segs = segments(numel, power)
+        lo, hi = 0, power  # the block of segments this rank still reduces
+        for k in range(d):  # reduce-scatter by recursive halving: distance P/2, P/4, ..., 1
+            half = (hi - lo) // 2
+            partner = me ^ half
+            mid = lo + half
+            keep, give = ((lo, mid), (mid, hi)) if me < mid else ((mid, hi), (lo, mid))
+            (ko, kl), (go, gl) = _span(segs, *keep), _span(segs, *give)
+            scratch = comm.buffer(kl, flat)
+            comm.exchange([(partner, flat[go:go + gl])], [(partner, scratch)], algorithm="rabenseifner",
+                          step=first + k, phase="reduce-scatter (halving)", offsets=([go], [ko]),
+                          labels=[f"segments {give[0]}..{give[1] - 1}, partial sum"] if record else None)
+            flat[ko:ko + kl].add_(scratch)
+            lo, hi = keep
+        for k in range(d):  # all-gather by recursive doubling: distance 1, 2, ..., P/2
+            width = hi - lo
+            partner = me ^ width
+            other = (lo + width, hi + width) if me & width == 0 else (lo - width, hi - width)
+            (mo, ml), (oo, ol) = _span(segs, lo, hi), _span(segs, *other)
+            comm.exchange([(partner, flat[mo:mo + ml])], [(partner, flat[oo:oo + ol])], algorithm="rabenseifner",
+                          step=first + d + k, phase="all-gather (doubling)", offsets=([mo], [oo]),
+                          labels=[f"segments {lo}..{hi - 1}, summed"] if record else None)
+            lo, hi = min(lo, other[0]), max(hi, other[1])
 
 
 def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, int]:

@@ -31,11 +31,14 @@ value a rank starts from, and the unfold copies. (Only NaN payloads could differ
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from fourfold.comm.p2p import Communicator
 
-__all__ = ["allreduce", "power_split", "theory"]
+__all__ = ["allreduce", "folded", "power_split", "theory"]
 
 
 def power_split(world_size: int) -> tuple[int, int, int]:
@@ -52,32 +55,48 @@ def _holders(rank: int, k: int, power: int, extra: int) -> str:
     return f"sum of ranks {','.join(map(str, ranks))}" if len(ranks) > 1 else f"all of rank {rank}"
 
 
+@contextlib.contextmanager
+def folded(comm: Communicator, flat: torch.Tensor, algorithm: str, steps: int) -> Iterator[bool]:
+    """Run a power-of-two algorithm of ``steps`` steps inside over any G: extra rank P+j first folds its vector
+    into rank j (which adds it), the block runs (yielding True) on ranks 0..P-1 only, then rank j sends the total
+    back (the unfold). An extra rank yields False and holds the total afterwards. The block's steps are numbered
+    from 1 when there is a fold, from 0 otherwise."""
+    power, extra, _ = power_split(comm.size)
+    me, record = comm.rank, comm.record_messages
+    last = (1 if extra else 0) + steps
+    if me >= power:  # an extra rank: hand the vector over, then wait for the total
+        comm.exchange([(me - power, flat)], [], algorithm=algorithm, step=0, phase="fold", offsets=([0], []),
+                      labels=[f"all of rank {me}"] if record else None)
+        comm.exchange([], [(me - power, flat)], algorithm=algorithm, step=last, phase="unfold")
+        yield False
+        return
+    if me < extra:  # fold the extra rank's vector into ours
+        scratch = comm.buffer(flat.numel(), flat)
+        comm.exchange([], [(me + power, scratch)], algorithm=algorithm, step=0, phase="fold")
+        flat.add_(scratch)
+    yield True
+    if me < extra:  # unfold: the total back to the extra rank
+        comm.exchange([(me + power, flat)], [], algorithm=algorithm, step=last, phase="unfold",
+                      offsets=([0], []), labels=["sum of all ranks"] if record else None)
+
+
 def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
     """Sum ``flat`` over the group in place by recursive doubling (with a fold when G is not a power of 2)."""
     size, me, numel = comm.size, comm.rank, flat.numel()
     if size == 1 or numel == 0:
         return
     power, extra, d = power_split(size)
-    record = comm.record_messages
     first = 1 if extra else 0  # the doubling steps follow the fold step, when there is one
-    if me >= power:  # an extra rank: hand the vector over, then wait for the total
-        comm.exchange([(me - power, flat)], [], algorithm="tree", step=0, phase="fold", offsets=([0], []),
-                      labels=[f"all of rank {me}"] if record else None)
-        comm.exchange([], [(me - power, flat)], algorithm="tree", step=first + d, phase="unfold")
-        return
-    scratch = comm.buffer(numel, flat)  # (N,) what the partner sends
-    if me < extra:  # phase 1: fold the extra rank's vector into ours
-        comm.exchange([], [(me + power, scratch)], algorithm="tree", step=0, phase="fold")
-        flat.add_(scratch)
-    for k in range(d):  # phase 2: recursive doubling among ranks 0..P-1
-        partner = me ^ (1 << k)
-        comm.exchange([(partner, flat)], [(partner, scratch)], algorithm="tree", step=first + k,
-                      phase="recursive doubling", offsets=([0], [0]),
-                      labels=[_holders(me, k, power, extra)] if record else None)
-        flat.add_(scratch)  # mine + theirs here, theirs + mine there: the same bits
-    if me < extra:  # phase 3: unfold, the total back to the extra rank
-        comm.exchange([(me + power, flat)], [], algorithm="tree", step=first + d, phase="unfold",
-                      offsets=([0], []), labels=["sum of all ranks"] if record else None)
+    with folded(comm, flat, "tree", d) as inside:
+        if not inside:
+            return
+        scratch = comm.buffer(numel, flat)  # (N,) what the partner sends
+        for k in range(d):  # recursive doubling among ranks 0..P-1
+            partner = me ^ (1 << k)
+            comm.exchange([(partner, flat)], [(partner, scratch)], algorithm="tree", step=first + k,
+                          phase="recursive doubling", offsets=([0], [0]),
+                          labels=[_holders(me, k, power, extra)] if comm.record_messages else None)
+            flat.add_(scratch)  # mine + theirs here, theirs + mine there: the same bits
 
 
 def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, int]:
