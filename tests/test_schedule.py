@@ -371,4 +371,4 @@ def test_schedule_command_refuses_huge_sizes_at_once(capsys):
     with pytest.raises(SystemExit):
         main(["--schedule", "all", "--pp", "64", "--microbatches", "4096"])
     assert "makes 1,572,864 actions to place and draw" in capsys.readouterr().err
-    assert time.perf_counter() - start < 1
+    assert time.perf_counter() - start < 5  # refused before building them (building takes minutes)

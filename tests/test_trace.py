@@ -123,14 +123,19 @@ def test_disabled_tracer_records_nothing_and_hands_out_one_object() -> None:
     assert t.totals()["messages"] == 0
 
 
-def test_disabled_span_is_cheap() -> None:
+def test_disabled_span_reads_no_clock_and_allocates_nothing(monkeypatch) -> None:
+    # What makes a disabled tracer free, checked as behaviour (not timed): no clock read, one shared null span.
     t = Tracer(0, enabled=False)
-    begin = time.perf_counter()
-    for _ in range(100_000):
-        with t.span("compute", "forward", microbatch=1):
-            pass
-    # ~0.02 s on a laptop; the bound only catches a per-call clock read, allocation or lock gone badly wrong
-    assert time.perf_counter() - begin < 1.0
+
+    def no_clock() -> int:
+        raise AssertionError("a disabled tracer read the clock")
+
+    monkeypatch.setattr(time, "perf_counter_ns", no_clock)
+    spans = set()
+    for _ in range(3):
+        with t.span("compute", "forward", microbatch=1) as s:
+            spans.add(id(s))
+    assert len(spans) == 1 and t.spans == []
 
 
 # --- files ----------------------------------------------------------------------------------------------
