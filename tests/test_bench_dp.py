@@ -20,11 +20,14 @@ def test_parse_variant():
     assert parse_variant("ring", 25.0) == ("ring", "ring", 25.0)
     assert parse_variant("native@4", 25.0) == ("native@4", "native", 4.0)
     assert parse_variant("none", 25.0) == ("none", "none", None)
+    assert parse_variant("ring+int8@4", 25.0) == ("ring+int8@4", "ring+int8", 4.0)
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--variants", "nccl"], "variants must be none, ddp or a fourfold algorithm"),
     (["--variants", "ring@0"], "bucket size must be a number of MB > 0"),
+    (["--variants", "ddp+int8"], "the last optionally +bf16/+int8/+powersgd"),
+    (["--variants", "ring+int4"], "the last optionally +bf16/+int8/+powersgd"),
     (["--variants", "ddp,ddp"], "variants must be distinct"),
     (["--models", "resnet"], "models must be distinct names among gpt, mlp"),
     (["--gpt-batch", "3"], "gpt-batch must be a positive multiple of nproc"),
@@ -41,7 +44,7 @@ def test_bad_flags_are_refused_before_starting_ranks(argv, words, capsys):
 def test_bench_dp_runs_end_to_end(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fourfold.cli", "bench", "dp", "--nproc", "2", "--variants",
-           "none,ddp,native,ring,ring@0.01", "--gpt-layers", "1", "--gpt-d-model", "32", "--gpt-seq-len", "16",
+           "none,ddp,native,ring,ring@0.01,ring+int8", "--gpt-layers", "1", "--gpt-d-model", "32", "--gpt-seq-len", "16",
            "--gpt-batch", "4", "--mlp-width", "64", "--mlp-layers", "2", "--mlp-batch", "8", "--rounds", "2",
            "--warmup", "1", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -52,7 +55,7 @@ def test_bench_dp_runs_end_to_end(tmp_path):
     assert [w["model"] for w in result["workloads"]] == ["gpt", "mlp"]
     for w in result["workloads"]:
         rows = {r["variant"]: r for r in w["rows"]}
-        assert set(rows) == {"none", "ddp", "native", "ring", "ring@0.01"}
+        assert set(rows) == {"none", "ddp", "native", "ring", "ring@0.01", "ring+int8"}  # int8: lossy, no check
         assert all(c["ok"] and c["reference"] == "ddp" for c in w["grad_check"]) and len(w["grad_check"]) == 3
         assert rows["ddp"]["x_ddp"] == 1.0 and rows["none"]["x_none"] == 1.0
         assert rows["ring@0.01"]["buckets"] > rows["ring"]["buckets"] == 1  # 10 kB buckets split the model

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.comm.compress import Compressor, make_compressor
 from fourfold.comm.wait import bounded_wait
 from fourfold.data.packing import capture_layout, document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
@@ -374,7 +375,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
                 activation_checkpointing: str = "none", zero: int = 0, precision: str = "full",
-                reduce_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None, compress: str | Compressor = "none",
                 balance: Balance = "params",
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
@@ -408,7 +409,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     runs under ``torch.autocast(dtype=bfloat16)``, so matmuls take bf16 copies of the weights and make bf16
     activations, while norms, softmax and the loss stay float32; gradients arrive float32. ``reduce_dtype``:
     the dtype gradients cross the wire in under dp (default the parameters'; ``torch.bfloat16`` halves the
-    bytes).
+    bytes). ``compress``: ``"bf16"`` (the same as ``reduce_dtype=torch.bfloat16``), ``"int8"`` or ``"powersgd"``
+    (or a :class:`~fourfold.comm.compress.PowerSGD` of your rank and warm-up): lossy gradient compression with
+    error feedback under dp (:mod:`fourfold.comm.compress`), not with ZeRO.
     """
     from fourfold.models import family_of
 
@@ -427,6 +430,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if zero and allreduce not in ZERO_ALGORITHMS:
         raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: allreduce {' or '.join(ZERO_ALGORITHMS)}, "
                          f"got {allreduce!r} (an all-reduce only). Pass allreduce='ring' or 'native' with zero.")
+    compressor, reduce_dtype = _compression(compress, reduce_dtype, zero)
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
@@ -482,7 +486,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                           reduce_dtype)
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
-                              auto_finish=False, reduce_dtype=reduce_dtype)
+                              auto_finish=False, reduce_dtype=reduce_dtype, compress=compressor)
         if pipe is not None:
             pipe.grad_sync = dp
     reads = bool(getattr(model, "fourfold_documents", False))
@@ -492,6 +496,21 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
                   reads_documents=reads, precision=precision)
+
+
+def _compression(compress: str | Compressor, reduce_dtype: torch.dtype | None,
+                 zero: int) -> tuple[Compressor | None, torch.dtype | None]:
+    """``compress`` as DataParallel takes it: a compressor, or bf16 as the reduce dtype."""
+    compressor = compress if isinstance(compress, Compressor) else make_compressor(compress)
+    name = compress.name if isinstance(compress, Compressor) else compress
+    if name == "bf16":
+        if reduce_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"compress='bf16' reduces in bfloat16, got reduce_dtype={reduce_dtype} too. Pass one.")
+        reduce_dtype = torch.bfloat16
+    if compressor is not None and zero:
+        raise ValueError(f"compress={name!r} replaces the all-reduce; ZeRO {zero} reduce-scatters into shards "
+                         "instead. Pass zero=0 with int8 or PowerSGD (compress='bf16' works with ZeRO).")
+    return compressor, reduce_dtype
 
 
 def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: LossFn | None,

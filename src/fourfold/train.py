@@ -40,6 +40,7 @@ from tqdm import tqdm
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import save_checkpoint
 from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
+from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import barrier, gather_objects
 from fourfold.config import Config, parse_args, without_section_flags
@@ -327,7 +328,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
             "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing,
             "zero": t.zero, "precision": t.precision,
-            "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype)}
+            "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype),
+            "compress": PowerSGD(t.powersgd_rank, t.powersgd_warmup) if t.compress == "powersgd" else t.compress}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -17,7 +17,8 @@ within 2 * lr * step + 1e-6, because Adam divides each update by the gradient's 
 component that is zero in exact arithmetic (rounding noise in both runs) can move its weight by up to lr a step
 in either direction. Mixed precision (``--precision bf16``, the reference too): bf16 keeps 8 bits of mantissa,
 and tensor parallelism rounds partial sums to bf16 before adding them, so a loss within 1e-2 * max(1, |loss|);
-parameters as float32 (the masters are float32).
+parameters as float32 (the masters are float32). Lossy gradient compression (``--compress``) is judged as bf16:
+each step's gradient is near the exact one, not equal (the reference runs uncompressed).
 """
 
 from __future__ import annotations
@@ -106,12 +107,12 @@ def compare(losses: list[float], states: list[dict[str, torch.Tensor]], ref_loss
     return rows
 
 
-def report(rows: list[VerifyRow], dtype: str) -> str:
-    """The table the user reads, and the verdict."""
+def report(rows: list[VerifyRow], dtype: str, what: str | None = None) -> str:
+    """The table the user reads, and the verdict (``what``: the run's numerics, default ``dtype``)."""
     tol = {"float64": "1e-10 for losses and parameters",
-           "bf16": "losses 1e-2 * max(1, |loss|), parameters 2 * lr * step + 1e-6 (bf16 mixed precision)"}.get(
+           "bf16": "losses 1e-2 * max(1, |loss|), parameters 2 * lr * step + 1e-6 (bf16 mixed precision or compressed gradients)"}.get(
         dtype, "losses 1e-5 * max(1, |loss|), parameters 2 * lr * step + 1e-6 (float32 rounding; see --help)")
-    lines = [f"verify: the first {len(rows)} step(s) again on one process ({dtype}; tolerance {tol})",
+    lines = [f"verify: the first {len(rows)} step(s) again on one process ({what or dtype}; tolerance {tol})",
              f"  {'step':>4}  {'loss (layout)':>15}  {'loss (1 process)':>16}  {'|loss diff|':>11}  "
              f"{'max |param diff|':>16}  at"]
     for r in rows:
@@ -127,6 +128,9 @@ def report(rows: list[VerifyRow], dtype: str) -> str:
 def verify(cfg: Config, losses: list[float], states: list[dict[str, Any]]) -> tuple[bool, str]:
     """Re-run ``len(states)`` steps on one process and compare: (all within tolerance, the report)."""
     ref_losses, ref_states = reference_run(cfg, len(states))
-    dtype = "bf16" if cfg.train.precision == "bf16" else cfg.train.dtype
-    rows = compare(losses[:len(states)], states, ref_losses, ref_states, dtype, cfg.train.lr)
-    return all(r.ok for r in rows), report(rows, dtype)
+    t = cfg.train
+    dtype = "bf16" if t.precision == "bf16" or t.compress != "none" else t.dtype
+    rows = compare(losses[:len(states)], states, ref_losses, ref_states, dtype, t.lr)
+    what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {t.compress}, the reference "
+            "uncompressed") if t.compress != "none" else None
+    return all(r.ok for r in rows), report(rows, dtype, what)

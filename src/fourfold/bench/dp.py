@@ -11,7 +11,9 @@ Variants (``--variants``; ``NAME@MB`` gives that variant its own bucket size, ot
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=MB)``, the reference;
 * any fourfold algorithm (``native``, ``ring``, ``tree``, ``auto``, ...): the engine users train with,
   ``fourfold.parallelize(model, Mesh(dp=G), allreduce=NAME, bucket_mb=MB)`` stepped by ``engine.step(x, y)``
-  (its :class:`~fourfold.parallel.data.DataParallel` buckets the gradients).
+  (its :class:`~fourfold.parallel.data.DataParallel` buckets the gradients);
+* ``NAME+COMPRESS`` (``ring+int8``, ``native+powersgd``, ``ring+bf16``): the same with gradient compression
+  (``compress=COMPRESS``, :mod:`fourfold.comm.compress`); lossy, so left out of the gradient check.
 
 Method. Every variant holds its own copy of the model (one seed, so every copy starts equal) and its own SGD
 optimizer. Round k draws one global batch (each rank takes its shard) and runs one training step (forward,
@@ -78,11 +80,15 @@ class Variant(NamedTuple):
 def parse_variant(text: str, bucket_mb: float) -> Variant:
     """``"ring"`` -> Variant("ring", "ring", bucket_mb); ``"ring@4"`` -> Variant("ring@4", "ring", 4.0)."""
     from fourfold.comm import ALGORITHMS
+    from fourfold.comm.compress import COMPRESSIONS
 
     kind, _, mb = text.strip().partition("@")
-    if kind not in ("none", "ddp", *ALGORITHMS):
-        raise ValueError(f"variants must be none, ddp or a fourfold algorithm ({', '.join(ALGORITHMS)}), "
-                         f"optionally with @MB, got {text!r}. E.g. --variants none,ddp,native,ring@4.")
+    algorithm, plus, compress = kind.partition("+")
+    if algorithm not in ("none", "ddp", *ALGORITHMS) or (plus and (algorithm in ("none", "ddp")
+                                                                  or compress not in COMPRESSIONS[1:])):
+        raise ValueError(f"variants must be none, ddp or a fourfold algorithm ({', '.join(ALGORITHMS)}), the "
+                         f"last optionally +{'/+'.join(COMPRESSIONS[1:])}, and @MB, got {text!r}. E.g. --variants "
+                         "none,ddp,native,ring@4,ring+int8.")
     if kind == "none":
         if mb:
             raise ValueError(f"variant none has no buckets, got {text!r}. Pass none.")
@@ -211,8 +217,9 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
 
     model, tracer = w.build(), Tracer(ranks.rank)
     if v.kind not in ("none", "ddp") and v.bucket_mb is not None:  # fourfold: the step `fourfold train` runs
-        engine = parallelize(model, ranks, allreduce=v.kind, bucket_mb=v.bucket_mb, loss_fn=w.loss,
-                             tracer=tracer, timeout_s=timeout_s)
+        algorithm, _, compress = v.kind.partition("+")
+        engine = parallelize(model, ranks, allreduce=algorithm, bucket_mb=v.bucket_mb, loss_fn=w.loss,
+                             compress=compress or "none", tracer=tracer, timeout_s=timeout_s)
         params = engine.parameters()
         return _Replica(v, params, engine.step, torch.optim.SGD(params, lr=lr), tracer, engine)
     wrapped = DistributedDataParallel(model, bucket_cap_mb=v.bucket_mb) if v.kind == "ddp" else model
@@ -323,7 +330,8 @@ def _grad_check(replicas: list[_Replica], grads: dict[str, list[Any]]) -> list[d
     import torch.distributed as dist
 
     ref = next((r.variant.name for r in replicas if r.variant.kind == "ddp"), None)
-    others = [r.variant.name for r in replicas if r.variant.kind != "none" and r.variant.name != ref]
+    others = [r.variant.name for r in replicas  # compressed variants are lossy by design: not compared
+              if r.variant.kind != "none" and "+" not in r.variant.kind and r.variant.name != ref]
     if ref is None or not others:
         return []
     worst = torch.zeros(len(others), 2, dtype=torch.float64)  # (variants, [max |diff|, max |diff| / max |g|])

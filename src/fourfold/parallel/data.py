@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce
+from fourfold.comm.compress import Compressor
 from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.observe.trace import Tracer
 
@@ -96,7 +97,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "native",
                  bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
                  find_unused_parameters: bool = False, auto_finish: bool = True,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, compress: Compressor | None = None) -> None:
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
@@ -105,6 +106,10 @@ class DataParallel(nn.Module):
         self.module = module
         self.group, self.algorithm, self.tracer = group, algorithm, tracer
         self.reduce_dtype = reduce_dtype  # e.g. bfloat16: buckets cross the wire in it (half the bytes)
+        self.compress = compress  # int8 or PowerSGD (fourfold.comm.compress): lossy, errors fed back
+        if compress is not None and reduce_dtype is not None:
+            raise ValueError(f"compress={compress.name!r} sends its own format; reduce_dtype={reduce_dtype} would "
+                             "round the gradients first. Pass one of them.")
         self.timeout_s, self.find_unused_parameters = timeout_s, find_unused_parameters
         self.size = dist.get_world_size(group)
         self.grad_scale = 1.0 / self.size  # the mean of the ranks' mean losses; 1.0 sums (a loss already global)
@@ -199,6 +204,9 @@ class DataParallel(nn.Module):
 
     def _launch(self, b: Bucket) -> None:
         flat = self._wire(b)
+        if self.compress is not None:
+            b.handle = self._submit(self._compressed, b, flat)
+            return
         if self.algorithm == "native":
             start = self.tracer.now_ns() if self.tracer is not None else 0
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -210,6 +218,19 @@ class DataParallel(nn.Module):
             return
         b.handle = self._submit(allreduce, flat, self.algorithm, comm=self._comm, tracer=self.tracer,
                                 check=not self._checked)
+
+    def _compressed(self, b: Bucket, flat: torch.Tensor) -> None:
+        """Reduce a bucket through the compressor, traced as one ``allreduce:<name>`` span with its bytes."""
+        assert self.compress is not None
+        s = self._comm.stats
+        before = s.sent_bytes, s.recv_bytes, s.sent_messages
+        start = self.tracer.now_ns() if self.tracer is not None else 0
+        self.compress.reduce(self._comm, b.index, flat, [(o, p.shape) for p, o in zip(b.params, b.offsets,
+                                                                                     strict=True)], self.algorithm)
+        if self.tracer is not None and self.tracer.enabled:
+            self.tracer.record("comm", f"allreduce:{self.compress.name}", start, self.tracer.now_ns(),
+                               bytes=s.sent_bytes - before[0], recv_bytes=s.recv_bytes - before[1],
+                               messages=s.sent_messages - before[2], bucket=b.index, numel=flat.numel())
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn`` on the one communication thread: collectives go in the order issued, the same on every
