@@ -207,3 +207,26 @@ def test_compress_refusals_name_the_fix():
     with pytest.raises(ValueError, match="ZeRO"):
         parallelize(TinyGPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=1, d_model=8)), None,
                     compress="int8", zero=1, allreduce="ring")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_train_compresses_a_pipelines_gradients_and_verify_judges_them(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--nproc", "4", "--dp", "2", "--pp", "2", "--steps", "3",
+           "--compress", "powersgd", "--powersgd-warmup", "1", "--allreduce", "ring", "--batch-size", "8",
+           "--verify", "2", "--no-memory-check", "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gradients compressed with powersgd, the reference uncompressed" in proc.stdout
+    assert "verify: OK" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    dp = [r["bytes_by_axis"]["dp"] for r in rows]
+    assert dp[1] < dp[0] / 3, dp  # step 1 exact (warm-up), then factors: far fewer bytes
+    assert json.loads((out / "run.json").read_text())["config"]["train"]["compress"] == "powersgd"
