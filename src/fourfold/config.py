@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -237,15 +238,29 @@ class TrainConfig:
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 
 
+LAB_ENV = "FOURFOLD_LAB_"
+"""Inside ``fourfold lab run``, each node's command finds its launch defaults (``FOURFOLD_LAB_NPROC``,
+``_NNODES``, ``_NODE_RANK``, ``_RDZV_ENDPOINT``, ``_LOCAL_ADDR``) here; flags still win."""
+
+
+def _lab_default(name: str, default: int) -> int:
+    return int(os.environ.get(LAB_ENV + name, default))
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """How many processes, on how many machines (passed to torchrun's launcher)."""
 
-    nproc: int = field(default=1, metadata=_help("processes to start on this machine (through torchrun)"))
-    nnodes: int = field(default=1, metadata=_help("machines taking part"))
-    node_rank: int = field(default=0, metadata=_help("this machine's index, 0..nnodes-1"))
-    rdzv_endpoint: str | None = field(default=None, metadata=_help(
-        "host:port of the rendezvous, required when nnodes > 1"))
+    nproc: int = field(default_factory=lambda: _lab_default("NPROC", 1), metadata=_help(
+        "processes to start on this machine (through torchrun)"))
+    nnodes: int = field(default_factory=lambda: _lab_default("NNODES", 1), metadata=_help("machines taking part"))
+    node_rank: int = field(default_factory=lambda: _lab_default("NODE_RANK", 0), metadata=_help(
+        "this machine's index, 0..nnodes-1"))
+    rdzv_endpoint: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "RDZV_ENDPOINT"),
+                                      metadata=_help("host:port of the rendezvous, required when nnodes > 1"))
+    local_addr: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "LOCAL_ADDR"), metadata=_help(
+        "with nnodes > 1: the address the other machines reach this one at (default: what its hostname resolves "
+        "to)"))
     rdzv_timeout: int = field(default=300, metadata=_help(
         "with nnodes > 1: seconds to wait for the other machines to join before giving up"))
     max_restarts: int = field(default=0, metadata=_help(
@@ -347,7 +362,8 @@ def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = 
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             text = f.metadata.get("help") or _MODEL_HELP.get(f.name, "")
-            default = f.default if f.default is not dataclasses.MISSING else None
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             if "default" not in text:
                 text = f"{text} (default: {default})"
             dest = f"{section}.{f.name}"

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -100,13 +101,17 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
     """The torchrun command line for ``launch`` running ``python -m module argv``."""
     args = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes),
             "--max-restarts", str(launch.max_restarts), "--shutdown-timeout", str(SHUTDOWN_S),
-            "--rdzv-id", f"fourfold-{uuid.uuid4().hex[:8]}"]
+            # every machine's launcher must name the same run (the agents' keys in the store are prefixed by it)
+            "--rdzv-id", f"fourfold-{uuid.uuid4().hex[:8]}" if launch.nnodes == 1 else
+            "fourfold-" + re.sub(r"[^A-Za-z0-9]+", "-", launch.rdzv_endpoint or "")]
     if launch.nnodes == 1:
         args += ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
     else:
         assert launch.rdzv_endpoint  # LaunchConfig refuses nnodes > 1 without one
         args += ["--rdzv-backend", "static", "--rdzv-endpoint", launch.rdzv_endpoint,
                  "--node-rank", str(launch.node_rank), "--rdzv-conf", f"timeout={launch.rdzv_timeout}"]
+        if launch.local_addr:
+            args += ["--local-addr", launch.local_addr]
     return [*args, "--module", module, *argv]
 
 

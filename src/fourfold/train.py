@@ -402,9 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     worker = "RANK" in os.environ  # started by torchrun (ours or the user's)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
+    main_rank = int(os.environ.get("RANK", "0")) == 0 and (worker or cfg.launch.node_rank == 0)
     # One run per OUT: the process that starts the run holds the lock (ranks we launch inherit it; with a
-    # hand-run torchrun, rank 0 takes it).
+    # hand-run torchrun, rank 0 takes it); on several machines, machine 0's launcher (OUT may be shared).
     lock = (run_lock(cfg.train.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.train.out
             else contextlib.nullcontext())
     try:

@@ -36,6 +36,8 @@ from fourfold.bench.harness import (
     fit_line,
     fmt_time,
     format_bytes,
+    lab_nodes,
+    lab_nproc,
     machine,
     parse_size,
     run_or_launch,
@@ -55,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = make_parser("fourfold bench allreduce", "Time every all-reduce algorithm side by side on --nproc ranks, "
                     "fit the alpha-beta cost model auto uses, and chart it.")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start on this machine, >= 2 (default: 2)")
+    p.add_argument("--nproc", type=int, default=lab_nproc(), help="ranks to start on this machine, >= 2 in all "
+                   f"(default: {lab_nproc()})")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, float32 (default: {DEFAULT_SIZES})")
     p.add_argument("--algorithms", default=None, help="comma-separated (default: every registered one but "
                    "hierarchical, which is the ring on one machine, plus auto and native)")
@@ -84,7 +87,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"algorithms must be among {', '.join(ALGORITHMS)}, got {a!r}.")
     if len(set(ns.algorithms)) != len(ns.algorithms) or not ns.algorithms:
         raise ValueError(f"algorithms must be distinct and at least one, got {ns.algorithms}.")
-    if ns.nproc < 2:
+    if ns.nproc * lab_nodes() < 2:
         raise ValueError(f"nproc must be >= 2 (an all-reduce over one rank does nothing), got {ns.nproc}. "
                          f"Pass --nproc 2.")
     if ns.iters < 1 or ns.warmup < 1:

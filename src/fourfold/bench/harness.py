@@ -45,16 +45,31 @@ def add_output_flags(parser: Any, bench: str, writes: str = "bench.json and benc
 def add_round_flags(parser: Any, *, nproc: str, rounds: int, warmup: int, checks: str) -> None:
     """``--nproc`` (``nproc`` says what the ranks are), ``--rounds`` and ``--warmup`` (the first warm-up round
     ``checks`` something): the flags every multi-rank benchmark takes."""
-    parser.add_argument("--nproc", type=int, default=2, help=f"ranks to start on this machine: {nproc}, >= 2 "
-                        "(default: 2)")
+    default = lab_nproc()
+    parser.add_argument("--nproc", type=int, default=default, help=f"ranks to start on this machine: {nproc}, "
+                        f">= 2 (default: {default})")
     parser.add_argument("--rounds", type=int, default=rounds, help=f"timed steps per variant (default: {rounds})")
     parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed rounds first; the first checks {checks} "
                         f"(default: {warmup})")
 
 
+def lab_nproc(default: int = 2) -> int:
+    """``--nproc``'s default: 2, or in a lab its ``--gpus-per-node``."""
+    from fourfold.config import LAB_ENV
+
+    return int(os.environ.get(LAB_ENV + "NPROC", default))
+
+
+def lab_nodes() -> int:
+    """Machines taking part: 1, or a lab's nodes (``fourfold lab run``; each runs ``--nproc`` ranks)."""
+    from fourfold.config import LaunchConfig
+
+    return LaunchConfig().nnodes
+
+
 def check_rounds(ns: Any, why_two: str, checks: str) -> None:
     """Refuse ``--nproc`` < 2 (``why_two``: why one rank shows nothing) and ``--rounds``/``--warmup`` < 1."""
-    if ns.nproc < 2:
+    if ns.nproc * lab_nodes() < 2:
         raise ValueError(f"nproc must be >= 2 ({why_two}), got {ns.nproc}. Pass --nproc 2.")
     if ns.rounds < 1 or ns.warmup < 1:
         raise ValueError(f"rounds and warmup must be >= 1 (the first warm-up round checks {checks}), got "

@@ -19,6 +19,8 @@ COMMANDS = {
     "bench": ("fourfold.bench", "time the all-reduce algorithms side by side: fourfold bench allreduce --nproc 2"),
     "schedule": ("fourfold.cli.schedule", "print and draw a pipeline schedule, its bubble and memory: "
                  "fourfold schedule --schedule 1f1b"),
+    "lab": ("fourfold.cli.lab", "an emulated cluster (namespaces, shaped links; root): fourfold lab run --nodes 2 "
+            "-- fourfold train"),
     "plan": ("fourfold.cli.plan", "memory per rank of a layout, before launch: fourfold plan --memory --nproc 4 "
              "--zero 2"),
 }

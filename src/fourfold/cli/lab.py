@@ -1,0 +1,146 @@
+"""``fourfold lab``: run any fourfold command across an emulated cluster of network namespaces on this machine.
+
+    fourfold lab run --nodes 2 --gpus-per-node 2 --link 1gbit -- fourfold train --steps 3
+    fourfold lab run --nodes 4 --link 100mbit -- fourfold bench allreduce --sizes 16MB --algorithms ring,master
+    fourfold lab check        # can this machine make a lab? (root, iproute2, tbf), in one line
+    fourfold lab down         # remove a lab a killed run left behind (``run`` does it itself, also on Ctrl-C)
+
+``run`` makes the lab (:mod:`fourfold.lab.net`), starts the command once per node inside that node's
+namespace, with ``--gpus-per-node`` ranks there (torchrun's multi-node launch: node 0's address is the
+rendezvous, each node's gloo on its own veth), waits for every node, and removes the lab. The command's output is
+node 0's; another node's is printed only when it fails. The exit code is the worst node's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fourfold.config import LAB_ENV, make_parser
+
+__all__ = ["main"]
+
+RDZV_PORT = 29411
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = make_parser("fourfold lab", "An emulated cluster on this machine: nodes as network namespaces, links shaped "
+                    "with tc (needs root).")
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run = sub.add_parser("run", help="run a fourfold command across a lab: fourfold lab run --nodes 2 -- fourfold "
+                         "train ...")
+    run.add_argument("--nodes", type=int, default=2, help="machines (namespaces) in the lab (default: 2)")
+    run.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node, talking over the node's own "
+                     "loopback, unshaped (default: 1)")
+    run.add_argument("--link", default="1gbit", help="each node's link to the switch, both ways, as tc writes "
+                     "rates: 100mbit, 1gbit, 10gbit (default: 1gbit)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. fourfold train ...")
+    sub.add_parser("check", help="say whether this machine can make a lab, and if not why")
+    sub.add_parser("down", help="remove every lab namespace (a killed run's leftovers)")
+    return p
+
+
+def _node_env(lab, k: int, gpus: int) -> dict[str, str]:  # noqa: ANN001 - a Lab
+    return {**os.environ, LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
+            LAB_ENV + "NODE_RANK": str(k), LAB_ENV + "RDZV_ENDPOINT": f"{lab.address(0)}:{RDZV_PORT}",
+            LAB_ENV + "LOCAL_ADDR": lab.address(k),
+            "GLOO_SOCKET_IFNAME": lab.interface(k), LAB_ENV + "LINK": lab.link,
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}  # no reverse-DNS warnings
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Ctrl-C to every node still running (torchrun passes it to its ranks), then kill what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Every node's exit code; once one fails, the others are stopped (they would wait for it in the
+    rendezvous or a collective until their timeouts)."""
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            _stop(procs)
+            break
+        time.sleep(0.2)
+    return [int(p.returncode) for p in procs]
+
+
+def run_command(nodes: int, gpus: int, link: str, command: list[str]) -> int:
+    """Make the lab, run ``command`` on every node, remove the lab; the worst node's exit code."""
+    from fourfold.lab import Lab
+
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ValueError("lab run needs a command after --, e.g. fourfold lab run --nodes 2 -- fourfold train "
+                         "--steps 3.")
+    if command[0] == "fourfold":  # the same fourfold as this one (its interpreter), wherever PATH points
+        command = [sys.executable, "-m", "fourfold.cli", *command[1:]]
+    if gpus < 1:
+        raise ValueError(f"gpus-per-node must be >= 1, got {gpus}.")
+    lab = Lab(nodes, link)
+    logs = Path(tempfile.mkdtemp(prefix="fourfold-lab-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    with lab:
+        print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, addresses "
+              f"{lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed lab run still removes its lab
+        try:
+            for k in range(nodes):
+                out = None if k == 0 else open(logs / f"node{k}.log", "wb")  # noqa: SIM115 - closed with the lab
+                procs.append(subprocess.Popen(lab.exec_argv(k, command), env=_node_env(lab, k, gpus), stdout=out,
+                                              stderr=subprocess.STDOUT if out else None))
+            codes = _wait_all(procs)
+        except KeyboardInterrupt:
+            _stop(procs)
+            print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    for k, code in enumerate(codes[1:], start=1):
+        if code != 0:
+            print(f"fourfold lab: node {k} exited {code}; its output:\n"
+                  + (logs / f"node{k}.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+    return max(codes, key=abs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fourfold.lab import Lab, LabUnavailable
+    from fourfold.lab.net import leftovers, unavailable
+
+    parser = _parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.action == "check":
+        why = unavailable()
+        print(why or "fourfold lab: this machine can make a lab (root, iproute2, tbf)")
+        return 1 if why else 0
+    if ns.action == "down":
+        left = leftovers()
+        Lab(1).down()
+        print(f"fourfold lab: removed {', '.join(left)}" if left else "fourfold lab: no lab to remove")
+        return 0
+    try:
+        return run_command(ns.nodes, ns.gpus_per_node, ns.link, ns.command)
+    except ValueError as e:
+        parser.error(str(e))
+    except LabUnavailable as e:
+        print(f"fourfold lab: {e}", file=sys.stderr)
+        return 2
+    return 1

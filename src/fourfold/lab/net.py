@@ -1,0 +1,153 @@
+"""The lab's network: namespaces, veth pairs, a bridge and token-bucket filters, made and torn down.
+
+Layout for ``Lab(nodes=3, link="1gbit")``::
+
+    namespace fourfold-lab-n0   ffl-n0 10.213.0.1/24 ─┐ tbf 1gbit each way
+    namespace fourfold-lab-n1   ffl-n1 10.213.0.2/24 ─┼── ffl-s0..2 ── bridge ffl-br   (namespace fourfold-lab-sw)
+    namespace fourfold-lab-n2   ffl-n2 10.213.0.3/24 ─┘
+
+Node k's end shapes what it sends (its upload); the switch's end shapes what reaches it (its download), so a
+node's link carries ``--link`` each way, full duplex, as a NIC does. Everything has the ``fourfold-lab-`` /
+``ffl-`` prefix and lives inside the lab's namespaces; :meth:`Lab.down` deletes the namespaces (their veths and
+qdiscs go with them), and :meth:`Lab.up` first removes what a crashed lab left.
+
+Needs root, ``ip`` and ``tc`` (iproute2) and the ``tbf`` qdisc; :func:`unavailable` says in one line what is
+missing (``netem`` is not needed: latency comes from the real stack, bandwidth from ``tbf``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PREFIX", "SUBNET", "Lab", "LabUnavailable", "leftovers", "parse_rate", "unavailable"]
+
+PREFIX = "fourfold-lab-"
+SUBNET = "10.213.0.0/24"
+"""The lab's addresses: node k is 10.213.0.(k+1), on its own veth only."""
+MAX_NODES = 64
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)\s*$", re.IGNORECASE)
+
+
+class LabUnavailable(RuntimeError):
+    """This machine cannot make a lab (not root, no ``ip``/``tc``, no namespaces or ``tbf``)."""
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000 bits/s (tc's units: kbit, mbit, gbit, or kbps/mbps/gbps for bytes/s)."""
+    m = _RATE.match(text)
+    if not m:
+        raise ValueError(f"link must be a rate such as 100mbit, 1gbit or 10gbit, got {text!r}.")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    bits = int(value * (8 if m.group(3).lower() == "bps" else 1))
+    if not 1e5 <= bits <= 1e11:
+        raise ValueError(f"link must be between 100kbit and 100gbit, got {text!r}.")
+    return bits
+
+
+def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise LabUnavailable(f"`{' '.join(args)}` failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def unavailable() -> str | None:
+    """Why no lab can be made here, in one line; None when one can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the lab needs root (network namespaces and tc): run as root, or skip the lab"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"the lab needs {' and '.join(missing)} (Debian: apt-get install iproute2)"
+    probe = PREFIX + "probe"
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "-n", probe, "link", "add", "ffl-probe", "type", "veth", "peer", "name", "ffl-probe2"])
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "ffl-probe", "root", "tbf", "rate", "1gbit", "burst",
+              "128kb", "latency", "50ms"])
+    except LabUnavailable as e:
+        return f"this machine cannot make a lab: {e}"
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def leftovers() -> list[str]:
+    """The lab namespaces that exist now (a running lab's, or a crashed one's)."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.startswith(PREFIX))
+
+
+@dataclass
+class Lab:
+    """``nodes`` namespaces joined by ``link``-shaped veths; ``with Lab(...) as lab:`` makes and removes it."""
+
+    nodes: int
+    link: str = "1gbit"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be between 1 and {MAX_NODES}, got {self.nodes}.")
+        self.rate = parse_rate(self.link)
+
+    def namespace(self, k: int) -> str:
+        return f"{PREFIX}n{k}"
+
+    def address(self, k: int) -> str:
+        return f"10.213.0.{k + 1}"
+
+    def interface(self, k: int) -> str:
+        return f"ffl-n{k}"
+
+    def up(self) -> None:
+        """Make the lab (after removing a crashed one's leftovers); on any failure, remove what was made."""
+        why = unavailable()
+        if why:
+            raise LabUnavailable(why)
+        self.down()
+        sw = PREFIX + "sw"
+        burst = max(self.rate // 8 // 250, 32 * 1024)  # bytes: at least one timer tick's worth at this rate
+        shape = ["root", "tbf", "rate", f"{self.rate}bit", "burst", str(burst), "latency", "100ms"]
+        try:
+            _run(["ip", "netns", "add", sw])
+            _run(["ip", "-n", sw, "link", "add", "ffl-br", "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", "ffl-br", "up"])
+            for k in range(self.nodes):
+                ns, node_end, switch_end = self.namespace(k), self.interface(k), f"ffl-s{k}"
+                _run(["ip", "netns", "add", ns])
+                _run(["ip", "link", "add", node_end, "netns", ns, "type", "veth", "peer", "name", switch_end,
+                      "netns", sw])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", node_end])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                _run(["ip", "-n", ns, "link", "set", node_end, "up"])
+                _run(["ip", "-n", sw, "link", "set", switch_end, "master", "ffl-br"])
+                _run(["ip", "-n", sw, "link", "set", switch_end, "up"])
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", node_end, *shape])      # what node k sends
+                _run(["tc", "-n", sw, "qdisc", "add", "dev", switch_end, *shape])    # what reaches node k
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        """Remove every lab namespace (this lab's or an earlier one's); their veths and qdiscs go with them."""
+        for ns in leftovers():
+            _run(["ip", "netns", "del", ns], check=False)
+
+    def exec_argv(self, k: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside node ``k``'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(k), *argv]
+
+    def qdiscs(self, k: int) -> str:
+        """``tc qdisc show`` of node ``k``'s end (what shapes its upload)."""
+        return _run(["tc", "-n", self.namespace(k), "qdisc", "show", "dev", self.interface(k)]).stdout
+
+    def __enter__(self) -> Lab:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
