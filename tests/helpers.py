@@ -39,6 +39,23 @@ def batches(cfg: GPTConfig, batch: int = 8, steps: int = 3, seed: int = 1234) ->
              torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)) for _ in range(steps)]
 
 
+def train_corpus(engine, steps: int, dp_rank: int = 0, dp_size: int = 1, lr: float = 3e-3) -> list[float]:
+    """``steps`` AdamW steps of ``engine`` on the built-in corpus (batches of 16 x the model's seq_len, this dp
+    rank's shard): the losses. The loop the long training tests (bf16, compression) share."""
+    from fourfold.data import BatchLoader, load_corpus
+
+    loader = BatchLoader(load_corpus(max_bytes=2**20), 16, engine.model.config.seq_len, seed=0,
+                         dp_rank=dp_rank, dp_size=dp_size)
+    opt = torch.optim.AdamW(engine.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = loader.shard(step)
+        losses.append(engine.step(x, y).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
 def shard(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
     """Data-parallel rank ``dp_rank``'s equal, contiguous share of a global batch."""
     n = batch.size(0) // dp

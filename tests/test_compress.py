@@ -24,9 +24,9 @@ from fourfold import Mesh, parallelize
 from fourfold.comm import Communicator, ring
 from fourfold.comm.compress import BLOCK, Int8, PowerSGD, _dequantize, _layout, _quantize, make_compressor
 from fourfold.config import TrainConfig
-from fourfold.data import BatchLoader, load_corpus
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.testing import run_ranks
+from helpers import train_corpus
 
 
 def test_int8_quantization_rounds_to_nearest_within_half_a_step_per_block():
@@ -158,18 +158,11 @@ CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
 
 
 def _train(ctx, steps: int) -> dict:
-    loader = BatchLoader(load_corpus(max_bytes=2**20), 16, CFG.seq_len, seed=0, dp_rank=ctx.rank, dp_size=2)
     out = {}
     for name in ("none", "bf16", "int8", "powersgd"):
         ranks = Mesh.for_world(2, dp=2).build(30)
         engine = parallelize(TinyGPT(CFG, seed=0), ranks, allreduce="ring", compress=name, timeout_s=30)
-        opt = torch.optim.AdamW(engine.parameters(), lr=3e-3)
-        losses = []
-        for step in range(steps):
-            x, y = loader.shard(step)
-            losses.append(engine.step(x, y).item())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        losses = train_corpus(engine, steps, ctx.rank, 2)
         weights = torch.cat([p.detach().reshape(-1) for p in engine.parameters()])
         everyone = [torch.empty_like(weights) for _ in range(2)]
         dist.all_gather(everyone, weights)

@@ -13,27 +13,18 @@ import pytest
 import torch
 
 from fourfold import Mesh, parallelize
-from fourfold.data import BatchLoader, load_corpus
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
 from fourfold.testing import run_ranks
-from helpers import batches, optimizer, shard
+from helpers import batches, optimizer, shard, train_corpus
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
 
 def _train_corpus(precision: str, steps: int = 200) -> tuple[list[float], TinyGPT]:
     cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
-    loader = BatchLoader(load_corpus(max_bytes=2**20), 16, cfg.seq_len, seed=0)
     engine = parallelize(TinyGPT(cfg, seed=0), None, precision=precision)
-    opt = torch.optim.AdamW(engine.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        x, y = loader.shard(step)
-        losses.append(engine.step(x, y).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, engine.model
+    return train_corpus(engine, steps), engine.model
 
 
 @pytest.mark.timeout(300)
