@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fourfold.bench import main
-from fourfold.bench.harness import fit_line, parse_size
+from fourfold.bench.harness import fit_alpha_beta, fit_line, parse_size
 from fourfold.comm import Communicator, allreduce, auto, ring, tree
 from fourfold.testing import run_ranks
 
@@ -110,6 +110,12 @@ def test_bench_helpers():
             parse_size(bad)
     a, b = fit_line([4.0, 1e3, 1e6], [2e-5 + 4 * 3e-10, 2e-5 + 1e3 * 3e-10, 2e-5 + 1e6 * 3e-10])
     assert a == pytest.approx(2e-5) and b == pytest.approx(3e-10)
+    # a link that bursts: small messages at 1 ns/B, from 1 MB its sustained 8 ns/B; the fit keeps the latter
+    burst = [(n, 4e-4 + n * (1e-9 if n < 1 << 20 else 8e-9)) for n in (4, 64, 1 << 10, 4 << 10, 64 << 10,
+                                                                      1 << 20, 4 << 20, 16 << 20)]
+    a, b = fit_alpha_beta(burst)
+    assert a == pytest.approx(4e-4, rel=1e-2) and b == pytest.approx(8e-9, rel=1e-3)
+    assert fit_line(*zip(*burst, strict=True))[1] < 0.8 * 8e-9  # the old fit of every size: too fast
 
 
 @pytest.mark.parametrize("argv, words", [(["allreduce", "--nproc", "1"], "nproc must be >= 2"),

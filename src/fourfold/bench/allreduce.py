@@ -33,6 +33,7 @@ from typing import Any
 
 from fourfold.bench.harness import (
     add_output_flags,
+    fit_alpha_beta,
     fit_line,
     fmt_time,
     format_bytes,
@@ -140,11 +141,12 @@ def _run(ns: argparse.Namespace) -> None:
             reduce_times.append((nbytes, statistics.median(times[2:])))
     model = None
     if main_rank:
-        alpha, beta = fit_line([n for n, _ in pingpong], [s for _, s in pingpong])
+        alpha, beta = fit_alpha_beta(pingpong)
         gamma = fit_line([n for n, _ in reduce_times], [s for _, s in reduce_times])[1]
         info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "machine": machine(g), "pingpong": pingpong, "reduce": reduce_times,
-                "fit": "one-way ping-pong t = alpha + beta*n, least squares on relative error; gamma: add_ slope"}
+                "fit": "one-way ping-pong: alpha the median of <= 4 KB, beta the slope of >= 1 MB through alpha; "
+                        "gamma: add_ slope"}
         if alpha < 0:
             say(f"warning: the fit gave alpha = {alpha * 1e6:.1f} us < 0 (noise); using 0")
         model = auto.CostModel(max(alpha, 0.0), max(beta, 0.0), max(gamma, 0.0),

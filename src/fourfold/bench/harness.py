@@ -19,7 +19,7 @@ from typing import Any
 from fourfold.files import write_text_atomic
 from fourfold.units import format_bytes, parse_bytes
 
-__all__ = ["add_output_flags", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
+__all__ = ["add_output_flags", "fit_alpha_beta", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
            "paired_ratio", "parse_size", "run_or_launch", "run_record", "start_rank", "timed_rounds", "write_report"]
 
 
@@ -97,6 +97,22 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx, sxy = sum(w * x * x for x, _, w in pts), sum(w * x * y for x, y, w in pts)
     b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
     return (sy - b * sx) / sw, b
+
+
+def fit_alpha_beta(points: list[tuple[int, float]], small: int = 4 << 10,
+                   large: int = 1 << 20) -> tuple[float, float]:
+    """``(alpha, beta)`` of a one-way ping-pong ``[(bytes, seconds)]``: alpha the median time of messages of at
+    most ``small`` bytes (the latency floor); beta the least-squares slope, through alpha, of messages of at least
+    ``large`` bytes (the sustained bandwidth). A fit of all sizes at once lets the many small sizes decide beta,
+    and a link that starts with a burst (a token bucket's, a NIC's) then looks several times faster than it is;
+    without points on either side, :func:`fit_line` over all of them."""
+    lat = sorted(t for n, t in points if n <= small)
+    big = [(n, t) for n, t in points if n >= large]
+    if not lat or not big:
+        return fit_line([n for n, _ in points], [t for _, t in points])
+    alpha = lat[len(lat) // 2]
+    beta = sum(n * (t - alpha) for n, t in big) / sum(n * n for n, _ in big)
+    return alpha, beta
 
 
 def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
