@@ -243,7 +243,8 @@ LAB_ENV = "FOURFOLD_LAB_"
 ``_NNODES``, ``_NODE_RANK``, ``_RDZV_ENDPOINT``, ``_LOCAL_ADDR``) here; flags still win."""
 
 
-def _lab_default(name: str, default: int) -> int:
+def lab_default(name: str, default: int) -> int:
+    """``FOURFOLD_LAB_<name>`` as an int (set by ``fourfold lab run`` for each node's command), else ``default``."""
     return int(os.environ.get(LAB_ENV + name, default))
 
 
@@ -251,10 +252,10 @@ def _lab_default(name: str, default: int) -> int:
 class LaunchConfig:
     """How many processes, on how many machines (passed to torchrun's launcher)."""
 
-    nproc: int = field(default_factory=lambda: _lab_default("NPROC", 1), metadata=_help(
+    nproc: int = field(default_factory=lambda: lab_default("NPROC", 1), metadata=_help(
         "processes to start on this machine (through torchrun)"))
-    nnodes: int = field(default_factory=lambda: _lab_default("NNODES", 1), metadata=_help("machines taking part"))
-    node_rank: int = field(default_factory=lambda: _lab_default("NODE_RANK", 0), metadata=_help(
+    nnodes: int = field(default_factory=lambda: lab_default("NNODES", 1), metadata=_help("machines taking part"))
+    node_rank: int = field(default_factory=lambda: lab_default("NODE_RANK", 0), metadata=_help(
         "this machine's index, 0..nnodes-1"))
     rdzv_endpoint: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "RDZV_ENDPOINT"),
                                       metadata=_help("host:port of the rendezvous, required when nnodes > 1"))

@@ -55,9 +55,9 @@ def add_round_flags(parser: Any, *, nproc: str, rounds: int, warmup: int, checks
 
 def lab_nproc(default: int = 2) -> int:
     """``--nproc``'s default: 2, or in a lab its ``--gpus-per-node``."""
-    from fourfold.config import LAB_ENV
+    from fourfold.config import lab_default
 
-    return int(os.environ.get(LAB_ENV + "NPROC", default))
+    return lab_default("NPROC", default)
 
 
 def lab_nodes() -> int:

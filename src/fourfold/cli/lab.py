@@ -14,6 +14,7 @@ node 0's; another node's is printed only when it fails. The exit code is the wor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,7 +51,7 @@ def _node_env(lab, k: int, gpus: int) -> dict[str, str]:  # noqa: ANN001 - a Lab
     return {**os.environ, LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
             LAB_ENV + "NODE_RANK": str(k), LAB_ENV + "RDZV_ENDPOINT": f"{lab.address(0)}:{RDZV_PORT}",
             LAB_ENV + "LOCAL_ADDR": lab.address(k),
-            "GLOO_SOCKET_IFNAME": lab.interface(k), LAB_ENV + "LINK": lab.link,
+            "GLOO_SOCKET_IFNAME": lab.interface(k),
             "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}  # no reverse-DNS warnings
 
 
@@ -96,15 +97,15 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str]) -> int:
     if gpus < 1:
         raise ValueError(f"gpus-per-node must be >= 1, got {gpus}.")
     lab = Lab(nodes, link)
-    logs = Path(tempfile.mkdtemp(prefix="fourfold-lab-"))
     procs: list[subprocess.Popen[bytes]] = []
-    with lab:
+    with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
+        logs = Path(tmp)
         print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, addresses "
               f"{lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed lab run still removes its lab
         try:
-            for k in range(nodes):
-                out = None if k == 0 else open(logs / f"node{k}.log", "wb")  # noqa: SIM115 - closed with the lab
+            for k in range(nodes):  # node 0 speaks on this terminal; the others into a log, shown if they fail
+                out = None if k == 0 else files.enter_context(open(logs / f"node{k}.log", "wb"))
                 procs.append(subprocess.Popen(lab.exec_argv(k, command), env=_node_env(lab, k, gpus), stdout=out,
                                               stderr=subprocess.STDOUT if out else None))
             codes = _wait_all(procs)
@@ -114,10 +115,10 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str]) -> int:
             return 130
         finally:
             signal.signal(signal.SIGTERM, previous)
-    for k, code in enumerate(codes[1:], start=1):
-        if code != 0:
-            print(f"fourfold lab: node {k} exited {code}; its output:\n"
-                  + (logs / f"node{k}.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+        for k, code in enumerate(codes[1:], start=1):
+            if code != 0:
+                print(f"fourfold lab: node {k} exited {code}; its output:\n"
+                      + (logs / f"node{k}.log").read_text(errors="replace")[-4000:], file=sys.stderr)
     return max(codes, key=abs)
 
 

@@ -24,8 +24,10 @@ the integer types; world size 1 returns at once. Every algorithm leaves bitwise 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,7 @@ from fourfold.comm.p2p import CommStats, Communicator, Message, check_same
 from fourfold.comm.wait import CommError, bounded_wait
 from fourfold.observe.trace import Tracer
 
-__all__ = ["ALGORITHMS", "CommError", "CommStats", "Communicator", "Message", "allreduce"]
+__all__ = ["ALGORITHMS", "CommError", "CommStats", "Communicator", "Message", "allreduce", "counted_span"]
 
 Algorithm = Callable[[Communicator, torch.Tensor], None]
 
@@ -96,12 +98,21 @@ def allreduce(
         check_same(comm, flat, algorithm, list(ALGORITHMS))
     if flat.numel() == 0:
         return tensor
-    before = comm.stats.sent_bytes, comm.stats.recv_bytes, comm.stats.sent_messages
-    start = tracer.now_ns() if tracer is not None else 0
-    ALGORITHMS[algorithm](comm, flat)
-    if tracer is not None and tracer.enabled:
-        s = comm.stats
-        tracer.record("comm", f"allreduce:{algorithm}", start, tracer.now_ns(), bytes=s.sent_bytes - before[0],
-                      recv_bytes=s.recv_bytes - before[1], messages=s.sent_messages - before[2],
-                      numel=flat.numel(), dtype=str(flat.dtype).replace("torch.", ""))
+    with counted_span(comm, tracer, f"allreduce:{algorithm}", numel=flat.numel(),
+                      dtype=str(flat.dtype).replace("torch.", "")):
+        ALGORITHMS[algorithm](comm, flat)
     return tensor
+
+
+@contextlib.contextmanager
+def counted_span(comm: Communicator, tracer: Tracer | None, name: str, **args: Any) -> Iterator[None]:
+    """Record the block as one ``comm`` span carrying the bytes, received bytes and messages ``comm`` counted in
+    it (nothing when ``tracer`` is None or off; nothing when the block raises)."""
+    if tracer is None or not tracer.enabled:
+        yield
+        return
+    s = comm.stats
+    before, start = (s.sent_bytes, s.recv_bytes, s.sent_messages), tracer.now_ns()
+    yield
+    tracer.record("comm", name, start, tracer.now_ns(), bytes=s.sent_bytes - before[0],
+                  recv_bytes=s.recv_bytes - before[1], messages=s.sent_messages - before[2], **args)

@@ -26,7 +26,7 @@ all-reduce; ``shapes`` are the ``(offset, shape)`` of the parameters packed in `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -149,16 +149,18 @@ class _Factors:
     offset: int
     rows: int
     cols: int
-    q: torch.Tensor      # cols x r, warm-started from the previous step
+    p: torch.Tensor      # rows x r: a view of the P all-reduce's buffer
+    q: torch.Tensor      # cols x r: a view of the Q all-reduce's buffer, warm-started from the previous step
     error: torch.Tensor  # rows x cols
 
 
 @dataclass
 class _PowerState:
     factors: list[_Factors]
-    rest: list[tuple[int, int]]  # (offset, numel) of what is sent uncompressed (vectors, small matrices)
+    rest: list[tuple[int, int, int]]  # (offset in the bucket, numel, offset in p) of what is sent as it is
+    p: torch.Tensor              # every matrix's P, then the rest: the first all-reduce
+    q: torch.Tensor              # every matrix's Q: the second
     calls: int = 0
-    p: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 class PowerSGD(Compressor):
@@ -201,11 +203,22 @@ class PowerSGD(Compressor):
         return matrices, rest
 
     def _plan(self, key: int, flat: torch.Tensor, shapes: Shapes) -> _PowerState:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + key)  # the same Q on every rank
+        """The bucket's matrices with their P and Q as views of the two all-reduces' buffers, Q drawn from a
+        generator seeded alike on every rank."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
         matrices, rest = self.split(shapes, flat.numel())
-        factors = [_Factors(o, rows, cols, torch.randn(cols, self.rank, generator=gen, dtype=torch.float64).to(flat),
-                            flat.new_zeros(rows, cols)) for o, rows, cols in matrices]
-        return _PowerState(factors, rest)
+        r = self.rank
+        p = flat.new_empty(sum(rows for _, rows, _ in matrices) * r + sum(n for _, n in rest))
+        q = flat.new_empty(sum(cols for _, _, cols in matrices) * r)
+        factors, at, qat = [], 0, 0
+        for offset, rows, cols in matrices:
+            f = _Factors(offset, rows, cols, p[at:at + rows * r].view(rows, r), q[qat:qat + cols * r].view(cols, r),
+                         flat.new_zeros(rows, cols))
+            f.q.copy_(torch.randn(cols, r, generator=gen, dtype=torch.float64))
+            factors.append(f)
+            at, qat = at + rows * r, qat + cols * r
+        places = [(offset, n, at + sum(m for _, m in rest[:i])) for i, (offset, n) in enumerate(rest)]
+        return _PowerState(factors, places, p, q)
 
     def reduce(self, comm: Communicator, key: int, flat: torch.Tensor, shapes: Shapes, algorithm: str) -> None:
         from fourfold.comm import allreduce
@@ -217,40 +230,26 @@ class PowerSGD(Compressor):
         if st.calls <= self.warmup or not st.factors:
             allreduce(flat, algorithm, comm=comm, check=st.calls == 1)
             return
-        r = self.rank
-        n_p = sum(f.rows for f in st.factors) * r
-        n_rest = sum(n for _, n in st.rest)
-        if st.p.numel() != n_p + n_rest or st.p.dtype != flat.dtype:
-            st.p = flat.new_empty(n_p + n_rest)
-        at, matrices = 0, []
-        for f in st.factors:  # M = gradient + error; P = M Q into the first all-reduce's buffer
+        matrices = []
+        for f in st.factors:  # M = gradient + error; P = M Q
             m = flat[f.offset:f.offset + f.rows * f.cols].view(f.rows, f.cols).add_(f.error)
-            torch.mm(m, f.q, out=st.p[at:at + f.rows * r].view(f.rows, r))
+            torch.mm(m, f.q, out=f.p)
             matrices.append(m)
-            at += f.rows * r
-        for offset, n in st.rest:
+        for offset, n, at in st.rest:  # vectors and small matrices ride after the P's
             st.p[at:at + n].copy_(flat[offset:offset + n])
-            at += n
         allreduce(st.p, algorithm, comm=comm, check=False)
-        at, q_all = 0, flat.new_empty(sum(f.cols for f in st.factors) * r)
-        qat, ps = 0, []
+        orthonormal = []
         for f, m in zip(st.factors, matrices, strict=True):
-            p = torch.linalg.qr(st.p[at:at + f.rows * r].view(f.rows, r)).Q
-            torch.mm(m.t(), p, out=q_all[qat:qat + f.cols * r].view(f.cols, r))
-            ps.append(p)
-            at += f.rows * r
-            qat += f.cols * r
-        for offset, n in st.rest:
+            p = torch.linalg.qr(f.p).Q
+            torch.mm(m.t(), p, out=f.q)
+            orthonormal.append(p)
+        for offset, n, at in st.rest:
             flat[offset:offset + n].copy_(st.p[at:at + n])
-            at += n
-        allreduce(q_all, algorithm, comm=comm, check=False)
-        qat = 0
-        for f, m, p in zip(st.factors, matrices, ps, strict=True):
-            f.q.copy_(q_all[qat:qat + f.cols * r].view(f.cols, r))
+        allreduce(st.q, algorithm, comm=comm, check=False)  # every f.q is now the summed Q
+        for f, m, p in zip(st.factors, matrices, orthonormal, strict=True):
             approx = torch.mm(p, f.q.t())
             torch.sub(m, approx, alpha=1.0 / comm.size, out=f.error)  # what this rank's share missed
             m.copy_(approx)
-            qat += f.cols * r
 
     def theory(self, shapes: Shapes, numel: int) -> int:
         """Elements the two all-reduces carry in all once past the warm-up ((n + m) r per matrix, the rest as it

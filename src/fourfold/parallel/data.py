@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce
+from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce, counted_span
 from fourfold.comm.compress import Compressor
 from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.observe.trace import Tracer
@@ -222,15 +222,10 @@ class DataParallel(nn.Module):
     def _compressed(self, b: Bucket, flat: torch.Tensor) -> None:
         """Reduce a bucket through the compressor, traced as one ``allreduce:<name>`` span with its bytes."""
         assert self.compress is not None
-        s = self._comm.stats
-        before = s.sent_bytes, s.recv_bytes, s.sent_messages
-        start = self.tracer.now_ns() if self.tracer is not None else 0
-        self.compress.reduce(self._comm, b.index, flat, [(o, p.shape) for p, o in zip(b.params, b.offsets,
-                                                                                     strict=True)], self.algorithm)
-        if self.tracer is not None and self.tracer.enabled:
-            self.tracer.record("comm", f"allreduce:{self.compress.name}", start, self.tracer.now_ns(),
-                               bytes=s.sent_bytes - before[0], recv_bytes=s.recv_bytes - before[1],
-                               messages=s.sent_messages - before[2], bucket=b.index, numel=flat.numel())
+        shapes = [(o, p.shape) for p, o in zip(b.params, b.offsets, strict=True)]
+        with counted_span(self._comm, self.tracer, f"allreduce:{self.compress.name}", bucket=b.index,
+                          numel=flat.numel()):
+            self.compress.reduce(self._comm, b.index, flat, shapes, self.algorithm)
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn`` on the one communication thread: collectives go in the order issued, the same on every
