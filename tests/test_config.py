@@ -110,3 +110,17 @@ def test_a_float_field_takes_a_toml_integer(tmp_path):
     f.write_text("[train]\nlr = 1\n")
     cfg = parse_args(["--config", str(f)])
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+def test_torchrun_never_reads_the_commands_flags():
+    """torch 2.13's torchrun has --virtual-local-rank: argparse took train's --virtual for a prefix of it and
+    refused every interleaved run with --nproc > 1. The command's flags come after "--"."""
+    from torch.distributed import run as torchrun
+
+    from fourfold.config import LaunchConfig
+    from fourfold.elastic import torchrun_args
+
+    flags = ["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--nproc", "2"]
+    args = torchrun.parse_args(torchrun_args("fourfold.train", flags, LaunchConfig(nproc=2)))
+    assert args.module and args.training_script == "fourfold.train"
+    assert args.training_script_args == flags and args.nproc_per_node == "2"

@@ -112,7 +112,9 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
                  "--node-rank", str(launch.node_rank), "--rdzv-conf", f"timeout={launch.rdzv_timeout}"]
         if launch.local_addr:
             args += ["--local-addr", launch.local_addr]
-    return [*args, "--module", module, *argv]
+    # "--": the command's own flags are never read as torchrun's (argparse takes a prefix such as --virtual for
+    # torchrun's --virtual-local-rank and fails as ambiguous)
+    return [*args, "--module", "--", module, *argv]
 
 
 def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
