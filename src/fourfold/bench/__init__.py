@@ -6,6 +6,7 @@
     fourfold bench pp --nproc 2            a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining
     fourfold bench packing                 the same documents padded vs packed first-fit vs bfd
     fourfold bench zero --nproc 2          ZeRO-1/2/3 vs FSDP2 (fully_shard) vs DDP: step time, memory per rank
+    fourfold bench predict                 the simulator's predicted step time beside the measured, per layout
 
 Each benchmark is one module here on the shared :mod:`fourfold.bench.harness`; a rank runs
 ``python -m fourfold.bench.NAME``.
@@ -25,6 +26,7 @@ BENCHMARKS = {
     "pp": "a training step: fourfold GPipe and 1F1B vs torch.distributed.pipelining",
     "packing": "the same documents padded vs packed (first-fit, bfd): real tokens/s against the bound",
     "zero": "a training step: fourfold ZeRO-1/2/3 vs FSDP2 vs DDP, and the memory each rank holds",
+    "predict": "the simulator's predicted step time beside fourfold train's, layout by layout",
 }
 
 

@@ -21,8 +21,8 @@ COMMANDS = {
                  "fourfold schedule --schedule 1f1b"),
     "lab": ("fourfold.cli.lab", "an emulated cluster (namespaces, shaped links; root): fourfold lab run --nodes 2 "
             "-- fourfold train"),
-    "plan": ("fourfold.cli.plan", "memory per rank of a layout, before launch: fourfold plan --memory --nproc 4 "
-             "--zero 2"),
+    "plan": ("fourfold.cli.plan", "which layout: every one that fits, fastest first (fourfold plan --gpus 64 "
+             "--gpu-mem 80GB --link 400gbit), or one's memory (plan --memory --nproc 4 --zero 2)"),
 }
 
 USAGE = f"""usage: fourfold [-h] [--version] COMMAND [ARGS]

@@ -8,6 +8,15 @@ bytes of parameters, gradients, optimiser state and peak activations (:mod:`four
 formulas are in docs/memory.md), the memory available per rank and whether the layout fits; when it does not,
 the largest term and the cheapest change that fits. ``fourfold train`` runs the same check before it launches
 (``--no-memory-check`` skips it) and refuses a layout that would not fit.
+
+    fourfold plan --gpus 64 --gpu-mem 80GB --link 400gbit --model gpt2 --model-config xl.json --batch-size 512
+    fourfold plan --nproc 8 --batch-size 16                      # this machine, its units timed here
+
+ranks every layout (dp x tp x pp, schedule, micro-batches, ZeRO stage) of the model that fits in memory by its
+predicted step time (:mod:`fourfold.observe.predict`; docs/simulator.md). ``--gpus``: on paper, the model built
+on the meta device (any size), each unit's time from its FLOPs at ``--gpu-flops`` x ``--mfu``, links from
+``--link`` (between machines of ``--gpus-per-node``) and ``--node-link`` (within one). ``--nproc``: this
+machine, the units timed here and the links from the fitted cost model (``fourfold bench allreduce``).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["check_memory", "layout_memory", "main"]
+__all__ = ["check_memory", "layout_memory", "layouts", "main", "rank_layouts"]
 
 
 def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any], Any]:
@@ -100,15 +109,182 @@ def check_memory(cfg: Any, world_size: int) -> str:
             f"{format_bytes(worst.total)} of {format_bytes(available)} ({where})")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(model: Any) -> int | None:
+    """Attention heads per block, where the model says (tensor parallelism splits them)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if heads is None:
+        heads = next((m.n_head for m in model.modules() if isinstance(getattr(m, "n_head", None), int)),
+                     None)
+    return int(heads) if heads else None
+
+
+def layouts(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
+            per_node: int) -> list[Any]:
+    """Every layout of ``world`` ranks worth predicting: tp within a machine dividing the heads, pp up to the
+    blocks, dp dividing the batch; with pp each schedule at pp, 2pp and 4pp micro-batches (interleaved: 2
+    stages per rank); ZeRO 0-3 where dp > 1."""
+    from fourfold.observe.predict import Layout
+    from fourfold.parallel.schedule import pipeline_schedule
+
+    out = []
+    for tp in _divisors(world):
+        if tp > 1 and (not tensor_plan or tp > per_node or (heads is not None and heads % tp)):
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // tp // pp
+            if pp > blocks or batch_size % dp:
+                continue
+            shapes = [("1f1b", 1, 1)] if pp == 1 else [
+                (s, m, 2 if s == "interleaved" else 1) for m in (pp, 2 * pp, 4 * pp) if (batch_size // dp) % m == 0
+                for s in ("gpipe", "1f1b", "interleaved", "zb")]
+            for schedule, m, v in shapes:
+                if pp > 1:
+                    try:
+                        pipeline_schedule("pipeline", schedule, pp, m, v)
+                    except ValueError:
+                        continue
+                    if pp * v > blocks:
+                        continue
+                out += [Layout(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
+    return out
+
+
+def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
+    """(prediction, fits) for every candidate, fastest first (of equal times, the smaller memory); a layout that
+    does not fit after all that fit."""
+    predictions = []
+    for layout in candidates:
+        p = predict_layout(profile, layout, links, batch_size)
+        if p is not None:
+            predictions.append((p, p.peak_bytes <= available))
+    return sorted(predictions, key=lambda pf: (not pf[1], round(pf[0].step_s, 12), pf[0].peak_bytes))
+
+
+def predict_layout(profile: Any, layout: Any, links: Any, batch_size: int) -> Any:
+    from fourfold.observe.predict import predict
+
+    try:
+        return predict(profile, layout, links, batch_size)
+    except ValueError:
+        return None  # a layout the model cannot take (more stages than blocks, ...): not a candidate
+
+
+def _ranking(argv: list[str]) -> int:
+    import argparse
+    import os
+
+    import torch
+
+    from fourfold.comm.auto import CostModel
+    from fourfold.engine import model_blocks
+    from fourfold.lab.net import parse_rate
+    from fourfold.models import family_of, shard_plan
+    from fourfold.models.build import build_model
+    from fourfold.observe.predict import Links, ModelProfile, flop_units, measure_units
+    from fourfold.train import parse_args
+    from fourfold.units import format_bytes, parse_bytes
+
+    parser = argparse.ArgumentParser(prog="fourfold plan", add_help=False)
+    parser.add_argument("--gpus", type=int)
+    parser.add_argument("--gpu-mem", default=None)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--link", default="400gbit")
+    parser.add_argument("--node-link", default=None)
+    parser.add_argument("--latency", type=float, default=10e-6)
+    parser.add_argument("--gpu-flops", type=float, default=989e12)
+    parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--top", type=int, default=10)
+    ns, rest = parser.parse_known_args(argv)
+    paper = ns.gpus is not None
+    try:
+        if paper and (ns.gpus < 1 or ns.gpus_per_node < 1 or not 0 < ns.mfu <= 1 or ns.top < 1):
+            raise ValueError(f"--gpus and --gpus-per-node must be >= 1, --mfu in (0, 1], --top >= 1, got --gpus "
+                             f"{ns.gpus}, --gpus-per-node {ns.gpus_per_node}, --mfu {ns.mfu}, --top {ns.top}.")
+        cfg = parse_args(rest)
+        world = ns.gpus if paper else cfg.launch.world_size
+        t = cfg.train
+        if paper:
+            def link(text: str) -> CostModel:
+                return CostModel(ns.latency, 8 / parse_rate(text, most=1e13), 0.0, f"{text}, {ns.latency * 1e6:g} us")
+            links = Links(node=link(ns.node_link or ns.link), network=link(ns.link), ranks_per_node=ns.gpus_per_node)
+            available = parse_bytes(ns.gpu_mem) if ns.gpu_mem else parse_bytes(t.memory_limit or "80GB")
+            where = "--gpu-mem" if ns.gpu_mem else "--memory-limit" if t.memory_limit else "80GB (default)"
+            if t.model == "tinygpt":  # builds shapes only on meta (its initialisation reads no data)
+                model = build_model(cfg, device="meta")
+            else:
+                with torch.device("meta"):  # any size: nothing is allocated
+                    model = build_model(cfg, device="meta")
+        else:
+            model = build_model(cfg)
+            cost_model = CostModel.load()
+            links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
+            available, where = _available(cfg, world)
+        family = family_of(model)
+        blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
+        seq = cfg.model.seq_len
+        costs = (flop_units(model, blocks, seq, ns.gpu_flops * ns.mfu) if paper else
+                 measure_units(model, blocks, seq, samples=(1, max(2, t.batch_size // max(1, world)))))
+        shards = shard_plan(model)
+        profile = ModelProfile.of(model, blocks, seq, shards, costs)
+        candidates = layouts(world, len(blocks), t.batch_size, heads=_heads(model), tensor_plan=bool(shards),
+                             per_node=links.ranks_per_node)
+    except ValueError as e:
+        print(f"fourfold plan: error: {e}", file=sys.stderr)
+        return 2
+    ranked = rank_layouts(profile, candidates, links, t.batch_size, available)
+    fits = [p for p, ok in ranked if ok]
+    params = sum(p.numel() for p in model.parameters())
+    print(f"fourfold plan: {t.model} ({params / 1e6:,.1f} M parameters), batch {t.batch_size} x {seq}, on {world} "
+          f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); compute: {costs.source}; "
+          f"links: {links.network.source or 'fitted cost model'}")
+    print(f"{len(candidates)} layouts considered, {len(fits)} fit. Fastest first:")
+    print(f"  {'#':>3} {'layout':<36} {'step':>10} {'tokens/s':>12} {'bubble':>7} {'dp exposed':>11} "
+          f"{'memory/rank':>12}")
+    for i, p in enumerate(fits[:ns.top], start=1):
+        print(f"  {i:>3} {str(p.layout):<36} {_time(p.step_s):>10} {t.batch_size * seq / p.step_s:>12,.0f} "
+              f"{p.bubble:>7.1%} {_time(p.dp_exposed_s):>11} {format_bytes(p.peak_bytes):>12}")
+    if not fits:
+        smallest = min((p for p, _ in ranked), key=lambda p: p.peak_bytes, default=None)
+        if smallest is not None:
+            print(f"  none fits: the smallest, {smallest.layout}, needs {format_bytes(smallest.peak_bytes)} per rank. "
+                  "Try more devices, a smaller batch, or --activation-checkpointing full.")
+        return 1
+    print(f"  run the first here: fourfold train {' '.join(fits[0].layout.flags())} ...")
+    return 0
+
+
+PAPER_FLAGS = """with --gpus (on paper):
+  --gpus N            devices to plan for (the model is built on the meta device: any size)
+  --gpu-mem SIZE      memory per device (default: --memory-limit, else 80GB)
+  --gpus-per-node N   devices per machine; tensor parallelism stays inside one (default: 8)
+  --link RATE         bandwidth between machines, e.g. 400gbit (default: 400gbit)
+  --node-link RATE    bandwidth inside a machine (default: --link)
+  --latency S         seconds per message on either link (default: 1e-05)
+  --gpu-flops X       peak FLOP/s of one device (default: 9.89e14, an H100 SXM's dense bf16)
+  --mfu X             the fraction of the peak a step reaches (default: 0.4)
+  --top N             layouts to print (default: 10)"""
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
 def main(argv: list[str] | None = None) -> int:
     from fourfold.observe.estimate import format_estimate
     from fourfold.train import parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: fourfold plan [--memory | --gpus N] [train's model, batch and layout flags]\n{__doc__}\n"
+              f"{PAPER_FLAGS}\nThe model and batch flags are `fourfold train --help`'s.")
+        return 0
     if "--memory" not in argv:
-        print("fourfold plan: pass --memory (the only plan so far: memory per rank for train's flags). E.g. "
-              "fourfold plan --memory --nproc 4 --zero 2", file=sys.stderr)
-        return 2
+        return _ranking(argv)
     argv = [a for a in argv if a != "--memory"]
     try:
         cfg = parse_args(argv)

@@ -38,7 +38,7 @@ from torch import nn
 from fourfold.observe.memory import estimate_held
 from fourfold.units import format_bytes
 
-__all__ = ["Probe", "RankMemory", "estimate_memory", "format_estimate", "per_rank_memory", "probe_activations",
+__all__ = ["Probe", "RankMemory", "cut_units", "estimate_memory", "format_estimate", "per_rank_memory", "probe_activations",
            "suggest"]
 
 
@@ -121,7 +121,16 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     from fourfold.parallel.pipeline.blocks import output_tensor
 
     device = next(model.parameters()).device
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meta = device.type == "meta"  # shapes only (a model too big to build): every storage is at address 0, but
+    # a storage keeps one Python object, so its id tells storages apart while the graph holds them
+
+    def key_of(t: torch.Tensor) -> int:
+        return id(t.untyped_storage()) if meta else t.untyped_storage().data_ptr()
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes()
+
+    params = {key_of(p) for p in model.parameters()}
     n = len(blocks) + 2
     saved, whole, inputs, outputs = ([0] * n for _ in range(4))
     unit = [0]
@@ -130,12 +139,12 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     column = {i for i, kind in _kinds(model, shards).items() if kind in ("column", "head")}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
+        key = key_of(t)
         if key not in params and key not in seen:
             seen.add(key)
-            saved[unit[0]] += t.untyped_storage().nbytes()
+            saved[unit[0]] += nbytes(t)
             if stack and stack[-1]:
-                whole[unit[0]] += t.untyped_storage().nbytes()
+                whole[unit[0]] += nbytes(t)
         return t
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -189,6 +198,23 @@ def _peak(actions: Any, act: dict[int, int], extra: dict[int, int], split: bool)
     return peak
 
 
+def cut_units(elements: list[int], stages: int) -> list[list[int]]:
+    """The units ``[before, *blocks, after]`` (their parameter elements) each pipeline stage holds, cut as the
+    pipeline cuts them: by parameter count, empty end units joining their neighbours."""
+    from fourfold.parallel.pipeline.split import partition
+
+    n = len(elements)
+    pieces = [u for u in range(n) if elements[u] or 0 < u < n - 1]
+    starts = partition([elements[u] for u in pieces], stages)
+    ends = (*starts[1:], len(pieces))
+    out = [pieces[a:b] for a, b in zip(starts, ends, strict=True)]
+    if pieces[0] != 0:
+        out[0] = [0, *out[0]]
+    if pieces[-1] != n - 1:
+        out[-1] = [*out[-1], n - 1]
+    return out
+
+
 def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, tp: int = 1, pp: int = 1,
                     batch_size: int, microbatches: int = 1, schedule: str = "1f1b", virtual: int = 2,
                     strategy: str = "pipeline", zero: int = 0, checkpoint_every: int = 0,
@@ -196,7 +222,6 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
                     probe: Probe | None = None,
                     optimizer_slots: int = 2) -> list[RankMemory]:
     """One :class:`RankMemory` per pipeline rank for this layout (see the module docstring)."""
-    from fourfold.parallel.pipeline.split import partition
     from fourfold.parallel.schedule import pipeline_schedule
 
     units = _units(model, blocks)
@@ -224,15 +249,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
                                sum(per_sample) * (batch_size // dp)))
         return rows
     sched = pipeline_schedule(strategy, schedule, pp, microbatches, virtual)
-    # The pipeline cuts [before, *blocks, after] as units; empty end units join their neighbours.
-    pieces = [u for u in range(n) if units[u] or 0 < u < n - 1]
-    starts = partition([numel(units[u]) for u in pieces], sched.stages)
-    ends = (*starts[1:], len(pieces))
-    stage_units = [pieces[a:b] for a, b in zip(starts, ends, strict=True)]
-    if pieces[0] != 0:
-        stage_units[0] = [0, *stage_units[0]]
-    if pieces[-1] != n - 1:
-        stage_units[-1] = [*stage_units[-1], n - 1]
+    stage_units = cut_units([numel(u) for u in units], sched.stages)
     micro = batch_size // dp // microbatches
     act = {s: sum(per_sample[u] for u in stage_units[s]) * micro for s in range(sched.stages)}
     extra = {s: sum(kept_for_w[u] for u in stage_units[s]) * micro for s in range(sched.stages)}

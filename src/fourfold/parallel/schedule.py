@@ -400,19 +400,21 @@ class Timeline:
         return 1 - sum(self.busy) / (self.schedule.pp * self.makespan)
 
 
-def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0) -> Timeline:
+def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
+             cost: Callable[[Action], float] | None = None) -> Timeline:
     """Start and end of every action when each rank runs its list in order as soon as inputs arrive.
 
     ``f``, ``b``, ``w``: forward, input-gradient and weight-gradient time of one micro-batch through one rank's
     share of the model (a fused B costs b + w; a virtual stage 1/virtual of each); ``comm``: added to each
-    activation or gradient sent to another rank. Validates first.
+    activation or gradient sent to another rank. ``cost``: instead of f, b, w, each action's own time (stages
+    that differ; :mod:`fourfold.observe.predict`). Validates first.
     """
     if min(f, b, w, comm) < 0 or f + b + w <= 0:
         raise ValueError(f"costs must be >= 0 with f + b + w > 0, got f={f}, b={b}, w={w}, comm={comm}.")
     validate(schedule)
     fused = not schedule.split_backward
     each = {"F": f, "B": b + w if fused else b, "W": w}
-    times, _ = _run(schedule, lambda a: each[a.op] / schedule.virtual, comm)
+    times, _ = _run(schedule, cost or (lambda a: each[a.op] / schedule.virtual), comm)
     rows = tuple(tuple(TimedAction(a, *times[(a.stage, a.op, a.microbatch)]) for a in actions)
                  for actions in schedule.ranks)
     makespan = max((t.end for row in rows for t in row), default=0.0)

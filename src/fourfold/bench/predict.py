@@ -1,0 +1,163 @@
+"""``fourfold bench predict``: the simulator's predicted step time beside the measured one, layout by layout.
+
+    fourfold bench predict                                 # every layout runnable on this machine
+    fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 4
+
+Times one model's units in this process (:func:`~fourfold.observe.predict.measure_units`), calibrates on
+three short real runs (dp=2: compute slowed by ranks sharing the machine; tp=2: the time per collective; dp=4:
+more ranks than cores), then
+for each layout runs ``fourfold train`` for ``--steps`` steps, takes the median step after the first, and puts
+the prediction (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the
+ranking by predicted time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside
+measured). docs/simulator.md has a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_report
+from fourfold.observe.predict import Layout, Measured
+
+__all__ = ["LAYOUTS", "main", "parse_layout"]
+
+LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
+CALIBRATION = (Layout(dp=2), Layout(tp=2), Layout(dp=4))
+
+
+def parse_layout(text: str, microbatches: int) -> Layout:
+    """``"dp2tp2pp2:zb"`` -> Layout(dp=2, tp=2, pp=2, schedule="zb", microbatches=...)."""
+    import re
+
+    match = re.fullmatch(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(?::(gpipe|1f1b|interleaved|zb))?", text.strip())
+    if not text.strip() or match is None:
+        raise ValueError(f"layout must look like dp2, tp2pp2:1f1b or dp2tp2pp2:zb (sizes, then :schedule with pp), "
+                         f"got {text!r}.")
+    dp, tp, pp = (int(g) if g else 1 for g in match.groups()[:3])
+    schedule = match.group(4) or "1f1b"
+    return Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
+                  virtual=2 if pp > 1 and schedule == "interleaved" else 1)
+
+
+def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float) -> Measured:
+    """Run ``fourfold train`` with ``layout`` for ``steps`` steps; its median step after the first."""
+    with tempfile.TemporaryDirectory(prefix="fourfold-predict-") as out:
+        argv = [sys.executable, "-m", "fourfold", "train", *layout.flags(), *model_flags, "--steps", str(steps),
+                "--out", out, "--no-memory-check", "--checkpoint-every", "0"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
+    return Measured(statistics.median(r["step_time_s"] for r in rows), statistics.median(r["comm_s"] for r in rows),
+                    int(statistics.median(r["comm_messages"] for r in rows)))
+
+
+def _chart(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 3.6))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["predicted_s"] * 1e3 for r in rows], 0.4, label="predicted", color="#9ecae1")
+    ax.bar([x + 0.2 for x in xs], [r["measured_s"] * 1e3 for r in rows], 0.4, label="measured", color="#3182bd")
+    for x, r in zip(xs, rows, strict=True):
+        ax.text(x, max(r["predicted_s"], r["measured_s"]) * 1e3, f"{r['error']:+.0%}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(list(xs), [r["layout"].replace(" ", "\n") for r in rows], fontsize=7)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("fourfold bench predict: the simulator beside fourfold train")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(ns: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from fourfold.comm.auto import CostModel
+    from fourfold.engine import model_blocks
+    from fourfold.models import shard_plan
+    from fourfold.models.gpt import GPTConfig, TinyGPT
+    from fourfold.observe.predict import Links, ModelProfile, calibrate, measure_units, predict
+
+    started = time.monotonic()
+    config = GPTConfig(vocab_size=256, seq_len=ns.seq_len, n_layer=ns.n_layer, n_head=4, d_model=ns.d_model)
+    model_flags = ["--n-layer", str(ns.n_layer), "--d-model", str(ns.d_model), "--seq-len", str(ns.seq_len),
+                   "--batch-size", str(ns.batch_size)]
+    model = TinyGPT(config, seed=0, dtype=torch.float32)
+    blocks = model_blocks(model, None)
+    micro = ns.batch_size // 2 // ns.microbatches
+    costs = measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
+    profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
+    cores = os.cpu_count() or 1
+    link = CostModel.load()
+    links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
+    print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
+          f"units timed ({costs.source}); calibrating on {', '.join(map(str, CALIBRATION))} ...", flush=True)
+    measured = {L: _measure(L, ns.steps, model_flags, ns.timeout) for L in CALIBRATION}
+    profile, links, fitted = calibrate(profile, links, ns.batch_size, measured)
+    print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
+    rows: list[dict[str, Any]] = []
+    print(f"{'layout':<28} {'predicted':>10} {'measured':>10} {'error':>7}   bubble  dp exposed  memory/rank")
+    for L in ns.layouts:
+        m = measured.get(L) or _measure(L, ns.steps, model_flags, ns.timeout)
+        p = predict(profile, L, links, ns.batch_size)
+        error = p.step_s / m.step_s - 1
+        rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "error": error,
+                     "calibration": L in CALIBRATION, "bubble": p.bubble, "dp_exposed_s": p.dp_exposed_s,
+                     "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
+        note = "  (calibration run)" if L in CALIBRATION else ""
+        print(f"{str(L):<28} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {error:>+7.1%}   {p.bubble:>6.1%} "
+              f"{fmt_time(p.dp_exposed_s):>11}  {p.peak_bytes / 2**20:>7.1f} MiB{note}", flush=True)
+    by_pred = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
+    by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    checked = [r for r in rows if not r["calibration"]]
+    worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
+    print(f"\nranking by predicted time: {' < '.join(by_pred)}\nranking by measured time:  {' < '.join(by_meas)}"
+          + (f"\nlargest error outside calibration: {worst['layout']} {worst['error']:+.1%}" if worst else ""))
+    return {"command": ns.command or " ".join(sys.argv), "machine": machine(cores), "fitted": fitted,
+            "costs": costs.source, "rows": rows, "ranking_predicted": by_pred, "ranking_measured": by_meas,
+            "elapsed_s": time.monotonic() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fourfold bench predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=LAYOUTS, help=f"comma-separated layouts (default: {LAYOUTS})")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed (default: 4)")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
+    parser.add_argument("--microbatches", type=int, default=4, help="with pp: micro-batches (default: 4)")
+    parser.add_argument("--n-layer", type=int, default=4, help="TinyGPT blocks (default: 4)")
+    parser.add_argument("--d-model", type=int, default=128, help="TinyGPT width (default: 128)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
+    add_output_flags(parser, "predict")
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if ns.steps < 2:
+            raise ValueError(f"--steps must be >= 2 (the first step is not timed), got {ns.steps}.")
+        ns.layouts = [parse_layout(t, ns.microbatches) for t in ns.layouts.split(",")]
+        for L in ns.layouts:
+            if ns.batch_size % (L.dp * L.microbatches):
+                raise ValueError(f"--batch-size must divide into dp x microbatches for every layout, got "
+                                 f"{ns.batch_size} for {L}.")
+    except ValueError as e:
+        parser.error(str(e))
+    result = run(ns)
+    write_report(Path(ns.out), result, result["elapsed_s"], lambda path: _chart(result["rows"], path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

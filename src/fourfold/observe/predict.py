@@ -1,0 +1,427 @@
+"""Step time, bubble, exposed communication and memory of a layout, predicted before it runs.
+
+    costs = measure_units(model, blocks, seq_len=64)                     # 3 real steps, one process (or:)
+    costs = flop_units(model, blocks, seq_len=1024, flops_per_s=0.4 * 989e12)   # on paper, a meta model
+    profile = ModelProfile.of(model, blocks, seq_len=64, shards=shard_plan(model), costs=costs)
+    links = Links(node=CostModel.load(), network=CostModel.load(), ranks_per_node=8, cores=2)
+    p = predict(profile, Layout(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
+    print(p.step_s, p.bubble, p.dp_exposed_s, max(r.total for r in p.memory))
+
+The model (docs/simulator.md):
+
+* **compute**: each unit of ``[before the blocks, *blocks, after them]`` costs ``fixed + per_sample * b / tp``
+  seconds forward and backward for a micro-batch of b samples: measured (:func:`measure_units`: forward and
+  backward timed at the unit boundaries, at two batch sizes, one thread, as each rank of a multi-rank run on a
+  CPU) or from FLOPs (:func:`flop_units`: counted on the model, backward twice forward). The pipeline cuts the
+  units into stages as the runtime does (by parameter count); a split backward gives half of it to W.
+* **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
+  layer forward and per column-parallel layer or head backward, ring-costed on the node's link.
+* **pipeline**: :func:`~fourfold.parallel.schedule.simulate` runs the schedule with every action's own cost
+  and one point-to-point message (α + bytes·β) between ranks: the makespan and the bubble.
+* **data parallelism**: the rank's gradients in buckets, each a ring all-reduce on the dp group's link
+  (ZeRO-1/2 the same bytes as reduce-scatter + all-gather, ZeRO-3 1.5x: the parameters gathered again for
+  backward); hidden behind the last micro-batch's backward where a core or a device is free to do it,
+  exposed otherwise.
+* **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once; the
+  span is at least the whole step's work over the cores.
+* **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
+* **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fourfold.comm.auto import CostModel
+from fourfold.comm.auto import predict as allreduce_time
+from fourfold.observe.estimate import (
+    Probe,
+    RankMemory,
+    _kinds,
+    _shard_divisors,
+    _units,
+    cut_units,
+    estimate_memory,
+    probe_activations,
+)
+from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
+
+__all__ = ["Layout", "Links", "ModelProfile", "Prediction", "UnitCosts", "flop_units", "measure_units", "predict"]
+
+W_SHARE = 0.5
+"""The weight-gradient part of a split backward: a linear layer's backward is two matmuls the size of its
+forward, one for the input's gradient (B) and one for the weight's (W)."""
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per unit ``[before, *blocks, after]``: (fixed s, s per sample) forward and backward; the optimiser's
+    seconds per parameter element; where the figures came from."""
+
+    forward: tuple[tuple[float, float], ...]
+    backward: tuple[tuple[float, float], ...]
+    optimizer_s_per_element: float
+    source: str
+
+    def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
+        fixed, per = (self.forward if op == "F" else self.backward)[unit]
+        return fixed + per * samples / tp
+
+
+def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
+    """(fixed, per sample) through the medians at the smallest and largest batch, both >= 0."""
+    (b1, t1), (b2, t2) = sorted((b, statistics.median(ts)) for b, ts in at.items())[::len(at) - 1]
+    per = max(0.0, (t2 - t1) / (b2 - b1))
+    return max(0.0, t2 - per * b2), per
+
+
+def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, samples: tuple[int, int] = (1, 4),
+                  steps: int = 3, loss_fn: Any = None, threads: int = 1) -> UnitCosts:
+    """Time each unit's forward and backward on ``model`` (its device; CPU here) with ``steps`` real steps at
+    each batch size in ``samples`` (the first of all is a warm-up), on ``threads`` threads, and an AdamW step."""
+    from fourfold.loss import lm_loss
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
+    n = len(blocks) + 2
+    stamps: dict[str, float] = {}
+    handles = []
+    for i, block in enumerate(blocks, start=1):
+        def into(module: nn.Module, args: Any, i: int = i) -> None:
+            stamps[f"F{i}"] = time.perf_counter()
+            first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if first is not None:
+                first.register_hook(lambda g, i=i: stamps.__setitem__(f"B{i}", time.perf_counter()))
+
+        def out_of(module: nn.Module, args: Any, out: Any, i: int = i) -> None:
+            stamps[f"F{i + 1}"] = time.perf_counter()
+            tensor = output_tensor(out)
+            if i == len(blocks) and tensor.requires_grad:
+                tensor.register_hook(lambda g: stamps.__setitem__(f"B{n - 1}", time.perf_counter()))
+
+        handles += [block.register_forward_pre_hook(into), block.register_forward_hook(out_of)]
+    device = next(model.parameters()).device
+    fwd: list[dict[int, list[float]]] = [{} for _ in range(n)]
+    bwd: list[dict[int, list[float]]] = [{} for _ in range(n)]
+    was_threads, was_training = torch.get_num_threads(), model.training
+    torch.set_num_threads(threads)
+    model.train()
+    try:
+        for b, record in ((samples[-1], False), *((b, True) for b in samples for _ in range(steps))):
+            x = torch.zeros(b, seq_len, dtype=torch.long, device=device)
+            stamps.clear()
+            t0 = time.perf_counter()
+            loss = (loss_fn or lm_loss)(output_tensor(model(x)), x)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if not record:
+                continue  # the first pass warms up
+            f_at, b_at = [t0], [t1]  # a boundary without a stamp (no gradient there) gives its time to the next
+            for i in range(1, n):
+                f_at.append(stamps.get(f"F{i}", f_at[-1]))
+            for i in range(n - 1, 0, -1):
+                b_at.append(stamps.get(f"B{i}", b_at[-1]))
+            f_at.append(t1)
+            b_at.append(t2)
+            for u in range(n):
+                fwd[u].setdefault(b, []).append(f_at[u + 1] - f_at[u])
+                bwd[n - 1 - u].setdefault(b, []).append(b_at[u + 1] - b_at[u])
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        opt_s = (time.perf_counter() - t0) / steps
+    finally:
+        torch.set_num_threads(was_threads)
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+        for h in handles:
+            h.remove()
+    elements = sum(p.numel() for p in model.parameters())
+    return UnitCosts(tuple(_fit(t) for t in fwd), tuple(_fit(t) for t in bwd), opt_s / elements,
+                     f"measured: {steps} steps at {samples[0]} and {samples[1]} samples, {threads} thread(s), "
+                     f"{device.type}")
+
+
+def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_per_s: float,
+               loss_fn: Any = None) -> UnitCosts:
+    """Each unit's time from its FLOPs (``torch.utils.flop_counter``, one sample's forward; works on a ``meta``
+    model, so on sizes this machine cannot hold) at ``flops_per_s`` (the device's peak times the fraction of
+    it a step reaches); backward twice forward; no fixed cost; the optimiser's memory traffic left out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fourfold.loss import lm_loss
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
+    if not flops_per_s > 0:
+        raise ValueError(f"flops_per_s must be > 0, got {flops_per_s}.")
+    n = len(blocks) + 2
+    counter = FlopCounterMode(display=False)
+    at = [0] * (n + 1)
+
+    def mark(i: int) -> Any:
+        return lambda *args: at.__setitem__(i, counter.get_total_flops())
+
+    handles = [h for i, block in enumerate(blocks, start=1)
+               for h in (block.register_forward_pre_hook(mark(i)), block.register_forward_hook(mark(i + 1)))]
+    x = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad(), counter:
+            (loss_fn or lm_loss)(output_tensor(model(x)), x)
+            at[n] = counter.get_total_flops()
+    finally:
+        for h in handles:
+            h.remove()
+    per = [(at[u + 1] - at[u]) / flops_per_s for u in range(n)]
+    return UnitCosts(tuple((0.0, p) for p in per), tuple((0.0, 2 * p) for p in per), 0.0,
+                     f"FLOPs at {flops_per_s / 1e12:.4g} TFLOP/s")
+
+
+@dataclass(frozen=True)
+class Links:
+    """How ranks talk: ``node`` within a machine, ``network`` between machines (α-β-γ each; one point-to-point
+    message costs α + bytes·β); ``cores``: CPU cores the ranks of one machine share (None: a device each)."""
+
+    node: CostModel
+    network: CostModel
+    ranks_per_node: int
+    cores: int | None = None
+    oversubscribed: float = 1.0
+    """With more ranks than ``cores``: the step's factor beyond the cores' share of the work (ranks that wait
+    for a peer the scheduler has set aside; fitted by :func:`calibrate`)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1
+    zero: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        out = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.pp > 1:
+            out += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        return out + (f" zero{self.zero}" if self.zero else "")
+
+    def flags(self) -> list[str]:
+        """``fourfold train``'s flags for this layout."""
+        out = ["--nproc", str(self.world_size), "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp)]
+        if self.pp > 1:
+            out += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
+            if self.schedule == "interleaved":
+                out += ["--virtual", str(self.virtual)]
+        return out + (["--zero", str(self.zero)] if self.zero else [])
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One step of ``layout``, seconds: the whole step, its busiest rank's compute (forward + backward, tensor
+    parallelism's all-reduces inside), the pipeline bubble, the gradient sync and the part of it not hidden,
+    the optimiser; the memory per pipeline rank; the pipeline's simulated timeline (None without one)."""
+
+    layout: Layout
+    step_s: float
+    compute_s: float
+    bubble: float
+    tp_comm_s: float
+    dp_comm_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    memory: list[RankMemory]
+    timeline: Timeline | None = field(default=None, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total for r in self.memory)
+
+
+@dataclass
+class ModelProfile:
+    """What :func:`predict` reads from a model: its units' parameters and tensor-parallel layers, one sample's
+    activations (:class:`~fourfold.observe.estimate.Probe`) and the units' costs."""
+
+    model: nn.Module
+    blocks: list[nn.Module]
+    seq_len: int
+    shards: Mapping[str, str] | None
+    costs: UnitCosts
+    probe: Probe
+    forward_collectives: tuple[int, ...]
+    backward_collectives: tuple[int, ...]
+    hidden_bytes: int
+
+    @classmethod
+    def of(cls, model: nn.Module, blocks: list[nn.Module], seq_len: int, shards: Mapping[str, str] | None,
+           costs: UnitCosts, loss_fn: Any = None) -> ModelProfile:
+        kinds = _kinds(model, shards)
+        in_block = [{id(m) for m in b.modules()} for b in blocks]
+        fwd, bwd = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
+        seen_block = False
+        for m in model.modules():
+            u = next((i + 1 for i, ids in enumerate(in_block) if id(m) in ids), None)
+            seen_block = seen_block or u is not None
+            unit = u if u is not None else (len(blocks) + 1 if seen_block else 0)
+            kind = kinds.get(id(m))
+            fwd[unit] += kind in ("row", "vocab")
+            bwd[unit] += kind in ("column", "head")
+        probe = probe_activations(model, blocks, seq_len, shards, loss_fn)
+        return cls(model, blocks, seq_len, shards, costs, probe, tuple(fwd), tuple(bwd), max(probe.inputs))
+
+
+def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int) -> float:
+    """One ring all-reduce of ``nbytes`` over ``ranks`` on ``link``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return allreduce_time(link, "ring", max(1, int(nbytes) // itemsize), itemsize, ranks)
+
+
+def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int, *,
+            bucket_bytes: int = 25 * 2**20, checkpoint_every: int = 0,
+            sequence_parallel: bool = False) -> Prediction:
+    """One step of ``layout`` on a global batch of ``batch_size`` samples (see the module docstring)."""
+    L, n = layout, len(profile.blocks) + 2
+    micro_count = L.microbatches if L.pp > 1 else 1
+    if batch_size % (L.dp * micro_count):
+        raise ValueError(f"batch_size must divide into dp x microbatches, got batch_size={batch_size} for "
+                         f"{L} ({L.dp} x {micro_count}). Pass a batch size that is a multiple of {L.dp * micro_count}.")
+    micro = batch_size // L.dp // micro_count
+    model, units = profile.model, _units(profile.model, profile.blocks)
+    divisor = _shard_divisors(model, profile.shards, L.tp)
+    itemsize = next(model.parameters()).element_size()
+
+    def elements(params: list[nn.Parameter]) -> int:
+        distinct = {id(p): p for p in params if p.requires_grad}
+        return sum(p.numel() // divisor.get(i, 1) for i, p in distinct.items())
+
+    per_unit = [elements(u) for u in units]
+    per_node = links.ranks_per_node
+    allreduce = _ring(links.node if L.tp <= per_node else links.network, profile.hidden_bytes * micro, itemsize, L.tp)
+    costs = profile.costs
+
+    def unit_time(op: str, u: int) -> float:
+        collectives = (profile.forward_collectives if op == "F" else profile.backward_collectives)[u]
+        return costs.time(op, u, micro, L.tp) + collectives * allreduce
+
+    tp_comm = allreduce * micro_count * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
+    timeline = None
+    if L.pp == 1:
+        span = sum(unit_time("F", u) + unit_time("B", u) for u in range(n))
+        busy, bubble = [span], 0.0
+        held = [elements([p for u in units for p in u])]
+        last_backward = [sum(unit_time("B", u) for u in range(n))]
+    else:
+        sched = pipeline_schedule("pipeline", L.schedule, L.pp, L.microbatches, L.virtual)
+        stages = cut_units(per_unit, sched.stages)
+        f = [sum(unit_time("F", u) for u in us) for us in stages]
+        b = [sum(unit_time("B", u) for u in us) for us in stages]
+        share = {"F": 0.0, "B": W_SHARE if sched.split_backward else 0.0, "W": -1.0}
+
+        def cost(a: Action) -> float:
+            return f[a.stage] if a.op == "F" else b[a.stage] * (1 - share[a.op]) if a.op == "B" else b[a.stage] * W_SHARE
+
+        link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
+        message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (
+            L.tp if sequence_parallel else 1)
+        timeline = simulate(sched, comm=message, cost=cost)
+        span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
+        mine = [[s for s in range(sched.stages) if sched.owner(s) == r] for r in range(L.pp)]
+        held = [elements([p for s in ss for u in stages[s] for p in units[u]]) for ss in mine]
+        last_backward = [sum(b[s] for s in ss) for ss in mine]
+    stretch = 1.0
+    if links.cores is not None and L.world_size > links.cores:  # more ranks than cores: work queues for a core
+        work = sum(busy) * L.dp * L.tp
+        stretch = max(1.0, work / links.cores / span) * links.oversubscribed
+    dp_link = links.node if L.dp * L.tp <= per_node else links.network
+    idle_core = links.cores is None or L.world_size < links.cores
+    tails, dp_times = [], []
+    for r, elems in enumerate(held):
+        nbytes = elems * itemsize
+        buckets = [bucket_bytes] * (nbytes // bucket_bytes) + ([nbytes % bucket_bytes] if nbytes % bucket_bytes else [])
+        sync = sum(_ring(dp_link, size, itemsize, L.dp) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
+        last = _ring(dp_link, buckets[-1], itemsize, L.dp) if buckets else 0.0
+        exposed = sync if not idle_core else max(last, sync - last_backward[r]) if sync else 0.0
+        optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element * stretch
+        dp_times.append((sync, exposed))
+        tails.append(exposed + optimizer)
+    worst = max(range(len(held)), key=lambda r: tails[r])
+    memory = estimate_memory(model, profile.blocks, dp=L.dp, tp=L.tp, pp=L.pp, batch_size=batch_size,
+                             microbatches=micro_count, schedule=L.schedule, virtual=L.virtual, zero=L.zero,
+                             checkpoint_every=checkpoint_every, sequence_parallel=sequence_parallel,
+                             shards=profile.shards, probe=profile.probe)
+    optimizer_s = tails[worst] - dp_times[worst][1]
+    return Prediction(L, span * stretch + tails[worst], max(busy) * stretch, bubble, tp_comm, dp_times[worst][0],
+                      dp_times[worst][1], optimizer_s, memory, timeline)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a real run's metrics say of one step (medians after the first): its time, the time its ranks spent in
+    communication, and how many calls that was."""
+
+    step_s: float
+    comm_s: float
+    messages: int
+
+
+def calibrate(profile: ModelProfile, links: Links, batch_size: int,
+              runs: Mapping[Layout, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
+    """Fit what one process cannot measure from 2-3 real steps of short runs: a data-parallel run's step over its
+    prediction is the slowdown of compute when ranks share the machine (``contention``: memory, caches, the
+    launcher and gloo's threads); a tensor-parallel run's time per collective, waits for the slower rank
+    included, is the node link's α in use; a data-parallel run with more ranks than cores gives
+    ``oversubscribed``. Returns the profile and links with these applied, and the figures."""
+    from dataclasses import replace
+
+    fitted: dict[str, float] = {}
+    dp_run = next(((L, m) for L, m in runs.items() if L.dp > 1 and L.tp == L.pp == 1), None)
+    if dp_run is not None:
+        p = predict(profile, dp_run[0], links, batch_size)
+        work = p.step_s - p.dp_exposed_s
+        fitted["contention"] = max(1.0, (dp_run[1].step_s - p.dp_exposed_s) / work)
+        c = fitted["contention"]
+        costs = profile.costs
+        profile = replace(profile, costs=replace(
+            costs, forward=tuple((a * c, b * c) for a, b in costs.forward),
+            backward=tuple((a * c, b * c) for a, b in costs.backward),
+            optimizer_s_per_element=costs.optimizer_s_per_element * c,
+            source=f"{costs.source}; x{c:.2f} for ranks sharing the machine (fitted on {dp_run[0]})"))
+    tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
+    if tp_run is not None and tp_run[1].messages:
+        L, m = tp_run
+        itemsize = next(profile.model.parameters()).element_size()
+        per_call = m.comm_s / m.messages
+        micro_bytes = profile.hidden_bytes * batch_size
+        link = links.node
+        base = _ring(replace(link, alpha_s=0.0, beta_s_per_byte=max(link.beta_s_per_byte, 1e-15)),
+                     micro_bytes, itemsize, L.tp)
+        steps = 2 * (L.tp - 1)
+        fitted["tp_alpha_s"] = max(link.alpha_s, (per_call - base) / steps)
+        links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
+                                            source=f"{link.source}; alpha fitted on {L}"))
+    crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
+                    and L.tp == L.pp == 1), None)
+    if crowded is not None:
+        p = predict(profile, crowded[0], replace(links, oversubscribed=1.0), batch_size)
+        tail = p.dp_exposed_s + p.optimizer_s
+        fitted["oversubscribed"] = max(1.0, (crowded[1].step_s - tail) / (p.step_s - tail))
+        links = replace(links, oversubscribed=fitted["oversubscribed"])
+    return profile, links, fitted

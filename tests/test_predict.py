@@ -1,0 +1,200 @@
+"""The simulator (fourfold.observe.predict) and the planner (fourfold plan --gpus/--nproc): the pieces checked
+against the formulas they stand on; the predictions against real runs live in `fourfold bench predict`
+(docs/simulator.md), not in timed tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fourfold.comm.auto import CostModel
+from fourfold.comm.auto import predict as allreduce_time
+from fourfold.models import shard_plan
+from fourfold.models.gpt import GPTConfig, TinyGPT
+from fourfold.observe.estimate import estimate_memory
+from fourfold.observe.predict import (
+    Layout,
+    Links,
+    Measured,
+    ModelProfile,
+    UnitCosts,
+    calibrate,
+    flop_units,
+    measure_units,
+    predict,
+)
+from fourfold.parallel.schedule import theory_bubble
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
+TINY = CostModel(1e-12, 1e-18, 0.0)  # links that cost (almost) nothing
+LINK = CostModel(50e-6, 1e-9, 0.0)
+
+
+def model():
+    return TinyGPT(CONFIG, seed=0, dtype=torch.float32)
+
+
+def block_costs(n_blocks: int, per_sample: float = 1e-3, opt: float = 0.0) -> UnitCosts:
+    """Equal blocks, free ends: every stage of an even cut costs the same."""
+    unit = [(0.0, 0.0)] + [(0.0, per_sample)] * n_blocks + [(0.0, 0.0)]
+    back = [(0.0, 0.0)] + [(0.0, 2 * per_sample)] * n_blocks + [(0.0, 0.0)]
+    return UnitCosts(tuple(unit), tuple(back), opt, "test")
+
+
+def profile(costs: UnitCosts | None = None) -> ModelProfile:
+    m = model()
+    return ModelProfile.of(m, list(m.blocks), CONFIG.seq_len, shard_plan(m), costs or block_costs(CONFIG.n_layer))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_bubble_is_the_textbook_one_with_equal_stages_and_free_links(schedule):
+    links = Links(TINY, TINY, ranks_per_node=8)
+    p = predict(profile(), Layout(pp=2, schedule=schedule, microbatches=4), links, batch_size=8)
+    assert p.bubble == pytest.approx(theory_bubble(schedule, 2, 4), abs=1e-6)
+    # 2 samples per micro-batch, 2 blocks per stage: F 4 ms, B 8 ms; (m + p - 1)(F + B)
+    assert p.step_s == pytest.approx(5 * 12e-3, rel=1e-6)
+    assert p.timeline is not None and p.timeline.makespan == pytest.approx(p.step_s, rel=1e-6)
+
+
+def test_one_rank_is_forward_plus_backward_plus_optimiser():
+    costs = block_costs(CONFIG.n_layer, opt=1e-9)
+    prof = profile(costs)
+    p = predict(prof, Layout(), Links(TINY, TINY, ranks_per_node=1), batch_size=4)
+    elements = sum(q.numel() for q in prof.model.parameters())
+    assert p.step_s == pytest.approx(4 * 4 * 3e-3 + elements * 1e-9, rel=1e-9)
+    assert p.bubble == 0 and p.dp_comm_s == 0 and p.tp_comm_s == 0
+
+
+def test_data_parallel_sync_is_the_ring_cost_of_the_gradients_and_exposed_without_a_free_core():
+    prof = profile()
+    elements = sum(q.numel() for q in prof.model.parameters())
+    ring = allreduce_time(LINK, "ring", elements, 4, 2)
+    shared = predict(prof, Layout(dp=2), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
+    assert shared.dp_comm_s == pytest.approx(ring, rel=1e-9)
+    assert shared.dp_exposed_s == pytest.approx(ring, rel=1e-9)  # 2 ranks on 2 cores: nothing free to overlap
+    bucket = 1 << 16  # several buckets: a device each hides all but the last behind backward
+    devices = predict(prof, Layout(dp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8, bucket_bytes=bucket)
+    last = elements * 4 % bucket or bucket
+    assert devices.dp_exposed_s == pytest.approx(allreduce_time(LINK, "ring", last // 4, 4, 2), rel=1e-9)
+    assert devices.dp_exposed_s < shared.dp_exposed_s
+    zero3 = predict(prof, Layout(dp=2, zero=3), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
+    assert zero3.dp_comm_s == pytest.approx(1.5 * ring, rel=1e-9)
+
+
+def test_more_ranks_than_cores_queue_for_them():
+    prof = profile()
+    alone = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4), batch_size=8)
+    shared = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=8)
+    assert shared.step_s == pytest.approx(2 * alone.step_s, rel=1e-3)
+
+
+def test_tensor_parallel_collectives_are_counted_per_layer():
+    prof = profile()
+    # TinyGPT's plan: a vocabulary-parallel embedding and each block's attn.proj and mlp.proj row-parallel
+    # (forward all-reduces); each block's qkv and fc column-parallel and the head (backward all-reduces)
+    assert sum(prof.forward_collectives) == 1 + 2 * CONFIG.n_layer
+    assert sum(prof.backward_collectives) == 2 * CONFIG.n_layer + 1
+    free = predict(prof, Layout(tp=2), Links(TINY, TINY, ranks_per_node=2), batch_size=8)
+    slow = predict(prof, Layout(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
+    one = allreduce_time(LINK, "ring", prof.hidden_bytes * 8 // 4, 4, 2)
+    assert slow.tp_comm_s == pytest.approx(one * (sum(prof.forward_collectives) + sum(prof.backward_collectives)))
+    assert slow.step_s - free.step_s == pytest.approx(slow.tp_comm_s, rel=1e-3)
+
+
+def test_memory_is_the_estimate():
+    prof = profile()
+    layout = Layout(dp=2, pp=2, schedule="zb", microbatches=2, zero=1)
+    p = predict(prof, layout, Links(TINY, TINY, ranks_per_node=8), batch_size=8)
+    m = prof.model
+    assert p.memory == estimate_memory(m, list(m.blocks), dp=2, pp=2, batch_size=8, microbatches=2, schedule="zb",
+                                       virtual=1, zero=1, shards=shard_plan(m), probe=prof.probe)
+
+
+def test_a_batch_that_does_not_divide_is_refused():
+    with pytest.raises(ValueError, match="batch_size must divide"):
+        predict(profile(), Layout(dp=2, pp=2, microbatches=4), Links(TINY, TINY, 8), batch_size=12)
+
+
+def test_measured_units_are_positive_and_grow_with_the_batch():
+    m = model()
+    costs = measure_units(m, list(m.blocks), CONFIG.seq_len, samples=(1, 8), steps=2)
+    n = CONFIG.n_layer + 2
+    assert len(costs.forward) == len(costs.backward) == n
+    assert all(fixed >= 0 and per >= 0 for fixed, per in (*costs.forward, *costs.backward))
+    assert all(costs.time("F", u, 8) > 0 and costs.time("B", u, 8) > 0 for u in range(1, n - 1))
+    assert costs.optimizer_s_per_element > 0 and "measured" in costs.source
+    assert torch.get_num_threads() >= 1 and all(p.grad is None for p in m.parameters())
+
+
+def test_flops_on_a_meta_model_match_the_transformer_formula():
+    config = GPTConfig(vocab_size=1000, seq_len=128, n_layer=2, n_head=4, d_model=256)
+    m = TinyGPT(config, seed=0, dtype=torch.float32, device="meta")
+    costs = flop_units(m, list(m.blocks), config.seq_len, flops_per_s=1.0)
+    s, d = config.seq_len, config.d_model
+    block = 24 * s * d * d + 4 * s * s * d  # qkv, proj, fc, proj; QK^T and AV
+    assert costs.forward[1] == (0.0, pytest.approx(block, rel=0.02))
+    assert costs.backward[1][1] == pytest.approx(2 * costs.forward[1][1])
+    assert costs.forward[-1][1] == pytest.approx(2 * s * d * config.vocab_size, rel=0.05)  # the head
+
+
+def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    links = Links(LINK, LINK, ranks_per_node=2, cores=2)
+    before = predict(prof, Layout(dp=2), links, batch_size=8)
+    work = before.step_s - before.dp_exposed_s
+    runs = {Layout(dp=2): Measured(before.dp_exposed_s + 1.5 * work, 0.0, 3),
+            Layout(tp=2): Measured(1.0, 20 * 2e-3, 20)}
+    prof2, links2, fitted = calibrate(prof, links, 8, runs)
+    assert fitted["contention"] == pytest.approx(1.5)
+    assert predict(prof2, Layout(dp=2), links, batch_size=8).step_s == pytest.approx(
+        runs[Layout(dp=2)].step_s, rel=1e-9)
+    assert links2.node.alpha_s > LINK.alpha_s and math.isfinite(fitted["tp_alpha_s"])
+
+
+def test_layouts_respect_heads_blocks_batch_and_machines():
+    from fourfold.cli.plan import layouts
+
+    all_ = layouts(8, 4, 16, heads=4, tensor_plan=True, per_node=8)
+    assert {(L.dp, L.tp, L.pp) for L in all_} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1)}
+    assert all(L.pp <= 4 and L.pp * L.virtual <= 4 and 16 % (L.dp * L.microbatches) == 0 for L in all_)
+    assert not any(L.tp == 8 for L in all_)  # 8 does not divide... 4 heads
+    assert not any(L.tp > 2 for L in layouts(8, 4, 16, heads=4, tensor_plan=True, per_node=2))
+    assert all(L.tp == 1 for L in layouts(8, 4, 16, heads=4, tensor_plan=False, per_node=8))
+    assert all(L.zero == 0 for L in all_ if L.dp == 1)
+
+
+def test_plan_ranks_layouts_of_a_model_this_machine_cannot_hold(capsys):
+    from fourfold.cli.plan import main
+
+    flags = ["--gpus", "16", "--gpu-mem", "80GB", "--link", "400gbit", "--n-layer", "8", "--d-model", "4096",
+             "--n-head", "32", "--vocab-size", "50257", "--seq-len", "2048", "--batch-size", "64", "--top", "5"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "(1,825.3 M parameters)" in out  # built on the meta device: nothing allocated
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit() and " ms " in line]
+    assert len(rows) == 5 and "fourfold train --nproc 16" in out
+    steps = [float(r[r.index("ms") - 1]) for r in rows]
+    assert steps == sorted(steps)  # fastest first
+    assert main([*flags[:2], "--gpu-mem", "1GB", *flags[4:]]) == 1
+    assert "none fits" in capsys.readouterr().out
+
+
+def test_plan_refuses_bad_flags(capsys):
+    from fourfold.cli.plan import main
+
+    assert main(["--gpus", "0"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+    assert main(["--gpus", "8", "--link", "fast"]) == 2
+    assert "link must be a rate" in capsys.readouterr().err
+
+
+def test_bench_predict_layout_names():
+    from fourfold.bench.predict import parse_layout
+
+    assert parse_layout("dp2tp2pp2:zb", 4) == Layout(2, 2, 2, "zb", 4, 1)
+    assert parse_layout("pp2:interleaved", 4) == Layout(1, 1, 2, "interleaved", 4, 2)
+    assert parse_layout("tp2", 4) == Layout(tp=2)
+    with pytest.raises(ValueError, match="layout must look like"):
+        parse_layout("dp2:zb2", 4)
