@@ -157,21 +157,11 @@ def layouts(world: int, blocks: int, batch_size: int, *, heads: int | None, tens
 def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
     """(prediction, fits) for every candidate, fastest first (of equal times, the smaller memory); a layout that
     does not fit after all that fit."""
-    predictions = []
-    for layout in candidates:
-        p = predict_layout(profile, layout, links, batch_size)
-        if p is not None:
-            predictions.append((p, p.peak_bytes <= available))
-    return sorted(predictions, key=lambda pf: (not pf[1], round(pf[0].step_s, 12), pf[0].peak_bytes))
-
-
-def predict_layout(profile: Any, layout: Any, links: Any, batch_size: int) -> Any:
     from fourfold.observe.predict import predict
 
-    try:
-        return predict(profile, layout, links, batch_size)
-    except ValueError:
-        return None  # a layout the model cannot take (more stages than blocks, ...): not a candidate
+    predictions = [predict(profile, layout, links, batch_size) for layout in candidates]
+    ranked = [(p, p.peak_bytes <= available) for p in predictions]
+    return sorted(ranked, key=lambda pf: (not pf[1], round(pf[0].step_s, 12), pf[0].peak_bytes))
 
 
 def _ranking(argv: list[str]) -> int:

@@ -38,8 +38,8 @@ from torch import nn
 from fourfold.observe.memory import estimate_held
 from fourfold.units import format_bytes
 
-__all__ = ["Probe", "RankMemory", "cut_units", "estimate_memory", "format_estimate", "per_rank_memory", "probe_activations",
-           "suggest"]
+__all__ = ["Probe", "RankMemory", "cut_units", "estimate_memory", "format_estimate", "per_rank_memory",
+           "probe_activations", "shard_elements", "suggest"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,13 @@ def _shard_divisors(model: nn.Module, shards: Mapping[str, str] | None, tp: int)
             if pname == "weight" or (pname == "bias" and kinds[id(module)] in ("column", "head"))}
 
 
+def shard_elements(params: list[nn.Parameter], divisor: Mapping[int, int]) -> int:
+    """Trainable elements one tensor-parallel rank holds of ``params`` (a tied weight once), ``divisor`` from
+    :func:`_shard_divisors`."""
+    distinct = {id(p): p for p in params if p.requires_grad}
+    return sum(p.numel() // divisor.get(i, 1) for i, p in distinct.items())
+
+
 def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
                       shards: Mapping[str, str] | None = None, loss_fn: Any = None) -> Probe:
     """Run one sample (token 0, ``seq_len`` long) through ``model`` on its device and record, per unit, what
@@ -127,9 +134,6 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     def key_of(t: torch.Tensor) -> int:
         return id(t.untyped_storage()) if meta else t.untyped_storage().data_ptr()
 
-    def nbytes(t: torch.Tensor) -> int:
-        return t.untyped_storage().nbytes()
-
     params = {key_of(p) for p in model.parameters()}
     n = len(blocks) + 2
     saved, whole, inputs, outputs = ([0] * n for _ in range(4))
@@ -142,9 +146,9 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
         key = key_of(t)
         if key not in params and key not in seen:
             seen.add(key)
-            saved[unit[0]] += nbytes(t)
+            saved[unit[0]] += t.untyped_storage().nbytes()
             if stack and stack[-1]:
-                whole[unit[0]] += nbytes(t)
+                whole[unit[0]] += t.untyped_storage().nbytes()
         return t
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -230,8 +234,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     itemsize = first.element_size()
 
     def numel(params: list[nn.Parameter]) -> int:
-        distinct = {id(p): p for p in params if p.requires_grad}
-        return sum(p.numel() // divisor.get(i, 1) for i, p in distinct.items())
+        return shard_elements(params, divisor)
 
     n = len(units)
     checkpointed = {1 + i for i in range(len(blocks)) if checkpoint_every and i % checkpoint_every == 0}

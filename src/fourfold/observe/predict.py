@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fourfold.comm.auto import CostModel
+from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.observe.estimate import (
     Probe,
@@ -50,6 +50,7 @@ from fourfold.observe.estimate import (
     cut_units,
     estimate_memory,
     probe_activations,
+    shard_elements,
 )
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
@@ -73,6 +74,12 @@ class UnitCosts:
     def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
         fixed, per = (self.forward if op == "F" else self.backward)[unit]
         return fixed + per * samples / tp
+
+    def scaled(self, factor: float, why: str) -> UnitCosts:
+        """Every time ``factor`` times longer; ``why`` joins the source."""
+        return UnitCosts(tuple((a * factor, b * factor) for a, b in self.forward),
+                         tuple((a * factor, b * factor) for a, b in self.backward),
+                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}")
 
 
 def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
@@ -309,8 +316,7 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     itemsize = next(model.parameters()).element_size()
 
     def elements(params: list[nn.Parameter]) -> int:
-        distinct = {id(p): p for p in params if p.requires_grad}
-        return sum(p.numel() // divisor.get(i, 1) for i, p in distinct.items())
+        return shard_elements(params, divisor)
 
     per_unit = [elements(u) for u in units]
     per_node = links.ranks_per_node
@@ -333,15 +339,17 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         stages = cut_units(per_unit, sched.stages)
         f = [sum(unit_time("F", u) for u in us) for us in stages]
         b = [sum(unit_time("B", u) for u in us) for us in stages]
-        share = {"F": 0.0, "B": W_SHARE if sched.split_backward else 0.0, "W": -1.0}
+        w_share = W_SHARE if sched.split_backward else 0.0
 
-        def cost(a: Action) -> float:
-            return f[a.stage] if a.op == "F" else b[a.stage] * (1 - share[a.op]) if a.op == "B" else b[a.stage] * W_SHARE
+        def action_time(a: Action) -> float:
+            if a.op == "F":
+                return f[a.stage]
+            return b[a.stage] * (1 - w_share if a.op == "B" else w_share)
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (
             L.tp if sequence_parallel else 1)
-        timeline = simulate(sched, comm=message, cost=cost)
+        timeline = simulate(sched, comm=message, cost=action_time)
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
         mine = [[s for s in range(sched.stages) if sched.owner(s) == r] for r in range(L.pp)]
         held = [elements([p for s in ss for u in stages[s] for p in units[u]]) for ss in mine]
@@ -397,24 +405,17 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         p = predict(profile, dp_run[0], links, batch_size)
         work = p.step_s - p.dp_exposed_s
         fitted["contention"] = max(1.0, (dp_run[1].step_s - p.dp_exposed_s) / work)
-        c = fitted["contention"]
-        costs = profile.costs
-        profile = replace(profile, costs=replace(
-            costs, forward=tuple((a * c, b * c) for a, b in costs.forward),
-            backward=tuple((a * c, b * c) for a, b in costs.backward),
-            optimizer_s_per_element=costs.optimizer_s_per_element * c,
-            source=f"{costs.source}; x{c:.2f} for ranks sharing the machine (fitted on {dp_run[0]})"))
+        profile = replace(profile, costs=profile.costs.scaled(
+            fitted["contention"], f"for ranks sharing the machine (fitted on {dp_run[0]})"))
     tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
     if tp_run is not None and tp_run[1].messages:
         L, m = tp_run
         itemsize = next(profile.model.parameters()).element_size()
         per_call = m.comm_s / m.messages
-        micro_bytes = profile.hidden_bytes * batch_size
         link = links.node
-        base = _ring(replace(link, alpha_s=0.0, beta_s_per_byte=max(link.beta_s_per_byte, 1e-15)),
-                     micro_bytes, itemsize, L.tp)
-        steps = 2 * (L.tp - 1)
-        fitted["tp_alpha_s"] = max(link.alpha_s, (per_call - base) / steps)
+        ring = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp)  # one batch: no dp, pp
+        base = ring.wire_bytes * link.beta_s_per_byte + ring.reduced_bytes * link.gamma_s_per_byte
+        fitted["tp_alpha_s"] = max(link.alpha_s, (per_call - base) / ring.steps)
         links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
                                             source=f"{link.source}; alpha fitted on {L}"))
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
