@@ -13,20 +13,34 @@ Peers are *group* ranks (0..size-1); errors name global ranks too, since that is
 gloo semantics worth knowing: ``isend`` does not copy the tensor, so a tensor being sent must not change until
 its exchange returns; a blocking send waits for its matching receive at every size; a receive buffer smaller
 than the message aborts the process (SIGABRT), which is why :func:`check_same` runs before an algorithm.
+
+Receives are posted before sends. gloo sends a message's data only once the receiver has said it posted the
+receive, and that notice travels on the same connection as the data going the other way: when two ranks swap
+large messages and one posts its send first, the other's notice waits behind the first's whole message, and the
+exchange takes two transfers instead of one (measured in the lab, 1 Gbit/s links, 16 MB each way: 275 ms
+send-first against 140 ms receive-first, the link's own 134 ms).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from fourfold.comm.wait import CommError, bounded_wait
 
-__all__ = ["CommError", "CommStats", "Communicator", "Message", "check_same"]
+__all__ = ["CommError", "CommStats", "Communicator", "Message", "Posted", "check_same"]
+
+
+class Posted(NamedTuple):
+    """A receive posted ahead of the :meth:`Communicator.exchange` that waits for it."""
+
+    peer: int  # group rank
+    tensor: torch.Tensor
+    work: Any
 
 
 class Message(NamedTuple):
@@ -92,6 +106,12 @@ class Communicator:
             self._buffers[key] = buf
         return buf[:numel]
 
+    def post(self, peer: int, tensor: torch.Tensor) -> Posted:
+        """Post a receive from group ``peer`` into ``tensor`` now, to be waited for by a later :meth:`exchange`
+        (``posted=[...]``). Algorithms post the next step's receive before this step's exchange, so the sender
+        of the next step never waits for this rank to say it is ready (see the module's note on gloo)."""
+        return Posted(peer, tensor, dist.irecv(tensor, self.global_ranks[peer], group=self.group))
+
     def exchange(
         self,
         sends: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
@@ -102,17 +122,19 @@ class Communicator:
         phase: str = "",
         offsets: tuple[list[int], list[int]] | None = None,
         labels: list[str] | None = None,
+        posted: list[Posted] = (),  # type: ignore[assignment]
     ) -> None:
         """Post every send and receive at once, then wait for all of them (bounded by ``timeout_s``).
 
-        ``sends``/``recvs`` are ``(group peer, tensor)`` pairs; tensors must be contiguous. ``offsets`` and
-        ``labels`` (one per send) only decorate recorded messages.
+        ``sends``/``recvs`` are ``(group peer, tensor)`` pairs; tensors must be contiguous. ``posted`` are
+        receives :meth:`post`-ed earlier, waited for (and counted) here. ``offsets`` and ``labels`` (one per send)
+        only decorate recorded messages.
         """
-        works = []
+        works = [("recv from", r.peer, r.work) for r in posted]
+        for peer, t in recvs:  # receives first: see the module's note on gloo
+            works.append(("recv from", peer, dist.irecv(t, self.global_ranks[peer], group=self.group)))
         for peer, t in sends:
             works.append(("send to", peer, dist.isend(t, self.global_ranks[peer], group=self.group)))
-        for peer, t in recvs:
-            works.append(("recv from", peer, dist.irecv(t, self.global_ranks[peer], group=self.group)))
         deadline = time.monotonic() + self.timeout_s
         for what, peer, work in works:
             remaining = max(deadline - time.monotonic(), 0.001)
@@ -120,12 +142,13 @@ class Communicator:
             where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
             bounded_wait(work, remaining, rank=self.global_rank, op=where, awaited=what,
                          peer=self.global_ranks[peer])
+        received = [t for _, t in recvs] + [r.tensor for r in posted]
         sent = sum(t.numel() * t.element_size() for _, t in sends)
-        got = sum(t.numel() * t.element_size() for _, t in recvs)
+        got = sum(t.numel() * t.element_size() for t in received)
         self.stats.sent_bytes += sent
         self.stats.recv_bytes += got
         self.stats.sent_messages += len(sends)
-        self.stats.recv_messages += len(recvs)
+        self.stats.recv_messages += len(received)
         if self.record_messages:
             for i, (peer, t) in enumerate(sends):
                 offset = offsets[0][i] if offsets else 0

@@ -13,6 +13,9 @@ Cost per rank: 2(G-1) messages of about N/G elements, 2(G-1)N/G elements sent in
 reason the ring scales where the single master does not. Latency: 2(G-1) steps, which is why small messages
 prefer a tree.
 
+Each step's receive is posted one step ahead (two scratch buffers in the reduce-scatter), so a left neighbour
+that is ready to send never waits for this rank to say it can receive.
+
 Every rank ends with bitwise the same result: each segment is summed once, by its owner, then copied.
 The ring runs over any list of ``members`` (group ranks) so the hierarchical algorithm can reuse it on
 sub-rings without creating process groups; ``phase``, ``step0``, ``offset`` and ``label`` let such a caller
@@ -25,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fourfold.comm.p2p import Communicator
+from fourfold.comm.p2p import Communicator, Posted
 
 __all__ = ["Label", "all_gather", "allreduce", "reduce_scatter", "segments", "theory"]
 
@@ -66,14 +69,19 @@ def reduce_scatter(comm: Communicator, flat: torch.Tensor, members: list[int] | 
         return segs[0]
     right, left = members[(i + 1) % g], members[(i - 1) % g]
     record = comm.record_messages
+
+    def post(s: int) -> Posted:  # step s's receive, into one of two scratch buffers
+        return comm.post(left, comm.buffer(segs[(i - s - 2) % g][1], flat, slot=s % 2))
+
+    ahead = post(0)
     for s in range(g - 1):
         send_j, recv_j = (i - s - 1) % g, (i - s - 2) % g
         (so, sl), (ro, rl) = segs[send_j], segs[recv_j]
-        scratch = comm.buffer(rl, flat)
+        now, ahead = ahead, (post(s + 1) if s + 1 < g - 1 else None)
         labels = [label(send_j, [(send_j + 1 + k) % g for k in range(s + 1)])] if record else None
-        comm.exchange([(right, flat[so:so + sl])], [(left, scratch)], algorithm=algorithm, step=step0 + s,
+        comm.exchange([(right, flat[so:so + sl])], posted=[now], algorithm=algorithm, step=step0 + s,
                       phase=phase, offsets=([offset + so], [offset + ro]), labels=labels)
-        flat[ro:ro + rl].add_(scratch)
+        flat[ro:ro + rl].add_(now.tensor)
     return segs[i]
 
 
@@ -89,11 +97,18 @@ def all_gather(comm: Communicator, flat: torch.Tensor, members: list[int] | None
     segs = segments(flat.numel(), g)
     right, left = members[(i + 1) % g], members[(i - 1) % g]
     everyone = list(range(g))
+
+    def post(s: int) -> Posted:  # step s's receive, straight into its place
+        ro, rl = segs[(i - s - 1) % g]
+        return comm.post(left, flat[ro:ro + rl])
+
+    ahead = post(0)
     for s in range(g - 1):
         send_j, recv_j = (i - s) % g, (i - s - 1) % g
         (so, sl), (ro, rl) = segs[send_j], segs[recv_j]
+        now, ahead = ahead, (post(s + 1) if s + 1 < g - 1 else None)
         labels = [label(send_j, everyone)] if comm.record_messages else None
-        comm.exchange([(right, flat[so:so + sl])], [(left, flat[ro:ro + rl])], algorithm=algorithm,
+        comm.exchange([(right, flat[so:so + sl])], posted=[now], algorithm=algorithm,
                       step=step0 + s, phase=phase, offsets=([offset + so], [offset + ro]), labels=labels)
 
 

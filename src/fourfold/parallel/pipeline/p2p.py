@@ -234,20 +234,23 @@ class Links:
         base = 4 * n * self.schedule.microbatches  # after every activation and gradient tag
         t0 = time.perf_counter_ns()
         nbytes = 0
-        for st in stages:
+        sends: list[tuple[torch.Tensor, int, int, str]] = []
+        for st in stages:  # receives posted before sends (see fourfold.comm.p2p on gloo)
             named = dict(st.named_parameters())
             for name, (tie, holders) in st.tied.items():
                 p = named[name]
                 grad = (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
                 for peer in sorted({self.owner(j) for j in holders} - {self.rank}):
-                    works.append((dist.isend(grad, peer, group=self.group, tag=base + tie * n + st.index),
-                                  peer, f"send the gradient of tied weight {tie} (stage {st.index}) to"))
-                    nbytes += grad.nbytes
+                    sends.append((grad, peer, base + tie * n + st.index,
+                                  f"send the gradient of tied weight {tie} (stage {st.index}) to"))
                 for j in holders:
                     if self.owner(j) != self.rank and (tie, j) not in remote:
                         remote[(tie, j)] = buf = torch.empty_like(p)
                         works.append((dist.irecv(buf, self.owner(j), group=self.group, tag=base + tie * n + j),
                                       self.owner(j), f"receive the gradient of tied weight {tie} (stage {j}) from"))
+        for grad, peer, tag, awaited in sends:
+            works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, awaited))
+            nbytes += grad.nbytes
         for work, peer, awaited in works:
             self._wait(work, "tied gradients", awaited, peer)
         if works:
