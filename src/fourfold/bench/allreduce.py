@@ -108,27 +108,22 @@ def _run(ns: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from fourfold.comm import Communicator, allreduce, auto
+    from fourfold.comm.network import Network
 
     ctx, say, started, load_before = start_rank("[bench]", ns.timeout)
     g, main_rank = ctx.world_size, ctx.rank == 0
     say(f"G={g}, sizes {', '.join(format_bytes(s) for s in ns.sizes)}, algorithms {', '.join(ns.algorithms)}")
 
-    # phase 1: alpha, beta from a ping-pong between ranks 0 and 1; gamma from add_ on rank 0
+    # phase 1: alpha, beta from ping-pongs (0 <-> 1 inside a node, 0 <-> the next node's first rank across
+    # nodes); gamma from add_ on rank 0
+    from fourfold.comm.hierarchical import resolve_node_size
+
+    node_size = resolve_node_size(g)
     pp_comm = Communicator(timeout_s=ns.timeout)
-    pingpong: list[tuple[int, float]] = []
-    for nbytes in _PINGPONG:
-        t, reps, times = torch.zeros(nbytes // 4), (30 if nbytes <= 64 << 10 else 8), []
-        for i in range(reps + 2):
-            dist.barrier()  # as before every timed call below: back-to-back p2p on gloo can fall into 4 ms stalls
-            t0 = time.perf_counter()
-            if ctx.rank == 0:
-                pp_comm.exchange([(1, t)], algorithm="pingpong", step=i)
-                pp_comm.exchange([], [(1, t)], algorithm="pingpong", step=i)
-            elif ctx.rank == 1:
-                pp_comm.exchange([], [(0, t)], algorithm="pingpong", step=i)
-                pp_comm.exchange([(0, t)], algorithm="pingpong", step=i)
-            times.append((time.perf_counter() - t0) / 2)
-        pingpong.append((nbytes, statistics.median(times[2:])))
+    pairs = {"node": 1} if node_size > 1 else {}
+    if node_size < g:
+        pairs["network"] = node_size
+    pingpongs = {link: _pingpong(pp_comm, ctx.rank, peer) for link, peer in pairs.items()}
     reduce_times: list[tuple[int, float]] = []
     if main_rank:
         for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20):
@@ -139,20 +134,32 @@ def _run(ns: argparse.Namespace) -> None:
                 a.add_(b)
                 times.append(time.perf_counter() - t0)
             reduce_times.append((nbytes, statistics.median(times[2:])))
-    model = None
+    model, net = None, None
     if main_rank:
-        alpha, beta = fit_alpha_beta(pingpong)
         gamma = fit_line([n for n, _ in reduce_times], [s for _, s in reduce_times])[1]
+        fits = {}
+        for link, points in pingpongs.items():
+            alpha, beta = fit_alpha_beta(points)
+            if alpha < 0:
+                say(f"warning: the {link} fit gave alpha = {alpha * 1e6:.1f} us < 0 (noise); using 0")
+            fits[link] = auto.CostModel(max(alpha, 0.0), max(beta, 0.0), max(gamma, 0.0),
+                                        source=f"fourfold bench allreduce, {link} ping-pong")
         info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "machine": machine(g), "pingpong": pingpong, "reduce": reduce_times,
+                "machine": machine(g), "pingpong": pingpongs.get("node") or pingpongs["network"],
+                "reduce": reduce_times, "node_size": node_size,
                 "fit": "one-way ping-pong: alpha the median of <= 4 KB, beta the slope of >= 1 MB through alpha; "
                         "gamma: add_ slope"}
-        if alpha < 0:
-            say(f"warning: the fit gave alpha = {alpha * 1e6:.1f} us < 0 (noise); using 0")
-        model = auto.CostModel(max(alpha, 0.0), max(beta, 0.0), max(gamma, 0.0),
+        if "network" in fits:
+            info["network"] = {"alpha_s": fits["network"].alpha_s,
+                               "beta_s_per_byte": fits["network"].beta_s_per_byte,
+                               "pingpong": pingpongs["network"]}
+        first = fits.get("node") or fits["network"]
+        model = auto.CostModel(first.alpha_s, first.beta_s_per_byte, first.gamma_s_per_byte,
                                source=f"fourfold bench allreduce --nproc {g}", info=info)
-        say(f"cost model: alpha {model.alpha_s * 1e6:.1f} us, beta {model.beta_s_per_byte * 1e9:.3f} ns/B "
-            f"({1e-9 / model.beta_s_per_byte:.2f} GB/s), gamma {model.gamma_s_per_byte * 1e9:.3f} ns/B")
+        net = Network(node_size, first, fits.get("network"))
+        for link, m in fits.items():
+            say(f"{link} link: alpha {m.alpha_s * 1e6:.1f} us, beta {m.beta_s_per_byte * 1e9:.3f} ns/B "
+                f"({1e-9 / max(m.beta_s_per_byte, 1e-30):.2f} GB/s); gamma {gamma * 1e9:.3f} ns/B")
         if ns.save_model:
             say(f"saved the cost model to {model.save(ns.cost_model)}")
     comms = {a: Communicator(timeout_s=ns.timeout) for a in ns.algorithms}
@@ -189,7 +196,7 @@ def _run(ns: argparse.Namespace) -> None:
         dist.all_gather(sent_all, sent)
         chosen = auto.choose(numel, 4, g, model)[0]
         for j, name in enumerate(ns.algorithms):
-            rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], model, chosen))
+            rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], net, chosen))
         _ratios(rows, nbytes)
         say(f"size {k + 1}/{len(ns.sizes)}: {format_bytes(nbytes)}, {iters} iters, {time.monotonic() - started:.0f} s")
         if main_rank:
@@ -200,6 +207,29 @@ def _run(ns: argparse.Namespace) -> None:
     ctx.close()
 
 
+def _pingpong(comm: Any, rank: int, peer: int) -> list[tuple[int, float]]:
+    """``[(bytes, one-way seconds)]`` between ranks 0 and ``peer`` (median per size; every rank takes part in the
+    barriers, only those two in the messages)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in _PINGPONG:
+        t, reps, times = torch.zeros(nbytes // 4), (30 if nbytes <= 64 << 10 else 8), []
+        for i in range(reps + 2):
+            dist.barrier()  # as before every timed call below: back-to-back p2p on gloo can fall into 4 ms stalls
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.exchange([(peer, t)], algorithm="pingpong", step=i)
+                comm.exchange([], [(peer, t)], algorithm="pingpong", step=i)
+            elif rank == peer:
+                comm.exchange([], [(0, t)], algorithm="pingpong", step=i)
+                comm.exchange([(0, t)], algorithm="pingpong", step=i)
+            times.append((time.perf_counter() - t0) / 2)
+        out.append((nbytes, statistics.median(times[2:])))
+    return out
+
+
 def _theory(name: str, numel: int, g: int) -> list[int] | None:
     from fourfold.comm import hierarchical, master, naive, ring, tree
 
@@ -208,8 +238,8 @@ def _theory(name: str, numel: int, g: int) -> list[int] | None:
     return [fns[name](numel, g, r, 4)[0] for r in range(g)] if name in fns else None
 
 
-def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], model: Any, chosen: str) -> dict:
-    from fourfold.comm import auto
+def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], net: Any, chosen: str) -> dict:
+    from fourfold.comm.network import ALGORITHMS
 
     runs = chosen if name == "auto" else name
     median = statistics.median(times)
@@ -217,7 +247,7 @@ def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], mo
             "times_s": times, "algbw_GBps": nbytes / median / 1e9,
             "busbw_GBps": nbytes / median / 1e9 * 2 * (g - 1) / g,
             "sent_bytes_counted": None if name == "native" else sent, "sent_bytes_theory": _theory(runs, nbytes // 4, g),
-            "predicted_s": auto.predict(model, runs, nbytes // 4, 4, g) if runs in CANDIDATES else None}
+            "predicted_s": net.predict(runs, nbytes // 4, 4, g) if net is not None and runs in ALGORITHMS else None}
 
 
 def _ratios(rows: list[dict], nbytes: int) -> None:
@@ -229,7 +259,7 @@ def _ratios(rows: list[dict], nbytes: int) -> None:
 
 def _table(rows: list[dict], header: bool) -> str:
     lines = [f"{'size':>8} {'algorithm':<13} {'median':>9} {'min':>9} {'busbw GB/s':>10} {'x native':>8} "
-             f"{'sent/rank':>10} {'theory':>10} {'predicted':>9}"] if header else []
+             f"{'sent/rank':>10} {'theory':>10} {'predicted':>9} {'error':>6}"] if header else []
     for r in rows:
         name = f"auto->{r['runs']}" if r["algorithm"] == "auto" else r["algorithm"]
         counted, theory = r["sent_bytes_counted"], r["sent_bytes_theory"]
@@ -239,7 +269,8 @@ def _table(rows: list[dict], header: bool) -> str:
                      f"{'-' if r['vs_native'] is None else format(r['vs_native'], '.2f'):>8} "
                      f"{'-' if counted is None else format_bytes(max(counted)):>10} "
                      f"{'-' if theory is None else format_bytes(max(theory)):>10}{ok} "
-                     f"{'-' if r['predicted_s'] is None else fmt_time(r['predicted_s']):>9}")
+                     f"{'-' if r['predicted_s'] is None else fmt_time(r['predicted_s']):>9} "
+                     f"{'-' if r['predicted_s'] is None else format(r['median_s'] / r['predicted_s'] - 1, '+.0%'):>6}")
     return "\n".join(lines)
 
 
@@ -280,6 +311,7 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
         if g == 4 and ring_r and tree_r and nbytes < 64 << 10:
             verdicts.append((f"G=4 tree beats ring at {format_bytes(nbytes)}",
                              tree_r["median_s"] / ring_r["median_s"], 1.0))
+        verdicts += _lab_verdicts(here, g, model.info.get("node_size", g), nbytes)
     print("\ntargets:")
     for what, value, limit in verdicts:
         met = value <= limit
@@ -296,11 +328,33 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
     write_report(out, result, elapsed, lambda path: _chart(rows, g, model, path))
 
 
+def _lab_verdicts(here: dict[str, dict], g: int, node_size: int, nbytes: int) -> list[tuple[str, float, float]]:
+    """Across nodes (a lab, a cluster), at 16 MB and more: the master does not scale, hierarchical beats the ring
+    when nodes hold several ranks, and every algorithm takes the time its alpha-beta model predicts (within 20 %:
+    measured/predicted and predicted/measured both <= 1.2)."""
+    if node_size >= g or nbytes < 16 << 20:
+        return []
+    out = []
+    ring_r, master_r, hier_r = here.get("ring"), here.get("master"), here.get("hierarchical")
+    if ring_r and master_r and g in (4, 8):
+        need = 1.5 if g == 4 else 2.5
+        out.append((f"G={g} master >= {need}x ring at {format_bytes(nbytes)} (ring/master <= {1 / need:.2f})",
+                    ring_r["median_s"] / master_r["median_s"], 1 / need))
+    if ring_r and hier_r and node_size > 1:
+        out.append((f"hierarchical < ring with {g // node_size} nodes x {node_size} at {format_bytes(nbytes)}",
+                    hier_r["median_s"] / ring_r["median_s"], 1.0))
+    for name, r in here.items():
+        if r["predicted_s"] and name != "auto":
+            ratio = r["median_s"] / r["predicted_s"]
+            out.append((f"{name} within 20% of its model at {format_bytes(nbytes)} (measured/predicted "
+                        f"{ratio:.2f})", max(ratio, 1 / ratio), 1.2))
+    return out
+
+
 def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from fourfold.comm import auto
     from fourfold.files import atomic_path
 
     fig = Figure(figsize=(8, 5))
@@ -308,9 +362,9 @@ def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
     for name in dict.fromkeys(r["algorithm"] for r in rows):
         mine = [r for r in rows if r["algorithm"] == name]
         line, = ax.plot([r["bytes"] for r in mine], [r["median_s"] * 1e3 for r in mine], "o-", label=name)
-        if name in ("ring", "tree", "rabenseifner"):
-            sizes = [r["bytes"] for r in mine]
-            ax.plot(sizes, [auto.predict(model, name, s // 4, 4, g) * 1e3 for s in sizes], ":",
+        model = [r for r in mine if r["predicted_s"] is not None]
+        if model and name != "auto":
+            ax.plot([r["bytes"] for r in model], [r["predicted_s"] * 1e3 for r in model], ":",
                     color=line.get_color(), label=f"{name} (model)")
     ax.set(xscale="log", yscale="log", xlabel="message size (bytes, float32)", ylabel="median time (ms)",
            title=f"all-reduce on G={g} ranks, gloo on CPU")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fourfold.comm.p2p import Communicator
+from fourfold.comm.p2p import Communicator, Posted
 from fourfold.comm.ring import segments
 from fourfold.comm.tree import folded, power_split
 
@@ -52,28 +52,57 @@ def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
         if not inside:
             return
         segs = segments(numel, power)
-        lo, hi = 0, power  # the block of segments this rank still reduces
-        for k in range(d):  # reduce-scatter by recursive halving: distance P/2, P/4, ..., 1
-            half = (hi - lo) // 2
-            partner = me ^ half
-            mid = lo + half
-            keep, give = ((lo, mid), (mid, hi)) if me < mid else ((mid, hi), (lo, mid))
+        halving, doubling = _plan(me, power, d)
+
+        def post_half(k: int) -> Posted:  # step k's receive (the kept half), into one of two scratch buffers
+            partner, keep, _ = halving[k]
+            return comm.post(partner, comm.buffer(_span(segs, *keep)[1], flat, slot=k % 2))
+
+        def post_double(k: int) -> Posted:  # step k's receive (the partner's block), straight into its place
+            partner, _, other = doubling[k]
+            oo, ol = _span(segs, *other)
+            return comm.post(partner, flat[oo:oo + ol])
+
+        ahead: Posted | None = post_half(0)
+        for k, (partner, keep, give) in enumerate(halving):  # reduce-scatter: distance P/2, P/4, ..., 1
+            now, ahead = ahead, post_half(k + 1) if k + 1 < d else None
+            assert now is not None  # posted one step ago
             (ko, kl), (go, gl) = _span(segs, *keep), _span(segs, *give)
-            scratch = comm.buffer(kl, flat)
-            comm.exchange([(partner, flat[go:go + gl])], [(partner, scratch)], algorithm="rabenseifner",
+            comm.exchange([(partner, flat[go:go + gl])], posted=[now], algorithm="rabenseifner",
                           step=first + k, phase="reduce-scatter (halving)", offsets=([go], [ko]),
                           labels=[f"segments {give[0]}..{give[1] - 1}, partial sum"] if record else None)
-            flat[ko:ko + kl].add_(scratch)
-            lo, hi = keep
-        for k in range(d):  # all-gather by recursive doubling: distance 1, 2, ..., P/2
-            width = hi - lo
-            partner = me ^ width
-            other = (lo + width, hi + width) if me & width == 0 else (lo - width, hi - width)
-            (mo, ml), (oo, ol) = _span(segs, lo, hi), _span(segs, *other)
-            comm.exchange([(partner, flat[mo:mo + ml])], [(partner, flat[oo:oo + ol])], algorithm="rabenseifner",
+            flat[ko:ko + kl].add_(now.tensor)
+        ahead = post_double(0)  # not earlier: it lands where the last halving step sent from
+        for k, (partner, mine, other) in enumerate(doubling):  # all-gather: distance 1, 2, ..., P/2
+            now, ahead = ahead, post_double(k + 1) if k + 1 < d else None
+            assert now is not None  # posted one step ago
+            (mo, ml), (oo, _) = _span(segs, *mine), _span(segs, *other)
+            comm.exchange([(partner, flat[mo:mo + ml])], posted=[now], algorithm="rabenseifner",
                           step=first + d + k, phase="all-gather (doubling)", offsets=([mo], [oo]),
-                          labels=[f"segments {lo}..{hi - 1}, summed"] if record else None)
-            lo, hi = min(lo, other[0]), max(hi, other[1])
+                          labels=[f"segments {mine[0]}..{mine[1] - 1}, summed"] if record else None)
+
+
+Block = tuple[int, int]
+
+
+def _plan(me: int, power: int, d: int) -> tuple[list[tuple[int, Block, Block]], list[tuple[int, Block, Block]]]:
+    """Rank ``me``'s steps among ``power`` ranks: ``[(partner, keep, give)]`` halving, then ``[(partner, mine,
+    other)]`` doubling, blocks as segment ranges [lo, hi). Known before the first message, so every receive can
+    be posted a step ahead."""
+    halving, doubling = [], []
+    lo, hi = 0, power  # the block of segments this rank still reduces
+    for _ in range(d):
+        half = (hi - lo) // 2
+        mid = lo + half
+        keep, give = ((lo, mid), (mid, hi)) if me < mid else ((mid, hi), (lo, mid))
+        halving.append((me ^ half, keep, give))
+        lo, hi = keep
+    for _ in range(d):
+        width = hi - lo
+        other = (lo + width, hi + width) if me & width == 0 else (lo - width, hi - width)
+        doubling.append((me ^ width, (lo, hi), other))
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+    return halving, doubling
 
 
 def theory(numel: int, world_size: int, rank: int, itemsize: int) -> tuple[int, int]:

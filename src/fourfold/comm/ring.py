@@ -73,11 +73,12 @@ def reduce_scatter(comm: Communicator, flat: torch.Tensor, members: list[int] | 
     def post(s: int) -> Posted:  # step s's receive, into one of two scratch buffers
         return comm.post(left, comm.buffer(segs[(i - s - 2) % g][1], flat, slot=s % 2))
 
-    ahead = post(0)
+    ahead: Posted | None = post(0)
     for s in range(g - 1):
         send_j, recv_j = (i - s - 1) % g, (i - s - 2) % g
         (so, sl), (ro, rl) = segs[send_j], segs[recv_j]
         now, ahead = ahead, (post(s + 1) if s + 1 < g - 1 else None)
+        assert now is not None  # posted one step ago
         labels = [label(send_j, [(send_j + 1 + k) % g for k in range(s + 1)])] if record else None
         comm.exchange([(right, flat[so:so + sl])], posted=[now], algorithm=algorithm, step=step0 + s,
                       phase=phase, offsets=([offset + so], [offset + ro]), labels=labels)
@@ -102,11 +103,12 @@ def all_gather(comm: Communicator, flat: torch.Tensor, members: list[int] | None
         ro, rl = segs[(i - s - 1) % g]
         return comm.post(left, flat[ro:ro + rl])
 
-    ahead = post(0)
+    ahead: Posted | None = post(0)
     for s in range(g - 1):
         send_j, recv_j = (i - s) % g, (i - s - 1) % g
-        (so, sl), (ro, rl) = segs[send_j], segs[recv_j]
+        (so, sl), (ro, _) = segs[send_j], segs[recv_j]
         now, ahead = ahead, (post(s + 1) if s + 1 < g - 1 else None)
+        assert now is not None  # posted one step ago
         labels = [label(send_j, everyone)] if comm.record_messages else None
         comm.exchange([(right, flat[so:so + sl])], posted=[now], algorithm=algorithm,
                       step=step0 + s, phase=phase, offsets=([offset + so], [offset + ro]), labels=labels)
