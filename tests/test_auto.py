@@ -184,7 +184,7 @@ def test_bench_allreduce_runs_end_to_end(tmp_path):
            "--iters", "2", "--warmup", "1", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "targets:" in proc.stdout and "cost model: alpha" in proc.stdout
+    assert "targets:" in proc.stdout and "node link: alpha" in proc.stdout
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert {r["algorithm"] for r in result["results"]} >= {"ring", "tree", "auto", "native"}
     for r in result["results"]:

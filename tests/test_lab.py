@@ -101,3 +101,36 @@ def test_check_and_down_say_what_they_did():
     subprocess.run(["ip", "netns", "add", PREFIX + "n3"], check=True)
     proc = _cli("down")
     assert proc.returncode == 0 and f"removed {PREFIX}n3" in proc.stdout
+
+
+def test_bad_sweep_flags_are_refused_before_any_namespace_exists():
+    proc = _cli("sweep", "--nodes", "2,four")
+    assert proc.returncode == 2 and "nodes must be comma-separated counts" in proc.stderr
+    proc = _cli("sweep", "--nodes", "1", "--gpus-per-node", "1")
+    assert proc.returncode == 2 and "at least 2 ranks in each lab" in proc.stderr
+    proc = _cli("sweep", "--size", "3B")
+    assert proc.returncode == 2 and "size must be a positive multiple of 4 bytes" in proc.stderr
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sweep_fits_both_links_and_predicts_every_algorithm(tmp_path):
+    from fourfold.comm.network import link_bytes, messages
+
+    proc = _cli("sweep", "--nodes", "2", "--gpus-per-node", "2", "--link", "1gbit", "--size", "64KB",
+                "--algorithms", "ring,hierarchical,master", "--iters", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "node link: alpha" in proc.stdout and "network link: alpha" in proc.stdout
+    bench = json.loads((tmp_path / "nodes2" / "bench.json").read_text())
+    assert bench["cost_model"]["network"] is not None  # the link between nodes, fitted apart from loopback
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    rows = {r["algorithm"]: r for r in sweep["rows"]}
+    assert set(rows) == {"ring", "hierarchical", "master"} and all(r["ranks"] == 4 for r in rows.values())
+    for name, r in rows.items():
+        assert r["predicted_s"] > 0 and r["median_s"] > 0
+        _, links = link_bytes(messages(name, (64 << 10) // 4, 4, 4, 2), 2)
+        assert r["busiest_link_bytes"] == max(max(v) for v in links.values())
+    assert rows["hierarchical"]["busiest_link_bytes"] < rows["ring"]["busiest_link_bytes"]
+    assert any("from its model" in t["target"] for t in sweep["targets"])
+    assert (tmp_path / "sweep.png").stat().st_size > 0

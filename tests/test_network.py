@@ -6,10 +6,14 @@ Pure, no processes: each algorithm runs once per rank on meta tensors. On one li
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from fourfold.comm import auto, hierarchical, master, naive, rabenseifner, ring, tree
+import pytest
+import torch
+
+from fourfold.comm import Communicator, auto, hierarchical, master, naive, rabenseifner, ring, tree
 from fourfold.comm.network import ALGORITHMS, Network, link_bytes, messages, rounds
+from fourfold.testing import run_ranks
 
 LINK = auto.CostModel(alpha_s=3e-4, beta_s_per_byte=8e-9, gamma_s_per_byte=0.05e-9)
 FAST = auto.CostModel(alpha_s=2e-5, beta_s_per_byte=0.2e-9, gamma_s_per_byte=0.05e-9)
@@ -68,3 +72,41 @@ def test_refusals():
     assert set(ALGORITHMS) == set(THEORY) | {"hierarchical"}
     assert hierarchical.theory(8, 8, 0, 4, 4)[0] == sum(m.nbytes for m in messages("hierarchical", 8, 4, 8, 4)
                                                         if m.src == 0)
+
+
+SPLIT = auto.CostModel(2e-5, 0.2e-9, 0.05e-9, network=(3e-4, 33e-9))  # fast in a node, slow between nodes
+
+
+def test_auto_across_nodes_uses_the_network_link(tmp_path):
+    big = 4 << 20
+    assert auto.choose(big, 4, 8, SPLIT, 4)[0] == "hierarchical"
+    name, reason = auto.choose(big, 4, 8, SPLIT, 4)
+    assert "between nodes of 4: alpha 300.0 us" in reason
+    # without the network link the one-class closed form ranks Rabenseifner first (fewest steps, ring's bytes)
+    assert auto.choose(big, 4, 8, auto.CostModel(2e-5, 0.2e-9, 0.05e-9), 4)[0] == "rabenseifner"
+    assert auto.predict(SPLIT, "ring", big, 4, 8, 1) == pytest.approx(
+        Network(1, SPLIT, auto.CostModel(3e-4, 33e-9, 0.05e-9)).predict("ring", big, 4, 8))
+    assert auto.predict(SPLIT, "ring", big, 4, 8) == auto.predict(SPLIT, "ring", big, 4, 8, 8)  # one node
+    SPLIT.save(tmp_path / "m.json")
+    assert auto.CostModel.load(tmp_path / "m.json").network == (3e-4, 33e-9)
+    for bad in [(1.0,), (-1.0, 1.0), (0.0, 0.0), (float("nan"), 1.0)]:
+        with pytest.raises(ValueError, match="network must be"):
+            auto.CostModel(1e-4, 1e-9, network=bad)
+
+
+def _auto_across_two_nodes(ctx):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # two nodes of two (run_ranks sets one node of four)
+    comm = Communicator(record_messages=True)
+    mine = SPLIT if ctx.rank == 0 else auto.CostModel(1.0, 1e-12)  # rank 0's model, network included, wins
+    model = auto.attach(comm, mine)
+    t = torch.arange(1 << 16, dtype=torch.float64) * (ctx.rank + 1)  # 512 KB: hierarchical across slow links
+    auto.allreduce(comm, t)
+    assert torch.equal(t, torch.arange(1 << 16, dtype=torch.float64) * 10)
+    return model.network, sorted({m.algorithm for m in comm.messages})
+
+
+@pytest.mark.timeout(90)
+def test_attach_gives_every_rank_the_network_link():
+    results = run_ranks(_auto_across_two_nodes, 4, timeout_s=60)
+    for network, picks in results:
+        assert network == (3e-4, 33e-9) and picks == ["hierarchical"], (network, picks)

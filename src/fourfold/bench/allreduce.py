@@ -154,8 +154,10 @@ def _run(ns: argparse.Namespace) -> None:
                                "beta_s_per_byte": fits["network"].beta_s_per_byte,
                                "pingpong": pingpongs["network"]}
         first = fits.get("node") or fits["network"]
+        between = fits.get("network")
         model = auto.CostModel(first.alpha_s, first.beta_s_per_byte, first.gamma_s_per_byte,
-                               source=f"fourfold bench allreduce --nproc {g}", info=info)
+                               source=f"fourfold bench allreduce --nproc {g}", info=info,
+                               network=(between.alpha_s, between.beta_s_per_byte) if between else None)
         net = Network(node_size, first, fits.get("network"))
         for link, m in fits.items():
             say(f"{link} link: alpha {m.alpha_s * 1e6:.1f} us, beta {m.beta_s_per_byte * 1e9:.3f} ns/B "
@@ -194,7 +196,7 @@ def _run(ns: argparse.Namespace) -> None:
         sent = torch.tensor([comms[a].stats.sent_bytes // iters for a in ns.algorithms], dtype=torch.int64)
         sent_all = [torch.empty_like(sent) for _ in range(g)]
         dist.all_gather(sent_all, sent)
-        chosen = auto.choose(numel, 4, g, model)[0]
+        chosen = auto.choose(numel, 4, g, model, node_size)[0]  # as auto chooses in the run
         for j, name in enumerate(ns.algorithms):
             rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], net, chosen))
         _ratios(rows, nbytes)
@@ -279,9 +281,10 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
     """Rank 0: switch points, auto vs best, targets; bench.json and bench.png."""
     from fourfold.comm import auto
 
-    switches = auto.switch_points(4, g, model)
+    node_size = model.info.get("node_size", g)
+    switches = auto.switch_points(4, g, model, node_size)
     text = ", ".join(f"{b} from {format_bytes(n * 4)}" for n, _, b in switches) or "none"
-    print(f"\nauto (G={g}): {switches[0][1] if switches else auto.choose(1, 4, g, model)[0]} first; {text}")
+    print(f"\nauto (G={g}): {switches[0][1] if switches else auto.choose(1, 4, g, model, node_size)[0]} first; {text}")
     verdicts, best_rows = [], []
     for nbytes in ns.sizes:
         here = {r["algorithm"]: r for r in rows if r["bytes"] == nbytes}

@@ -208,16 +208,17 @@ def run_record(ns: Any, world_size: int, elapsed: float, load_before: tuple[floa
             "load_after": load_after}
 
 
-def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None]) -> None:
-    """Rank 0's outputs: ``out/bench.json`` (atomically) and ``chart(out/bench.png)`` when matplotlib is there."""
-    write_text_atomic(out / "bench.json", json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'bench.json'} ({elapsed:.0f} s)", flush=True)
+def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Callable[[Path], None],
+                 name: str = "bench") -> None:
+    """Rank 0's outputs: ``out/NAME.json`` (atomically) and ``chart(out/NAME.png)`` when matplotlib is there."""
+    write_text_atomic(out / f"{name}.json", json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / f'{name}.json'} ({elapsed:.0f} s)", flush=True)
     try:
-        chart(out / "bench.png")
+        chart(out / f"{name}.png")
     except ImportError:
         print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
     else:
-        print(f"wrote {out / 'bench.png'}", flush=True)
+        print(f"wrote {out / f'{name}.png'}", flush=True)
 
 
 def machine(g: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     fourfold lab run --nodes 2 --gpus-per-node 2 --link 1gbit -- fourfold train --steps 3
     fourfold lab run --nodes 4 --link 100mbit -- fourfold bench allreduce --sizes 16MB --algorithms ring,master
+    fourfold lab sweep --nodes 2,4,8 --link 250mbit --size 16MB     # time against G per algorithm, bytes per link
     fourfold lab check        # can this machine make a lab? (root, iproute2, tbf), in one line
     fourfold lab down         # remove a lab a killed run left behind (``run`` does it itself, also on Ctrl-C)
 
@@ -42,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--link", default="1gbit", help="each node's link to the switch, both ways, as tc writes "
                      "rates: 100mbit, 1gbit, 10gbit (default: 1gbit)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. fourfold train ...")
+    sw = sub.add_parser("sweep", help="one all-reduce size across labs of growing size: time against G per "
+                        "algorithm, bytes per link, the alpha-beta model beside them")
+    sw.add_argument("--nodes", default="2,4,8", help="comma-separated node counts, one lab each (default: 2,4,8)")
+    sw.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node (default: 1)")
+    sw.add_argument("--link", default="250mbit", help="each node's link, both ways (default: 250mbit: slow "
+                    "enough that the links, not this machine's cores, decide the time at 8 ranks)")
+    sw.add_argument("--size", default="16MB", help="the all-reduce's size, float32 (default: 16MB)")
+    sw.add_argument("--algorithms", default="ring,master,naive,rabenseifner,native",
+                    help="comma-separated, as bench allreduce takes them (default: ring,master,naive,rabenseifner,"
+                    "native)")
+    sw.add_argument("--iters", type=int, default=3, help="timed calls per algorithm and lab (default: 3)")
+    sw.add_argument("--out", default="runs/lab-sweep", help="where sweep.json, sweep.png and each lab's bench "
+                    "output go (default: runs/lab-sweep)")
     sub.add_parser("check", help="say whether this machine can make a lab, and if not why")
     sub.add_parser("down", help="remove every lab namespace (a killed run's leftovers)")
     return p
@@ -138,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fourfold lab: removed {', '.join(left)}" if left else "fourfold lab: no lab to remove")
         return 0
     try:
+        if ns.action == "sweep":
+            from fourfold.lab.sweep import sweep
+
+            try:
+                counts = [int(x) for x in ns.nodes.split(",")]
+            except ValueError:
+                raise ValueError(f"nodes must be comma-separated counts such as 2,4,8, got {ns.nodes!r}.") from None
+            Lab(1, ns.link)  # refuse a bad --link before the first lab
+            return sweep(counts, ns.gpus_per_node, ns.link, ns.size, ns.algorithms, ns.iters, Path(ns.out))
         return run_command(ns.nodes, ns.gpus_per_node, ns.link, ns.command)
     except ValueError as e:
         parser.error(str(e))

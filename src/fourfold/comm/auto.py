@@ -25,7 +25,11 @@ messages. γ is cheap to measure (time ``add_``) and costs nothing to evaluate.
 Candidates: ``ring``, ``tree`` and ``rabenseifner``; ``hierarchical`` when the group spans more than one node (g ranks per node,
 1 < g < G, from ``LOCAL_WORLD_SIZE`` as :func:`fourfold.comm.hierarchical.resolve_node_size` reads it). With one
 (α, β) for every link it is the ring's bytes in fewer steps, and across slow inter-node links it gains more,
-so the single-link model never favours it wrongly. ``rabenseifner`` sends the ring's bytes in 2 log2 G steps, so
+so the single-link model never favours it wrongly. A model that also knows the link *between* nodes
+(``network``: ``fourfold bench allreduce`` fits it where the ranks span nodes, e.g. in ``fourfold lab``) predicts
+across nodes with the two-level model of :mod:`fourfold.comm.network` instead, which sees a node's ranks share
+its link: on 2 nodes of 4 over 250 Mbit/s it ranks hierarchical first and Rabenseifner (whose first and last steps
+put 2N on each node's link) last, as measured (docs/lab.md). ``rabenseifner`` sends the ring's bytes in 2 log2 G steps, so
 at powers of two above 2 the model prefers it to the ring for every size (at G = 2 they are the same exchange:
 the tie goes to the ring; elsewhere its fold costs 2N more); measured on this machine at G = 4 it is 0.78-0.90x
 the ring's time from 256 KB to 16 MB (docs/allreduce.md). ``naive`` is left out: at G = 2 it is the tree's one
@@ -80,8 +84,16 @@ class CostModel:
     gamma_s_per_byte: float = 0.0
     source: str = ""
     info: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    network: tuple[float, float] | None = None  # (α, β) of the links between nodes; None: one class of link
 
     def __post_init__(self) -> None:
+        if self.network is not None:
+            if not isinstance(self.network, (tuple, list)) or len(self.network) != 2 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                    for v in self.network) or not any(self.network):
+                raise ValueError(f"network must be (alpha_s, beta_s_per_byte) of the links between nodes, finite, "
+                                 f">= 0 and not both 0, got {self.network!r}.")
+            object.__setattr__(self, "network", (float(self.network[0]), float(self.network[1])))
         for name in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -124,8 +136,10 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model {path} must have {' and '.join(missing)}, got keys {sorted(data)}. {fix}")
         try:
+            network = data.get("network")
             return cls(data["alpha_s"], data["beta_s_per_byte"], data.get("gamma_s_per_byte", 0.0),
-                       str(data.get("source", "")), dict(data.get("info") or {}))
+                       str(data.get("source", "")), dict(data.get("info") or {}),
+                       tuple(network) if isinstance(network, list) else network)
         except (ValueError, TypeError) as e:
             raise ValueError(f"cost model {path}: {e} {fix}") from None
 
@@ -193,7 +207,13 @@ def cost(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: 
 
 def predict(model: CostModel, algorithm: str, numel: int, itemsize: int, world_size: int,
             node_size: int | None = None) -> float:
-    """Predicted seconds for one all-reduce: steps*α + wire_bytes*β + reduced_bytes*γ."""
+    """Predicted seconds for one all-reduce: steps*α + wire_bytes*β + reduced_bytes*γ; across nodes (``node_size``
+    < G) of a model that knows its ``network`` link, the two-level model of :mod:`fourfold.comm.network`."""
+    if model.network is not None and node_size is not None and node_size < world_size:
+        from fourfold.comm.network import Network  # it builds on this module
+
+        between = CostModel(*model.network, model.gamma_s_per_byte)
+        return Network(node_size, model, between).predict(algorithm, numel, itemsize, world_size)
     c = cost(algorithm, numel, itemsize, world_size, node_size)
     return c.steps * model.alpha_s + c.wire_bytes * model.beta_s_per_byte + c.reduced_bytes * model.gamma_s_per_byte
 
@@ -223,7 +243,10 @@ def choose(numel: int, itemsize: int, world_size: int, model: CostModel,
     reason = (f"{best} {_fmt_s(times[best])} <= {others} predicted for {numel * itemsize} B over G={world_size}"
               + (f" (g={node_size} per node)" if best == "hierarchical" else "")
               + f" [alpha {model.alpha_s * 1e6:.1f} us, beta {model.beta_s_per_byte * 1e9:.3f} ns/B, "
-                f"gamma {model.gamma_s_per_byte * 1e9:.3f} ns/B]")
+                f"gamma {model.gamma_s_per_byte * 1e9:.3f} ns/B"
+              + (f"; between nodes of {node_size}: alpha {model.network[0] * 1e6:.1f} us, beta "
+                 f"{model.network[1] * 1e9:.3f} ns/B" if model.network and node_size and node_size < world_size
+                 else "") + "]")
     return best, reason
 
 
@@ -277,21 +300,23 @@ def attach(comm: Communicator, model: CostModel | None = None, device: torch.dev
             node_size = hierarchical.resolve_node_size(comm.size, None, comm.global_ranks)
         except ValueError:
             node_size = None  # the group does not fill whole nodes: no hierarchical candidate
-    payload = torch.tensor([mine.alpha_s, mine.beta_s_per_byte, mine.gamma_s_per_byte, float(node_size or 0)]
-                           if mine is not None and error is None else [-1.0, 0.0, 0.0, 0.0], dtype=torch.float64,
-                           device=device)
+    network = (mine.network or (-1.0, -1.0)) if mine is not None else (-1.0, -1.0)
+    payload = torch.tensor([mine.alpha_s, mine.beta_s_per_byte, mine.gamma_s_per_byte, float(node_size or 0),
+                            *network] if mine is not None and error is None else [-1.0, 0.0, 0.0, 0.0, -1.0, -1.0],
+                           dtype=torch.float64, device=device)
     if comm.size > 1:
         work = dist.broadcast(payload, comm.global_ranks[0], group=comm.group, async_op=True)
         bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op="auto",
                      awaited="the cost-model broadcast from", peer=comm.global_ranks[0])
     if error is not None:
         raise error
-    alpha, beta, gamma, g = payload.tolist()
+    alpha, beta, gamma, g, net_alpha, net_beta = payload.tolist()
     if alpha < 0:
         raise RuntimeError(f"rank {comm.global_rank}: auto: rank {comm.global_ranks[0]} could not load its cost "
                            f"model (its own error says why), so no rank can choose an algorithm.")
     if comm.rank != 0:
-        mine = CostModel(alpha, beta, gamma, source=f"broadcast from rank {comm.global_ranks[0]}")
+        mine = CostModel(alpha, beta, gamma, source=f"broadcast from rank {comm.global_ranks[0]}",
+                         network=None if net_alpha < 0 else (net_alpha, net_beta))
     assert mine is not None
     setattr(comm, _STATE, _AutoState(mine, int(g) or None))
     return mine
