@@ -83,6 +83,24 @@ def test_data_parallel_sync_is_the_ring_cost_of_the_gradients_and_exposed_withou
     assert zero3.dp_comm_s == pytest.approx(1.5 * ring, rel=1e-9)
 
 
+def test_data_parallel_across_nodes_shares_each_nodes_link_among_its_tp_groups():
+    prof = profile()
+    elements = sum(q.numel() for q in prof.model.parameters())
+    slow = CostModel(50e-6, 8e-9, 0.0)
+    one_node = predict(prof, Layout(dp=2, tp=2), Links(TINY, slow, ranks_per_node=4), batch_size=8).dp_comm_s
+    assert one_node < 1e-6  # the dp ring inside a node: its free link
+    split = predict(prof, Layout(dp=2, tp=2), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
+    alone = predict(prof, Layout(dp=2), Links(TINY, slow, ranks_per_node=1), batch_size=8).dp_comm_s
+    # each tp rank's half of the gradients crosses the one link its node's 2 tp groups share: 2 x the bandwidth
+    # term of half the bytes, i.e. the full bytes' term, plus the same number of alpha steps
+    half = sum(q.numel() for q in prof.model.parameters()) // 2  # tp shards most of them; bounds, not equality
+    assert split > allreduce_time(slow, "ring", half, 4, 2) * 1.5
+    assert alone == pytest.approx(allreduce_time(slow, "ring", elements, 4, 2), rel=1e-9)
+    # 2 nodes of 2 dp ranks: the ring's node-crossing hops decide each of its 2(G-1) steps
+    four = predict(prof, Layout(dp=4), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
+    assert four == pytest.approx(allreduce_time(slow, "ring", elements, 4, 4), rel=1e-3)
+
+
 def test_more_ranks_than_cores_queue_for_them():
     prof = profile()
     alone = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4), batch_size=8)

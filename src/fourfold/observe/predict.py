@@ -20,7 +20,8 @@ The model (docs/simulator.md):
   and one point-to-point message (α + bytes·β) between ranks: the makespan and the bubble.
 * **data parallelism**: the rank's gradients in buckets, each a ring all-reduce on the dp group's link
   (ZeRO-1/2 the same bytes as reduce-scatter + all-gather, ZeRO-3 1.5x: the parameters gathered again for
-  backward); hidden behind the last micro-batch's backward where a core or a device is free to do it,
+  backward; across nodes the two-level model of :mod:`fourfold.comm.network`, the node's tp groups sharing
+  its link); hidden behind the last micro-batch's backward where a core or a device is free to do it,
   exposed otherwise.
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once; the
   span is at least the whole step's work over the cores.
@@ -294,11 +295,28 @@ class ModelProfile:
         return cls(model, blocks, seq_len, shards, costs, probe, tuple(fwd), tuple(bwd), max(probe.inputs))
 
 
-def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int) -> float:
-    """One ring all-reduce of ``nbytes`` over ``ranks`` on ``link``."""
+def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int, node_size: int | None = None) -> float:
+    """One ring all-reduce of ``nbytes`` over ``ranks`` on ``link`` (across nodes of ``node_size`` of them when
+    ``link`` knows its ``network``)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return allreduce_time(link, "ring", max(1, int(nbytes) // itemsize), itemsize, ranks)
+    return allreduce_time(link, "ring", max(1, int(nbytes) // itemsize), itemsize, ranks, node_size)
+
+
+def _dp_links(links: Links, layout: Layout) -> tuple[CostModel, int | None]:
+    """The link model a data-parallel ring runs on, and the group's ranks per node. Within a node: the node's
+    link. Across nodes (ranks are tp innermost, then dp): k = per_node / tp consecutive dp ranks share a node, and
+    the node's tp groups all sync at once, so each group's ring gets 1/tp of the node's link (the two-level
+    model of :mod:`fourfold.comm.network`: the ring's node-crossing hops decide its steps)."""
+    per_node = links.ranks_per_node
+    if layout.dp * layout.tp <= per_node:
+        return links.node, None
+    k = max(1, per_node // layout.tp)
+    k = k if layout.dp % k == 0 else 1
+    net = links.network
+    node = links.node if k > 1 else net
+    return CostModel(node.alpha_s, node.beta_s_per_byte, node.gamma_s_per_byte,
+                     network=(net.alpha_s, net.beta_s_per_byte * (per_node // k))), k
 
 
 def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int, *,
@@ -358,14 +376,14 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     if links.cores is not None and L.world_size > links.cores:  # more ranks than cores: work queues for a core
         work = sum(busy) * L.dp * L.tp
         stretch = max(1.0, work / links.cores / span) * links.oversubscribed
-    dp_link = links.node if L.dp * L.tp <= per_node else links.network
+    dp_link, dp_node = _dp_links(links, L)
     idle_core = links.cores is None or L.world_size < links.cores
     tails, dp_times = [], []
     for r, elems in enumerate(held):
         nbytes = elems * itemsize
         buckets = [bucket_bytes] * (nbytes // bucket_bytes) + ([nbytes % bucket_bytes] if nbytes % bucket_bytes else [])
-        sync = sum(_ring(dp_link, size, itemsize, L.dp) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
-        last = _ring(dp_link, buckets[-1], itemsize, L.dp) if buckets else 0.0
+        sync = sum(_ring(dp_link, size, itemsize, L.dp, dp_node) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
+        last = _ring(dp_link, buckets[-1], itemsize, L.dp, dp_node) if buckets else 0.0
         exposed = sync if not idle_core else max(last, sync - last_backward[r]) if sync else 0.0
         optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element * stretch
         dp_times.append((sync, exposed))
