@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 clean:
