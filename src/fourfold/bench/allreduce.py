@@ -7,10 +7,13 @@
 The parent starts ``--nproc`` ranks through torchrun's launcher (:func:`fourfold.elastic.launch_workers`), each
 running ``python -m fourfold.bench.allreduce ...``. On the ranks:
 
-1. ping-pong between ranks 0 and 1 over 4 B..16 MB through :class:`~fourfold.comm.Communicator` (the path every
-   algorithm takes); one-way time t(n) = α + βn fitted by least squares on relative error (so 4 B counts as
-   much as 16 MB); γ from timing ``add_`` on rank 0. The model is saved (``--cost-model``, default
-   ``$FOURFOLD_COST_MODEL`` or ``~/.cache/fourfold/cost_model.json``) and is what ``auto`` uses in this run.
+1. ping-pong over 4 B..16 MB through :class:`~fourfold.comm.Communicator` (the path every algorithm takes):
+   ranks 0 and 1 for the link inside a node, and where the ranks span nodes (``LOCAL_WORLD_SIZE`` < G) rank 0
+   and the next node's first rank for the link between nodes; one-way time t(n) = α + βn (``fit_alpha_beta``:
+   α the small sizes' floor, β the slope of the large ones); γ from timing ``add_`` on rank 0. The model (with
+   the link between nodes as its ``network``) is saved (``--cost-model``, default ``$FOURFOLD_COST_MODEL`` or
+   ``~/.cache/fourfold/cost_model.json``) and is what ``auto`` uses in this run; every algorithm's row carries
+   the two-level model's prediction (:mod:`fourfold.comm.network`) and its error.
 2. per size (float32), the algorithms interleaved (the order rotates every iteration), warm-up calls first
    (the first also checks the exact sum), a barrier before each timed call, one Communicator per algorithm;
    a call's time is the slowest rank's; the figure is the median over ``--iters`` (capped for large sizes).
