@@ -67,7 +67,12 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
         class Recorder(comm.Communicator):
             """Records what each exchange carried and the tensor's state after it."""
 
-            def exchange(self, sends=(), recvs=(), *, algorithm, step, phase="", offsets=None, labels=None):
+            def post(self, peer, tensor):  # no receive ahead: each state shows exactly what the steps before it did
+                return comm.Posted(peer, tensor, None)
+
+            def exchange(self, sends=(), recvs=(), *, algorithm, step, phase="", offsets=None, labels=None,
+                         posted=()):
+                recvs = [*recvs, *((r.peer, r.tensor) for r in posted)]
                 index = len(states)
                 states.append([int(flat[o]) for o, _ in bounds])  # after the previous step's additions
                 for k, (peer, t) in enumerate(sends):

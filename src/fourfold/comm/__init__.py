@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import auto, hierarchical, master, naive, rabenseifner, ring, tree
-from fourfold.comm.p2p import CommStats, Communicator, Message, check_same
+from fourfold.comm.p2p import CommStats, Communicator, Message, Posted, check_same
 from fourfold.comm.wait import CommError, bounded_wait
 from fourfold.observe.trace import Tracer
 
-__all__ = ["ALGORITHMS", "CommError", "CommStats", "Communicator", "Message", "allreduce", "counted_span"]
+__all__ = ["ALGORITHMS", "CommError", "CommStats", "Communicator", "Message", "Posted", "allreduce", "counted_span"]
 
 Algorithm = Callable[[Communicator, torch.Tensor], None]
 
