@@ -112,3 +112,26 @@ def test_a_timed_out_wait_says_what_the_missing_rank_is_doing():
     assert "did not complete within 2 s" in message, message
     assert "Hang doctor:" in message and "rank 1 has not entered it yet: it is computing" in message, message
     assert "_late_peer" in message, message  # its stack
+
+
+def test_a_silent_but_running_process_is_starved_not_stopped():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fourfold.observe.doctor import running
+
+    assert running(os.getpid()) and not running(None) and not running(2**22 + 12345)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert running(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while running(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child.pid)  # SIGSTOP: the doctor may call it stopped
+    finally:
+        child.kill()
+        child.wait()
+    assert not running(child.pid)  # gone

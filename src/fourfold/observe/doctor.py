@@ -101,6 +101,21 @@ def _needed(rank: int, wait_: Mapping[str, Any]) -> list[int]:
     return [wait_["peer"]] if wait_.get("peer") is not None else []
 
 
+def running(pid: int | None) -> bool:
+    """Whether process ``pid`` on this machine exists and is not stopped (Linux ``/proc``; elsewhere, False: the
+    heartbeat decides). A rank that beats no more but runs is starved, not hung: a busy machine can keep a
+    process off the CPU, or in one long call holding the GIL, for seconds (seen: 8 ranks on 2 cores restarting,
+    one silent 3 s while importing), and ending the run for it would lose the run."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, ValueError):
+        return False
+    return state not in ("T", "t", "Z", "X")  # stopped, traced, a zombie, dead
+
+
 def diagnose(me: int, entry: Mapping[str, Any], beats: Mapping[int, Mapping[str, Any] | None],
              stale: Mapping[int, float], *, hang_s: float, now: float | None = None) -> Finding | None:
     """Follow the waits from ``me``'s ``entry`` through the other ranks' last ``beats`` (rank -> beat, None when
@@ -239,7 +254,8 @@ class Doctor:
         if beat is None or beat.get("exited"):
             return 0.0
         if beat.get("host") == self.host:  # one clock: the beat's own time says how old it is
-            return now - beat["t"]
+            age = now - beat["t"]
+            return 0.0 if age > STALE_S and running(beat.get("pid")) else age
         n, first = self._seen.get(rank, (None, mono))  # another machine's clock: how long the counter stood
         if n != beat["n"]:
             self._seen[rank] = (beat["n"], mono)
