@@ -22,7 +22,7 @@ THEORY = {"naive": naive.theory, "master": master.theory, "ring": ring.theory, "
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "rabenseifner"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "rabenseifner", "naive", "master"])
 def test_one_link_class_is_autos_closed_form(world_size, algorithm):
     for numel in (1, 1000, 4 << 20):
         want = auto.predict(LINK, algorithm, numel, 4, world_size)

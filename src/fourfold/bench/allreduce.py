@@ -111,7 +111,6 @@ def _run(ns: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from fourfold.comm import Communicator, allreduce, auto
-    from fourfold.comm.network import Network
 
     ctx, say, started, load_before = start_rank("[bench]", ns.timeout)
     g, main_rank = ctx.world_size, ctx.rank == 0
@@ -137,7 +136,7 @@ def _run(ns: argparse.Namespace) -> None:
                 a.add_(b)
                 times.append(time.perf_counter() - t0)
             reduce_times.append((nbytes, statistics.median(times[2:])))
-    model, net = None, None
+    model = None
     if main_rank:
         gamma = fit_line([n for n, _ in reduce_times], [s for _, s in reduce_times])[1]
         fits = {}
@@ -148,20 +147,13 @@ def _run(ns: argparse.Namespace) -> None:
             fits[link] = auto.CostModel(max(alpha, 0.0), max(beta, 0.0), max(gamma, 0.0),
                                         source=f"fourfold bench allreduce, {link} ping-pong")
         info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "machine": machine(g), "pingpong": pingpongs.get("node") or pingpongs["network"],
-                "reduce": reduce_times, "node_size": node_size,
+                "machine": machine(g), "pingpong": pingpongs, "reduce": reduce_times, "node_size": node_size,
                 "fit": "one-way ping-pong: alpha the median of <= 4 KB, beta the slope of >= 1 MB through alpha; "
                         "gamma: add_ slope"}
-        if "network" in fits:
-            info["network"] = {"alpha_s": fits["network"].alpha_s,
-                               "beta_s_per_byte": fits["network"].beta_s_per_byte,
-                               "pingpong": pingpongs["network"]}
-        first = fits.get("node") or fits["network"]
-        between = fits.get("network")
+        first, between = fits.get("node") or fits["network"], fits.get("network")
         model = auto.CostModel(first.alpha_s, first.beta_s_per_byte, first.gamma_s_per_byte,
                                source=f"fourfold bench allreduce --nproc {g}", info=info,
                                network=(between.alpha_s, between.beta_s_per_byte) if between else None)
-        net = Network(node_size, first, fits.get("network"))
         for link, m in fits.items():
             say(f"{link} link: alpha {m.alpha_s * 1e6:.1f} us, beta {m.beta_s_per_byte * 1e9:.3f} ns/B "
                 f"({1e-9 / max(m.beta_s_per_byte, 1e-30):.2f} GB/s); gamma {gamma * 1e9:.3f} ns/B")
@@ -201,7 +193,8 @@ def _run(ns: argparse.Namespace) -> None:
         dist.all_gather(sent_all, sent)
         chosen = auto.choose(numel, 4, g, model, node_size)[0]  # as auto chooses in the run
         for j, name in enumerate(ns.algorithms):
-            rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], net, chosen))
+            rows.append(_row(name, nbytes, g, timed[j].tolist(), [int(s[j]) for s in sent_all], model, node_size,
+                             chosen))
         _ratios(rows, nbytes)
         say(f"size {k + 1}/{len(ns.sizes)}: {format_bytes(nbytes)}, {iters} iters, {time.monotonic() - started:.0f} s")
         if main_rank:
@@ -243,7 +236,9 @@ def _theory(name: str, numel: int, g: int) -> list[int] | None:
     return [fns[name](numel, g, r, 4)[0] for r in range(g)] if name in fns else None
 
 
-def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], net: Any, chosen: str) -> dict:
+def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], model: Any, node_size: int,
+         chosen: str) -> dict:
+    from fourfold.comm import auto
     from fourfold.comm.network import ALGORITHMS
 
     runs = chosen if name == "auto" else name
@@ -252,7 +247,7 @@ def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], ne
             "times_s": times, "algbw_GBps": nbytes / median / 1e9,
             "busbw_GBps": nbytes / median / 1e9 * 2 * (g - 1) / g,
             "sent_bytes_counted": None if name == "native" else sent, "sent_bytes_theory": _theory(runs, nbytes // 4, g),
-            "predicted_s": net.predict(runs, nbytes // 4, 4, g) if net is not None and runs in ALGORITHMS else None}
+            "predicted_s": auto.predict(model, runs, nbytes // 4, 4, g, node_size) if runs in ALGORITHMS else None}
 
 
 def _ratios(rows: list[dict], nbytes: int) -> None:
@@ -335,18 +330,18 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
 
 
 def _lab_verdicts(here: dict[str, dict], g: int, node_size: int, nbytes: int) -> list[tuple[str, float, float]]:
-    """Across nodes (a lab, a cluster), at 16 MB and more: the master does not scale, hierarchical beats the ring
-    when nodes hold several ranks, and every algorithm takes the time its alpha-beta model predicts (within 20 %:
-    measured/predicted and predicted/measured both <= 1.2)."""
-    if node_size >= g or nbytes < 16 << 20:
+    """Across nodes (a lab, a cluster): at 16 MB and more the master does not scale and hierarchical beats the
+    ring when nodes hold several ranks; at every size, every algorithm takes the time its alpha-beta model predicts
+    (within 20 %: measured/predicted and predicted/measured both <= 1.2)."""
+    if node_size >= g:
         return []
     out = []
     ring_r, master_r, hier_r = here.get("ring"), here.get("master"), here.get("hierarchical")
-    if ring_r and master_r and g in (4, 8):
+    if ring_r and master_r and g in (4, 8) and nbytes >= 16 << 20:
         need = 1.5 if g == 4 else 2.5
         out.append((f"G={g} master >= {need}x ring at {format_bytes(nbytes)} (ring/master <= {1 / need:.2f})",
                     ring_r["median_s"] / master_r["median_s"], 1 / need))
-    if ring_r and hier_r and node_size > 1:
+    if ring_r and hier_r and node_size > 1 and nbytes >= 16 << 20:
         out.append((f"hierarchical < ring with {g // node_size} nodes x {node_size} at {format_bytes(nbytes)}",
                     hier_r["median_s"] / ring_r["median_s"], 1.0))
     for name, r in here.items():

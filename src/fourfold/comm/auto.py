@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fourfold.comm import hierarchical, rabenseifner, ring, tree
+from fourfold.comm import hierarchical, master, naive, rabenseifner, ring, tree
 from fourfold.comm.p2p import Communicator
 from fourfold.comm.wait import bounded_wait
 from fourfold.files import write_text_atomic
@@ -173,12 +173,14 @@ def _max_sent(algorithm: str, numel: int, world_size: int, itemsize: int, node_s
     """The busiest rank's bytes sent, from the algorithm's own ``theory()``."""
     if algorithm == "hierarchical":
         return max(hierarchical.theory(numel, world_size, r, itemsize, node_size)[0] for r in range(world_size))
-    fn = {"ring": ring.theory, "tree": tree.theory, "rabenseifner": rabenseifner.theory}[algorithm]
+    fn = {"ring": ring.theory, "tree": tree.theory, "rabenseifner": rabenseifner.theory, "naive": naive.theory,
+          "master": master.theory}[algorithm]
     return max(fn(numel, world_size, r, itemsize)[0] for r in range(world_size))
 
 
 def cost(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: int | None = None) -> Cost:
-    """The critical path of ``algorithm`` (ring, tree, hierarchical) summing ``numel`` elements over G ranks."""
+    """The critical path of ``algorithm`` (any of fourfold's point-to-point ones) summing ``numel`` elements over G
+    ranks. naive and master are not ``auto``'s candidates; they are here so that every algorithm has a prediction."""
     g_, n = world_size, numel
     if g_ == 1 or n == 0:
         return Cost(0, 0, 0)
@@ -196,12 +198,16 @@ def cost(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: 
         nodes = g_ // g
         steps = 2 * (g - 1) + 2 * (nodes - 1)
         reduced = (g - 1) * -(-n // g) + (nodes - 1) * -(-n // g_)
+    elif algorithm in ("naive", "master"):
+        steps, reduced = (1 if algorithm == "naive" else 2), (g_ - 1) * n  # master: gather, then broadcast
     else:
-        raise ValueError(f"algorithm must be ring, tree, rabenseifner or hierarchical for the cost model, got "
-                         f"{algorithm!r}.")
+        raise ValueError(f"algorithm must be ring, tree, rabenseifner, hierarchical, naive or master for the cost "
+                         f"model, got {algorithm!r}.")
     wire = _max_sent(algorithm, n, g_, itemsize, node_size or g_)
     if algorithm in ("tree", "rabenseifner") and g_ & (g_ - 1):
         wire += n * itemsize  # the fold: received by ranks j < E before they send anything
+    if algorithm == "master":
+        wire *= 2  # the root receives (G-1)N before it sends as much
     return Cost(steps, wire, reduced * itemsize)
 
 

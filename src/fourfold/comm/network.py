@@ -22,22 +22,21 @@ link, the master's root downloads (G - g)N over one link.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from fourfold.comm import hierarchical, master, naive, rabenseifner, ring, tree
+from fourfold.comm import ALGORITHMS as _ALL
+from fourfold.comm import hierarchical
 from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.p2p import Communicator, Message, Posted
 
 __all__ = ["ALGORITHMS", "Network", "Round", "link_bytes", "messages", "rounds"]
 
-ALGORITHMS: dict[str, Callable[..., None]] = {
-    "naive": naive.allreduce, "master": master.allreduce, "ring": ring.allreduce, "tree": tree.allreduce,
-    "rabenseifner": rabenseifner.allreduce, "hierarchical": hierarchical.allreduce}
+ALGORITHMS = tuple(a for a in _ALL if a not in ("auto", "native"))
+"""The algorithms written on point-to-point messages: the ones this model can record."""
 _REFERENCE = 720720  # divisible by 1..16: the ranks' shares of a reference vector are whole
 
 
@@ -71,7 +70,7 @@ def messages(algorithm: str, numel: int, itemsize: int, world_size: int,
         if algorithm == "hierarchical":
             hierarchical.allreduce(comm, flat, node_size=node_size or world_size)
         else:
-            ALGORITHMS[algorithm](comm, flat)
+            _ALL[algorithm](comm, flat)
         out += comm.messages
     return out
 
@@ -136,13 +135,6 @@ class Network:
             parts = [m.alpha_s + share * nbytes * m.beta_s_per_byte
                      for m, share in ((self.node, r.node), (net, r.network)) if share > 0]
             total += max(parts, default=0.0)
-        return total + _reduced_bytes(algorithm, numel, itemsize, world_size, self.node_size) \
+        return total + cost(algorithm, numel, itemsize, world_size, self.node_size).reduced_bytes \
             * self.node.gamma_s_per_byte
-
-
-def _reduced_bytes(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: int) -> int:
-    """Bytes added on the critical path: ``auto.cost``'s, and (G-1)N for the naive and master sums."""
-    if algorithm in ("naive", "master"):
-        return (world_size - 1) * numel * itemsize
-    return cost(algorithm, numel, itemsize, world_size, node_size).reduced_bytes
 
