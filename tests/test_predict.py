@@ -106,6 +106,37 @@ def test_more_ranks_than_cores_queue_for_them():
     alone = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4), batch_size=8)
     shared = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=8)
     assert shared.step_s == pytest.approx(2 * alone.step_s, rel=1e-3)
+    slower = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2, oversubscribed=1.5), batch_size=8)
+    assert slower.step_s == pytest.approx(3 * alone.step_s, rel=1e-3)
+
+
+def test_a_pipeline_on_shared_cores_runs_its_stages_faster_in_each_others_bubble():
+    # dp2 pp2 on 2 cores: 4 processes, but while one stage waits in the fill or drain the other's 2 copies
+    # have the cores to themselves; on one core the step is all the work
+    prof = profile()
+    layout = Layout(dp=2, pp=2, schedule="gpipe", microbatches=4)
+    devices = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4), batch_size=16)
+    two = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=16)
+    one = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4, cores=1), batch_size=16)
+    assert devices.timeline is not None
+    work = sum(devices.timeline.busy) * layout.dp  # every process's compute, seconds on a core of its own
+    assert one.step_s == pytest.approx(work, rel=1e-6)
+    assert work / 2 < two.step_s < 2 * devices.step_s  # not every moment has all 4 computing
+
+
+def test_the_predicted_step_as_trace_spans():
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    links = Links(LINK, LINK, ranks_per_node=4, cores=2)
+    p = predict(prof, Layout(dp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
+    spans = p.spans(step=3)
+    assert sorted(spans) == [0, 1]
+    for r, row in spans.items():
+        assert [s.name for s in row if s.name in "FB"].count("F") == 4  # one F and one B per micro-batch
+        assert row[-1].name == "optimizer" and all(s.step == 3 and s.rank == r for s in row)
+        assert all(a.end_ns <= b.start_ns + 1 for a, b in zip(row, row[1:], strict=False))  # one at a time
+    assert max(row[-1].end_ns for row in spans.values()) == pytest.approx(p.step_s * 1e9, abs=2)
+    one = predict(prof, Layout(dp=2), links, batch_size=16).spans()
+    assert [s.name for s in one[0]] == ["forward", "backward", "grad_sync", "optimizer"]
 
 
 def test_tensor_parallel_collectives_are_counted_per_layer():
@@ -216,3 +247,22 @@ def test_bench_predict_layout_names():
     assert parse_layout("tp2", 4) == Layout(tp=2)
     with pytest.raises(ValueError, match="layout must look like"):
         parse_layout("dp2:zb2", 4)
+
+
+def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one(tmp_path):
+    import json
+
+    from fourfold.bench.predict import _side_by_side
+    from fourfold.observe.trace import Span
+
+    layout = Layout(dp=2, pp=2, schedule="1f1b", microbatches=4)
+    p = predict(profile(block_costs(CONFIG.n_layer, opt=1e-9)), layout, Links(LINK, LINK, ranks_per_node=4),
+                batch_size=16)
+    spans = {r: [Span(r, "compute", "F", 0, 10**6, microbatch=0, step=7)] for r in range(4)}
+    _side_by_side(layout, Measured(0.2, 0.0, 0, spans), p, tmp_path)
+    trace = json.loads((tmp_path / "dp2-tp1-pp2-1f1b-m4.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {"rank 0: stage 0 dp 0 measured", "rank 4: stage 0 predicted", "rank 5: stage 1 predicted"} <= names
+    predicted = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 5]  # rank 4
+    assert sum(e["name"] == "F" for e in predicted) == 4 and predicted[-1]["name"] == "optimizer"
+    assert (tmp_path / "dp2-tp1-pp2-1f1b-m4.png").stat().st_size > 0

@@ -286,6 +286,21 @@ def test_messages_add_their_time_on_the_way_forward_and_back():
         assert t.makespan == pytest.approx((m + pp - 1) * 3 + 2 * (pp - 1) * 0.25)
 
 
+def test_ranks_sharing_cores_slow_each_other_only_while_they_compute_at_once():
+    # one core shared fairly (each of k computing ranks at 1/k): the core never idles while any rank can run,
+    # so every schedule takes all its work, and a naive one (one rank at a time) takes no longer than alone
+    one_core = lambda k: 1.0 / k  # noqa: E731
+    for name, pp, m in itertools.product(("gpipe", "1f1b", "zb"), (2, 3), (2, 4)):
+        t = simulate(make_schedule(name, pp, m), 1.0, 2.0, 0.5, speed=one_core)
+        assert t.makespan == pytest.approx(pp * m * 3.5), (name, pp, m)
+        assert t.makespan >= simulate(make_schedule(name, pp, m), 1.0, 2.0, 0.5).makespan
+    alone = simulate(naive(3, 2), 1.0, 2.0, 0.5)
+    assert simulate(naive(3, 2), 1.0, 2.0, 0.5, speed=one_core).makespan == pytest.approx(alone.makespan)
+    # enough cores for everyone: the same timeline as a device each
+    free = simulate(make_schedule("1f1b", 4, 8), 1.0, 2.0, 0.5, comm=0.1, speed=lambda k: 1.0)
+    assert free.ranks == simulate(make_schedule("1f1b", 4, 8), 1.0, 2.0, 0.5, comm=0.1).ranks
+
+
 def test_interleaved_bubble_is_smaller_and_follows_its_formula():
     for pp, k, v in itertools.product((2, 3, 4), (1, 2, 3), (2, 3)):
         m = k * pp

@@ -1,15 +1,17 @@
 """``fourfold bench predict``: the simulator's predicted step time beside the measured one, layout by layout.
 
     fourfold bench predict                                 # every layout runnable on this machine
-    fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 4
+    fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2
 
 Times one model's units in this process (:func:`~fourfold.observe.predict.measure_units`), calibrates on
 three short real runs (dp=2: compute slowed by ranks sharing the machine; tp=2: the time per collective; dp=4:
-more ranks than cores), then
-for each layout runs ``fourfold train`` for ``--steps`` steps, takes the median step after the first, and puts
-the prediction (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the
-ranking by predicted time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside
-measured). docs/simulator.md has a run.
+more ranks than cores), then for each layout runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps,
+takes the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
+slowest over it is printed as the spread), and puts the prediction
+(:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
+time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
+``layouts/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step above the predicted one.
+docs/simulator.md has a run.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_report
-from fourfold.observe.predict import Layout, Measured
+from fourfold.mesh import Mesh
+from fourfold.observe.chrome_trace import write_chrome_trace
+from fourfold.observe.predict import Layout, Measured, Prediction
+from fourfold.observe.trace import load_jsonl
+from fourfold.observe.visualize import draw_step, rank_labels
 
 __all__ = ["LAYOUTS", "main", "parse_layout"]
 
@@ -49,7 +56,8 @@ def parse_layout(text: str, microbatches: int) -> Layout:
 
 
 def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float) -> Measured:
-    """Run ``fourfold train`` with ``layout`` for ``steps`` steps; its median step after the first."""
+    """Run ``fourfold train`` with ``layout`` for ``steps`` steps: its median step after the first, with that
+    step's spans on every rank."""
     with tempfile.TemporaryDirectory(prefix="fourfold-predict-") as out:
         argv = [sys.executable, "-m", "fourfold", "train", *layout.flags(), *model_flags, "--steps", str(steps),
                 "--out", out, "--no-memory-check", "--checkpoint-every", "0"]
@@ -58,8 +66,36 @@ def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float)
             raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
                                f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
         rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
+        middle = sorted(rows, key=lambda r: r["step_time_s"])[(len(rows) - 1) // 2]["step"]
+        spans = {r: [s for s in load_jsonl(Path(out, f"trace-rank{r}.jsonl")) if s.step == middle]
+                 for r in range(layout.world_size)}
+    origin = min((s.start_ns for row in spans.values() for s in row), default=0)
+    spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
+             for r, row in spans.items()}
     return Measured(statistics.median(r["step_time_s"] for r in rows), statistics.median(r["comm_s"] for r in rows),
-                    int(statistics.median(r["comm_messages"] for r in rows)))
+                    int(statistics.median(r["comm_messages"] for r in rows)), spans)
+
+
+def _best(layout: Layout, repeats: int, steps: int, model_flags: list[str], timeout: float) -> tuple[Measured, float]:
+    """The fastest of ``repeats`` runs (this machine's noise only ever adds time), and the slowest over it."""
+    runs = sorted((_measure(layout, steps, model_flags, timeout) for _ in range(repeats)), key=lambda m: m.step_s)
+    return runs[0], runs[-1].step_s / runs[0].step_s
+
+
+def _side_by_side(layout: Layout, measured: Measured, predicted: Prediction, out: Path) -> None:
+    """``out/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step beside the predicted one."""
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    labels = {r: (f"{label} measured" if label else "measured") for r, label in rank_labels(mesh).items()}
+    spans = {r: [replace(s, step=0) for s in row] for r, row in measured.spans.items()}
+    for stage, row in predicted.spans(step=0).items():
+        key = layout.world_size + stage
+        spans[key] = [replace(s, rank=key) for s in row]
+        labels[key] = f"stage {stage} predicted" if layout.pp > 1 else "predicted"
+    name = str(layout).replace(" ", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(out / f"{name}.json", spans, groups=labels)
+    draw_step(spans, 0, out / f"{name}.png", f"{layout}: measured {fmt_time(measured.step_s)}, predicted "
+              f"{fmt_time(predicted.step_s)}", labels=labels, color_by="microbatch" if layout.pp > 1 else "name")
 
 
 def _chart(rows: list[dict[str, Any]], path: Path) -> None:
@@ -107,21 +143,23 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
           f"units timed ({costs.source}); calibrating on {', '.join(map(str, CALIBRATION))} ...", flush=True)
-    measured = {L: _measure(L, ns.steps, model_flags, ns.timeout) for L in CALIBRATION}
-    profile, links, fitted = calibrate(profile, links, ns.batch_size, measured)
+    measured = {L: _best(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in CALIBRATION}
+    profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: m for L, (m, _) in measured.items()})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
-    print(f"{'layout':<28} {'predicted':>10} {'measured':>10} {'error':>7}   bubble  dp exposed  memory/rank")
+    print(f"{'layout':<30} {'predicted':>10} {'measured':>10} {'spread':>6} {'error':>7}   bubble  dp exposed  "
+          "memory/rank")
     for L in ns.layouts:
-        m = measured.get(L) or _measure(L, ns.steps, model_flags, ns.timeout)
+        m, spread = measured.get(L) or _best(L, ns.repeats, ns.steps, model_flags, ns.timeout)
         p = predict(profile, L, links, ns.batch_size)
         error = p.step_s / m.step_s - 1
-        rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "error": error,
-                     "calibration": L in CALIBRATION, "bubble": p.bubble, "dp_exposed_s": p.dp_exposed_s,
-                     "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
+        rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,
+                     "error": error, "calibration": L in CALIBRATION, "bubble": p.bubble,
+                     "dp_exposed_s": p.dp_exposed_s, "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
+        _side_by_side(L, m, p, Path(ns.out) / "layouts")
         note = "  (calibration run)" if L in CALIBRATION else ""
-        print(f"{str(L):<28} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {error:>+7.1%}   {p.bubble:>6.1%} "
-              f"{fmt_time(p.dp_exposed_s):>11}  {p.peak_bytes / 2**20:>7.1f} MiB{note}", flush=True)
+        print(f"{str(L):<30} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {spread:>5.2f}x {error:>+7.1%}   "
+              f"{p.bubble:>6.1%} {fmt_time(p.dp_exposed_s):>11}  {p.peak_bytes / 2**20:>7.1f} MiB{note}", flush=True)
     by_pred = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
     by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
     checked = [r for r in rows if not r["calibration"]]
@@ -136,17 +174,23 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fourfold bench predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default=LAYOUTS, help=f"comma-separated layouts (default: {LAYOUTS})")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed (default: 4)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run; the first is not timed (default: 8)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per layout; the fastest counts, and the slowest over it is shown as the spread "
+                             "(default: 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
     parser.add_argument("--microbatches", type=int, default=4, help="with pp: micro-batches (default: 4)")
     parser.add_argument("--n-layer", type=int, default=4, help="TinyGPT blocks (default: 4)")
     parser.add_argument("--d-model", type=int, default=128, help="TinyGPT width (default: 128)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
-    add_output_flags(parser, "predict")
+    add_output_flags(parser, "predict", "bench.json, bench.png and layouts/ (each layout's measured and "
+                     "predicted step)")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if ns.steps < 2:
             raise ValueError(f"--steps must be >= 2 (the first step is not timed), got {ns.steps}.")
+        if ns.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {ns.repeats}.")
         ns.layouts = [parse_layout(t, ns.microbatches) for t in ns.layouts.split(",")]
         for L in ns.layouts:
             if ns.batch_size % (L.dp * L.microbatches):

@@ -23,8 +23,9 @@ The model (docs/simulator.md):
   backward; across nodes the two-level model of :mod:`fourfold.comm.network`, the node's tp groups sharing
   its link); hidden behind the last micro-batch's backward where a core or a device is free to do it,
   exposed otherwise.
-* **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once; the
-  span is at least the whole step's work over the cores.
+* **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
+  k processes compute, each goes at ``cores / k`` of its speed (over ``oversubscribed``, fitted), event by event
+  in the pipeline's simulation, so a bubble on one stage speeds up the others.
 * **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
 * **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
 """
@@ -53,6 +54,7 @@ from fourfold.observe.estimate import (
     probe_activations,
     shard_elements,
 )
+from fourfold.observe.trace import Span
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
 __all__ = ["Layout", "Links", "ModelProfile", "Prediction", "UnitCosts", "flop_units", "measure_units", "predict"]
@@ -206,8 +208,14 @@ class Links:
     ranks_per_node: int
     cores: int | None = None
     oversubscribed: float = 1.0
-    """With more ranks than ``cores``: the step's factor beyond the cores' share of the work (ranks that wait
-    for a peer the scheduler has set aside; fitted by :func:`calibrate`)."""
+    """With more ranks computing than ``cores``: how much slower than the cores' fair share each goes (switches,
+    and ranks waiting for a peer the scheduler has set aside; fitted by :func:`calibrate`)."""
+
+    def speed(self, computing: int) -> float:
+        """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""
+        if self.cores is None or computing <= self.cores:
+            return 1.0
+        return self.cores / computing / self.oversubscribed
 
 
 @dataclass(frozen=True)
@@ -256,10 +264,35 @@ class Prediction:
     optimizer_s: float
     memory: list[RankMemory]
     timeline: Timeline | None = field(default=None, repr=False)
+    tails: tuple[tuple[float, float, float], ...] = ()
+    """Per pipeline rank: when its last backward ends, its exposed gradient sync, its optimiser step."""
+    forward_s: float = 0.0
+    """Without a pipeline: the forward's part of the compute."""
 
     @property
     def peak_bytes(self) -> int:
         return max(r.total for r in self.memory)
+
+    def spans(self, step: int | None = None) -> dict[int, list[Span]]:
+        """The predicted step as trace spans from t=0, one row per pipeline rank (its dp x tp copies do the same),
+        named as :mod:`fourfold.train`'s trace names them (forward/backward, or the pipeline's F/B/W per
+        micro-batch; the gradient sync's exposed part as a ``grad_sync`` wait; ``optimizer``)."""
+        def ns(seconds: float) -> int:
+            return round(seconds * 1e9)
+
+        out: dict[int, list[Span]] = {}
+        for r, (end, exposed, optimizer) in enumerate(self.tails):
+            if self.timeline is not None:
+                row = [Span(r, "compute", t.action.op, ns(t.start), ns(t.end), microbatch=t.action.microbatch,
+                            step=step, args={"stage": t.action.stage}) for t in self.timeline.ranks[r]]
+            else:
+                row = [Span(r, "compute", "forward", 0, ns(self.forward_s), step=step),
+                       Span(r, "compute", "backward", ns(self.forward_s), ns(end), step=step)]
+            if exposed:
+                row.append(Span(r, "wait", "grad_sync", ns(end), ns(end + exposed), step=step))
+            row.append(Span(r, "compute", "optimizer", ns(end + exposed), ns(end + exposed + optimizer), step=step))
+            out[r] = row
+        return out
 
 
 @dataclass
@@ -346,10 +379,11 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         return costs.time(op, u, micro, L.tp) + collectives * allreduce
 
     tp_comm = allreduce * micro_count * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
-    timeline = None
+    timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
-        span = sum(unit_time("F", u) + unit_time("B", u) for u in range(n))
-        busy, bubble = [span], 0.0
+        forward = sum(unit_time("F", u) for u in range(n)) / links.speed(copies)
+        span = forward + sum(unit_time("B", u) for u in range(n)) / links.speed(copies)
+        busy, bubble, ends = [span], 0.0, [span]
         held = [elements([p for u in units for p in u])]
         last_backward = [sum(unit_time("B", u) for u in range(n))]
     else:
@@ -367,15 +401,12 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (
             L.tp if sequence_parallel else 1)
-        timeline = simulate(sched, comm=message, cost=action_time)
+        timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
+        forward, ends = 0.0, [max(t.end for t in row) for row in timeline.ranks]
         mine = [[s for s in range(sched.stages) if sched.owner(s) == r] for r in range(L.pp)]
         held = [elements([p for s in ss for u in stages[s] for p in units[u]]) for ss in mine]
         last_backward = [sum(b[s] for s in ss) for ss in mine]
-    stretch = 1.0
-    if links.cores is not None and L.world_size > links.cores:  # more ranks than cores: work queues for a core
-        work = sum(busy) * L.dp * L.tp
-        stretch = max(1.0, work / links.cores / span) * links.oversubscribed
     dp_link, dp_node = _dp_links(links, L)
     idle_core = links.cores is None or L.world_size < links.cores
     tails, dp_times = [], []
@@ -385,17 +416,16 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         sync = sum(_ring(dp_link, size, itemsize, L.dp, dp_node) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
         last = _ring(dp_link, buckets[-1], itemsize, L.dp, dp_node) if buckets else 0.0
         exposed = sync if not idle_core else max(last, sync - last_backward[r]) if sync else 0.0
-        optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element * stretch
+        optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
         dp_times.append((sync, exposed))
-        tails.append(exposed + optimizer)
-    worst = max(range(len(held)), key=lambda r: tails[r])
+        tails.append((ends[r], exposed, optimizer))
+    worst = max(range(len(held)), key=lambda r: sum(tails[r]))  # a stage's dp group syncs when its backward ends
     memory = estimate_memory(model, profile.blocks, dp=L.dp, tp=L.tp, pp=L.pp, batch_size=batch_size,
                              microbatches=micro_count, schedule=L.schedule, virtual=L.virtual, zero=L.zero,
                              checkpoint_every=checkpoint_every, sequence_parallel=sequence_parallel,
                              shards=profile.shards, probe=profile.probe)
-    optimizer_s = tails[worst] - dp_times[worst][1]
-    return Prediction(L, span * stretch + tails[worst], max(busy) * stretch, bubble, tp_comm, dp_times[worst][0],
-                      dp_times[worst][1], optimizer_s, memory, timeline)
+    return Prediction(L, sum(tails[worst]), max(busy), bubble, tp_comm, dp_times[worst][0], dp_times[worst][1],
+                      tails[worst][2], memory, timeline, tuple(tails), forward)
 
 
 @dataclass(frozen=True)
@@ -406,6 +436,8 @@ class Measured:
     step_s: float
     comm_s: float
     messages: int
+    spans: Mapping[int, list[Span]] = field(default_factory=dict, compare=False, repr=False)
+    """The median step's spans per rank, from t=0 (when the run was traced)."""
 
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,

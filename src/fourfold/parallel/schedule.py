@@ -30,10 +30,11 @@ ranks. The defaults f = b = w = 1 are the usual rule of thumb (backward = 2 x fo
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 __all__ = [
     "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "TimedAction", "Timeline", "format_grid",
@@ -275,26 +276,49 @@ def _inputs(a: Action, stages: int) -> list[tuple[tuple[int, str, int], bool]]:
 
 
 def _run(schedule: Schedule, cost: Callable[[Action], float], comm: float = 0.0,
+         speed: Callable[[int], float] | None = None,
          ) -> tuple[dict[tuple[int, str, int], tuple[float, float]], list[int]]:
-    """Execute every rank's list in order: ``{key: (start, end)}`` for what ran, and how far each rank got."""
+    """Execute every rank's list in order: ``{key: (start, end)}`` for what ran, and how far each rank got.
+
+    Time moves from event to event (an action ends, a message arrives). ``speed(k)``: the fraction of its own
+    speed each of k ranks computing at once gets (ranks sharing cores); None: each has a device of its own.
+    """
     times: dict[tuple[int, str, int], tuple[float, float]] = {}
     pos, free = [0] * schedule.pp, [0.0] * schedule.pp
-    progress = True
-    while progress:
-        progress = False
+    running: dict[int, list[Any]] = {}  # rank -> [action, start, work left, its whole cost]
+    now = 0.0
+    while True:
+        arrivals = []
         for r, actions in enumerate(schedule.ranks):
-            while pos[r] < len(actions):
-                a = actions[pos[r]]
-                needs = _inputs(a, schedule.stages)
-                if any(key not in times for key, _ in needs):
-                    break  # blocked on a receive (or on its own later step: a deadlock if nobody moves)
-                start = max([free[r]] + [times[key][1] + (comm if message and schedule.owner(key[0]) != r else 0)
-                                         for key, message in needs])
-                free[r] = start + cost(a)
-                times[(a.stage, a.op, a.microbatch)] = (start, free[r])
+            if r in running or pos[r] >= len(actions):
+                continue
+            a = actions[pos[r]]
+            needs = _inputs(a, schedule.stages)
+            if any(key not in times for key, _ in needs):
+                continue  # blocked on a receive (or on its own later step: a deadlock if nobody moves)
+            ready = max([free[r]] + [times[key][1] + (comm if message and schedule.owner(key[0]) != r else 0)
+                                     for key, message in needs])
+            if ready <= now:
+                work = cost(a)
+                running[r] = [a, now, work, work]
+            else:
+                arrivals.append(ready)
+        if not running and not arrivals:
+            return times, pos
+        rate = 1.0 if speed is None or not running else speed(len(running))
+        first = min(running, key=lambda r: running[r][2], default=None)
+        dt = running[first][2] / rate if first is not None else math.inf
+        dt = min([dt] + [t - now for t in arrivals])
+        now += dt
+        for r in list(running):
+            job = running[r]
+            job[2] = 0.0 if r == first and dt == job[2] / rate else job[2] - dt * rate
+            if job[2] <= 1e-12 * job[3]:
+                a, start = job[0], job[1]
+                times[(a.stage, a.op, a.microbatch)] = (start, now)
+                free[r] = now
                 pos[r] += 1
-                progress = True
-    return times, pos
+                del running[r]
 
 
 def validate(schedule: Schedule) -> None:
@@ -401,20 +425,23 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
-             cost: Callable[[Action], float] | None = None) -> Timeline:
+             cost: Callable[[Action], float] | None = None,
+             speed: Callable[[int], float] | None = None) -> Timeline:
     """Start and end of every action when each rank runs its list in order as soon as inputs arrive.
 
     ``f``, ``b``, ``w``: forward, input-gradient and weight-gradient time of one micro-batch through one rank's
     share of the model (a fused B costs b + w; a virtual stage 1/virtual of each); ``comm``: added to each
     activation or gradient sent to another rank. ``cost``: instead of f, b, w, each action's own time (stages
-    that differ; :mod:`fourfold.observe.predict`). Validates first.
+    that differ; :mod:`fourfold.observe.predict`). ``speed(k)``: the fraction of its own speed each of k ranks
+    computing at once gets, when they share a machine's cores (:mod:`fourfold.observe.predict`); None: a device
+    each. Validates first.
     """
     if min(f, b, w, comm) < 0 or f + b + w <= 0:
         raise ValueError(f"costs must be >= 0 with f + b + w > 0, got f={f}, b={b}, w={w}, comm={comm}.")
     validate(schedule)
     fused = not schedule.split_backward
     each = {"F": f, "B": b + w if fused else b, "W": w}
-    times, _ = _run(schedule, cost or (lambda a: each[a.op] / schedule.virtual), comm)
+    times, _ = _run(schedule, cost or (lambda a: each[a.op] / schedule.virtual), comm, speed)
     rows = tuple(tuple(TimedAction(a, *times[(a.stage, a.op, a.microbatch)]) for a in actions)
                  for actions in schedule.ranks)
     makespan = max((t.end for row in rows for t in row), default=0.0)
