@@ -266,3 +266,19 @@ def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one
     predicted = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 5]  # rank 4
     assert sum(e["name"] == "F" for e in predicted) == 4 and predicted[-1]["name"] == "optimizer"
     assert (tmp_path / "dp2-tp1-pp2-1f1b-m4.png").stat().st_size > 0
+
+
+def test_a_split_backward_costs_what_the_units_say():
+    # zero-bubble's B and W as measured shares of the fused backward: each rank's busy time follows them
+    layout = Layout(pp=2, schedule="zb", microbatches=4)
+    links = Links(TINY, TINY, ranks_per_node=2)
+    halves = predict(profile(block_costs(CONFIG.n_layer)), layout, links, batch_size=8)
+    costs = block_costs(CONFIG.n_layer)
+    slow = predict(profile(UnitCosts(costs.forward, costs.backward, 0.0, "test", split=(1.0, 1.0))), layout, links,
+                   batch_size=8)
+    # 2 samples per micro-batch, 2 blocks per stage: F 4 ms, fused B 8 ms; 4 micro-batches per rank
+    assert halves.compute_s == pytest.approx(4 * (4e-3 + 8e-3), rel=1e-6)
+    assert slow.compute_s == pytest.approx(4 * (4e-3 + 16e-3), rel=1e-6)
+    m = model()
+    measured = measure_units(m, list(m.blocks), CONFIG.seq_len, samples=(1, 2), steps=1)
+    assert all(0 < share for share in measured.split) and "split backward" in measured.source

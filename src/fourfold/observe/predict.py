@@ -73,6 +73,9 @@ class UnitCosts:
     backward: tuple[tuple[float, float], ...]
     optimizer_s_per_element: float
     source: str
+    split: tuple[float, float] = (1 - W_SHARE, W_SHARE)
+    """A split backward's B and W, each over the fused backward (zero-bubble schedules): measured on the blocks by
+    :func:`measure_units`, else a linear layer's half and half."""
 
     def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
         fixed, per = (self.forward if op == "F" else self.backward)[unit]
@@ -82,7 +85,7 @@ class UnitCosts:
         """Every time ``factor`` times longer; ``why`` joins the source."""
         return UnitCosts(tuple((a * factor, b * factor) for a, b in self.forward),
                          tuple((a * factor, b * factor) for a, b in self.backward),
-                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}")
+                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}", self.split)
 
 
 def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
@@ -144,6 +147,8 @@ def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, sa
             for u in range(n):
                 fwd[u].setdefault(b, []).append(f_at[u + 1] - f_at[u])
                 bwd[n - 1 - u].setdefault(b, []).append(b_at[u + 1] - b_at[u])
+        split = _split_shares(model, blocks, torch.zeros(samples[-1], seq_len, dtype=torch.long, device=device),
+                              loss_fn or lm_loss, steps)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -161,7 +166,47 @@ def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, sa
     elements = sum(p.numel() for p in model.parameters())
     return UnitCosts(tuple(_fit(t) for t in fwd), tuple(_fit(t) for t in bwd), opt_s / elements,
                      f"measured: {steps} steps at {samples[0]} and {samples[1]} samples, {threads} thread(s), "
-                     f"{device.type}")
+                     f"{device.type}; split backward B {split[0]:.2f} + W {split[1]:.2f} of fused", split)
+
+
+def _split_shares(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, loss_fn: Any,
+                  steps: int) -> tuple[float, float]:
+    """The zero-bubble runtime's B and W over the blocks (its own :func:`activation_grads` and
+    :func:`weight_grads`), each over the fused backward of the same blocks on the same graph: medians of ``steps``
+    after a warm-up. Per-call autograd overhead makes B + W more than the fused backward on small layers."""
+    from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
+    owners = [m for blk in blocks for m in blk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    params = [p for m in owners for p in m.parameters(recurse=False) if p.requires_grad]
+    fused, b, w = [], [], []
+    calls: list[Call] = []
+    edge: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append(Call(mod, args, out))) for m in owners]
+    hooks.append(blocks[0].register_forward_pre_hook(
+        lambda mod, args: edge.setdefault("in", next(a for a in args if isinstance(a, torch.Tensor)))))
+    hooks.append(blocks[-1].register_forward_hook(lambda mod, args, out: edge.setdefault("out", output_tensor(out))))
+    try:
+        for _ in range(steps + 1):
+            calls.clear()
+            edge.clear()
+            loss = loss_fn(output_tensor(model(x)), x)
+            into = [edge["in"]] if edge["in"].requires_grad else []
+            grad, = torch.autograd.grad(loss, [edge["out"]], retain_graph=True)
+            t0 = time.perf_counter()
+            torch.autograd.backward(edge["out"], grad, inputs=into + params, retain_graph=True)
+            t1 = time.perf_counter()
+            grads = activation_grads(edge["out"], grad, into + [c.output for c in calls])
+            t2 = time.perf_counter()
+            weight_grads(calls, list(grads[len(into):]))
+            t3 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            fused.append(t1 - t0), b.append(t2 - t1), w.append(t3 - t2)
+    finally:
+        for h in hooks:
+            h.remove()
+    whole = statistics.median(fused[1:])
+    return statistics.median(b[1:]) / whole, statistics.median(w[1:]) / whole
 
 
 def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_per_s: float,
@@ -391,12 +436,12 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         stages = cut_units(per_unit, sched.stages)
         f = [sum(unit_time("F", u) for u in us) for us in stages]
         b = [sum(unit_time("B", u) for u in us) for us in stages]
-        w_share = W_SHARE if sched.split_backward else 0.0
+        b_share, w_share = costs.split if sched.split_backward else (1.0, 0.0)
 
         def action_time(a: Action) -> float:
             if a.op == "F":
                 return f[a.stage]
-            return b[a.stage] * (1 - w_share if a.op == "B" else w_share)
+            return b[a.stage] * (b_share if a.op == "B" else w_share)
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (

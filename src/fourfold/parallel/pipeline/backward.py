@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Call", "param_edges", "weight_grads_are_local"]
+__all__ = ["Call", "activation_grads", "param_edges", "weight_grads", "weight_grads_are_local"]
 
 
 class Call(NamedTuple):
@@ -64,3 +64,17 @@ def weight_grads_are_local(out: torch.Tensor, calls: list[Call], params: list[nn
         if any(local[id(p)] != uses[id(p)] for p in call.module.parameters(recurse=False) if p.requires_grad):
             return False
     return True
+
+
+def activation_grads(output: torch.Tensor, grad: torch.Tensor | None, roots: list[torch.Tensor]) -> tuple[Any, ...]:
+    """B: the gradients of ``roots`` (the stage input, then every call's output) only; the graph stays for W."""
+    return torch.autograd.grad(output, roots, grad, retain_graph=True, allow_unused=True) if roots else ()
+
+
+def weight_grads(calls: list[Call], grads: list[torch.Tensor | None]) -> None:
+    """W when :func:`weight_grads_are_local`: each module's weight gradient from its own output gradient (kept by
+    B), accumulated into ``.grad``: the matmuls B skipped."""
+    for call, g in zip(calls, grads, strict=True):
+        params = [p for p in call.module.parameters(recurse=False) if p.requires_grad]
+        if g is not None and params:
+            torch.autograd.backward(call.output, g, inputs=params, retain_graph=True)

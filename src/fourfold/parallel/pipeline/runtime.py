@@ -55,7 +55,7 @@ from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.memory import parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.pipeline.backward import Call, weight_grads_are_local
+from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads, weight_grads_are_local
 from fourfold.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Links, PipelineError, describe
 from fourfold.parallel.pipeline.split import Balance, Stage, TensorSpec, plan, split_model
 from fourfold.parallel.schedule import Action, Schedule, validate
@@ -334,8 +334,7 @@ class Pipeline:
         try:
             if self.schedule.split_backward:  # activation gradients only; the graph stays for W
                 roots = ([held.input] if needs_input else []) + [c.output for c in held.calls]
-                grads = torch.autograd.grad(held.output, roots, grad, retain_graph=True,
-                                            allow_unused=True) if roots else ()
+                grads = activation_grads(held.output, grad, roots)
                 dx = grads[0] if needs_input else None
                 held.call_grads = list(grads[1 if needs_input else 0:])
                 held.grad = grad
@@ -360,10 +359,7 @@ class Pipeline:
         held = self._s.held[(a.stage, a.microbatch)]
         t0 = time.perf_counter_ns()
         if held.calls:  # each module's weight gradient from its own output gradient: the matmuls B skipped
-            for call, g in zip(held.calls, held.call_grads, strict=True):
-                params = [p for p in call.module.parameters(recurse=False) if p.requires_grad]
-                if g is not None and params:
-                    torch.autograd.backward(call.output, g, inputs=params, retain_graph=True)
+            weight_grads(held.calls, held.call_grads)
         elif self._params[a.stage]:  # walk the stage again, towards the parameters only
             torch.autograd.backward(held.output, held.grad, inputs=self._params[a.stage])
         self._trace_compute(a, t0)
