@@ -191,17 +191,19 @@ def _split_shares(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, lo
             calls.clear()
             edge.clear()
             loss = loss_fn(output_tensor(model(x)), x)
-            into = [edge["in"]] if edge["in"].requires_grad else []
+            into: list[torch.Tensor] = [edge["in"]] if edge["in"].requires_grad else []
             grad, = torch.autograd.grad(loss, [edge["out"]], retain_graph=True)
             t0 = time.perf_counter()
-            torch.autograd.backward(edge["out"], grad, inputs=into + params, retain_graph=True)
+            torch.autograd.backward(edge["out"], grad, inputs=[*into, *params], retain_graph=True)
             t1 = time.perf_counter()
             grads = activation_grads(edge["out"], grad, into + [c.output for c in calls])
             t2 = time.perf_counter()
             weight_grads(calls, list(grads[len(into):]))
             t3 = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            fused.append(t1 - t0), b.append(t2 - t1), w.append(t3 - t2)
+            fused.append(t1 - t0)
+            b.append(t2 - t1)
+            w.append(t3 - t2)
     finally:
         for h in hooks:
             h.remove()
