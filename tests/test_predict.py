@@ -282,3 +282,16 @@ def test_a_split_backward_costs_what_the_units_say():
     m = model()
     measured = measure_units(m, list(m.blocks), CONFIG.seq_len, samples=(1, 2), steps=1)
     assert all(0 < share for share in measured.split) and "split backward" in measured.source
+
+
+def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():
+    from fourfold.observe.trace import Span
+
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    links = Links(LINK, LINK, ranks_per_node=2, cores=2)
+    before = predict(prof, Layout(dp=2), links, batch_size=8)
+    wait = 3 * before.dp_exposed_s
+    spans = {r: [Span(r, "wait", "grad_sync", 0, round(wait * 1e9))] for r in range(2)}
+    _, links2, fitted = calibrate(prof, links, 8, {Layout(dp=2): Measured(before.step_s + wait, 0.0, 3, spans)})
+    assert fitted["dp_beta_s_per_byte"] > LINK.beta_s_per_byte
+    assert predict(prof, Layout(dp=2), links2, batch_size=8).dp_exposed_s == pytest.approx(wait, rel=1e-6)

@@ -489,15 +489,28 @@ class Measured:
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,
               runs: Mapping[Layout, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
-    """Fit what one process cannot measure from 2-3 real steps of short runs: a data-parallel run's step over its
-    prediction is the slowdown of compute when ranks share the machine (``contention``: memory, caches, the
-    launcher and gloo's threads); a tensor-parallel run's time per collective, waits for the slower rank
-    included, is the node link's α in use; a data-parallel run with more ranks than cores gives
-    ``oversubscribed``. Returns the profile and links with these applied, and the figures."""
+    """Fit what one process cannot measure from 2-3 real steps of short runs, each figure so that its run's own
+    step comes out: a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is
+    the node link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
+    (``contention``: memory, caches, the launcher and gloo's threads); a tensor-parallel run's step over its prediction, spread over its collectives'
+    steps, is the node link's α in use (waits for the slower rank included); a data-parallel run with more ranks
+    than cores gives ``oversubscribed``. Returns the profile and links with these applied, and the figures."""
     from dataclasses import replace
 
     fitted: dict[str, float] = {}
     dp_run = next(((L, m) for L, m in runs.items() if L.dp > 1 and L.tp == L.pp == 1), None)
+    waits = [sum(s.duration_s for s in row if s.name == "grad_sync") for row in dp_run[1].spans.values()] \
+        if dp_run is not None else []
+    if dp_run is not None and waits:  # the sync is linear in beta: the beta that makes the run's own wait come out
+        link = links.node
+        p = predict(profile, dp_run[0], links, batch_size)
+        doubled = replace(links, node=replace(link, beta_s_per_byte=2 * link.beta_s_per_byte))
+        slope = (predict(profile, dp_run[0], doubled, batch_size).dp_exposed_s - p.dp_exposed_s) / link.beta_s_per_byte
+        if slope > 0:
+            fitted["dp_beta_s_per_byte"] = max(1e-13, link.beta_s_per_byte + (statistics.median(waits)
+                                                                              - p.dp_exposed_s) / slope)
+            links = replace(links, node=replace(link, beta_s_per_byte=fitted["dp_beta_s_per_byte"],
+                                                source=f"{link.source}; beta fitted on {dp_run[0]}"))
     if dp_run is not None:
         p = predict(profile, dp_run[0], links, batch_size)
         work = p.step_s - p.dp_exposed_s
@@ -505,14 +518,15 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         profile = replace(profile, costs=profile.costs.scaled(
             fitted["contention"], f"for ranks sharing the machine (fitted on {dp_run[0]})"))
     tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
-    if tp_run is not None and tp_run[1].messages:
+    if tp_run is not None:
         L, m = tp_run
+        p = predict(profile, L, links, batch_size)
+        collectives = sum(profile.forward_collectives) + sum(profile.backward_collectives)
         itemsize = next(profile.model.parameters()).element_size()
-        per_call = m.comm_s / m.messages
+        steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
         link = links.node
-        ring = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp)  # one batch: no dp, pp
-        base = ring.wire_bytes * link.beta_s_per_byte + ring.reduced_bytes * link.gamma_s_per_byte
-        fitted["tp_alpha_s"] = max(link.alpha_s, (per_call - base) / ring.steps)
+        # the step is linear in alpha (one batch, no pipeline): the alpha that makes the run's own step come out
+        fitted["tp_alpha_s"] = max(link.alpha_s, link.alpha_s + (m.step_s - p.step_s) * links.speed(L.tp) / steps)
         links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
                                             source=f"{link.source}; alpha fitted on {L}"))
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
