@@ -295,3 +295,12 @@ def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():
     _, links2, fitted = calibrate(prof, links, 8, {Layout(dp=2): Measured(before.step_s + wait, 0.0, 3, spans)})
     assert fitted["dp_beta_s_per_byte"] > LINK.beta_s_per_byte
     assert predict(prof, Layout(dp=2), links2, batch_size=8).dp_exposed_s == pytest.approx(wait, rel=1e-6)
+
+
+def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
+    from fourfold.bench.predict import _cpu_times, _stolen
+
+    assert _stolen([0] * 8, [10, 0, 0, 80, 0, 0, 0, 10]) == pytest.approx(0.1)
+    assert _stolen(None, [1] * 8) is None and _stolen([0] * 8, [0] * 8) is None
+    now = _cpu_times()
+    assert now is None or (len(now) == 8 and all(v >= 0 for v in now))

@@ -55,9 +55,26 @@ def parse_layout(text: str, microbatches: int) -> Layout:
                   virtual=2 if pp > 1 and schedule == "interleaved" else 1)
 
 
+def _cpu_times() -> list[int] | None:
+    """This machine's CPU time counters (``/proc/stat``: user ... steal), or None off Linux."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def _stolen(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor took from this virtual machine between two :func:`_cpu_times`."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else None
+
+
 def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float) -> Measured:
     """Run ``fourfold train`` with ``layout`` for ``steps`` steps: its median step after the first, with that
-    step's spans on every rank."""
+    step's spans on every rank, and the CPU time stolen meanwhile."""
+    cpu = _cpu_times()
     with tempfile.TemporaryDirectory(prefix="fourfold-predict-") as out:
         argv = [sys.executable, "-m", "fourfold", "train", *layout.flags(), *model_flags, "--steps", str(steps),
                 "--out", out, "--no-memory-check", "--checkpoint-every", "0"]
@@ -73,7 +90,7 @@ def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float)
     spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
              for r, row in spans.items()}
     return Measured(statistics.median(r["step_time_s"] for r in rows), statistics.median(r["comm_s"] for r in rows),
-                    int(statistics.median(r["comm_messages"] for r in rows)), spans)
+                    int(statistics.median(r["comm_messages"] for r in rows)), spans, _stolen(cpu, _cpu_times()))
 
 
 def _best(layout: Layout, repeats: int, steps: int, model_flags: list[str], timeout: float) -> tuple[Measured, float]:
@@ -147,18 +164,21 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: m for L, (m, _) in measured.items()})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
-    print(f"{'layout':<30} {'predicted':>10} {'measured':>10} {'spread':>6} {'error':>7}   bubble  dp exposed  "
-          "memory/rank")
+    print(f"{'layout':<30} {'predicted':>10} {'measured':>10} {'spread':>6} {'stolen':>6} {'error':>7}   bubble  "
+          "dp exposed  memory/rank")
     for L in ns.layouts:
         m, spread = measured.get(L) or _best(L, ns.repeats, ns.steps, model_flags, ns.timeout)
         p = predict(profile, L, links, ns.batch_size)
         error = p.step_s / m.step_s - 1
         rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,
+                     "stolen": m.stolen,
                      "error": error, "calibration": L in CALIBRATION, "bubble": p.bubble,
                      "dp_exposed_s": p.dp_exposed_s, "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
         _side_by_side(L, m, p, Path(ns.out) / "layouts")
         note = "  (calibration run)" if L in CALIBRATION else ""
-        print(f"{str(L):<30} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {spread:>5.2f}x {error:>+7.1%}   "
+        stolen = "-" if m.stolen is None else f"{m.stolen:.0%}"
+        print(f"{str(L):<30} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {spread:>5.2f}x {stolen:>6} "
+              f"{error:>+7.1%}   "
               f"{p.bubble:>6.1%} {fmt_time(p.dp_exposed_s):>11}  {p.peak_bytes / 2**20:>7.1f} MiB{note}", flush=True)
     by_pred = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
     by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]

@@ -485,6 +485,8 @@ class Measured:
     messages: int
     spans: Mapping[int, list[Span]] = field(default_factory=dict, compare=False, repr=False)
     """The median step's spans per rank, from t=0 (when the run was traced)."""
+    stolen: float | None = None
+    """The share of the machine's CPU time its hypervisor took during the run (``/proc/stat``), when known."""
 
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,
