@@ -516,7 +516,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     if dp_run is not None:
         p = predict(profile, dp_run[0], links, batch_size)
         work = p.step_s - p.dp_exposed_s
-        fitted["contention"] = max(1.0, (dp_run[1].step_s - p.dp_exposed_s) / work)
+        # below 1 too: the in-process timing may have run in a slower moment than the run (this VM's speed drifts)
+        fitted["contention"] = max(0.05, (dp_run[1].step_s - p.dp_exposed_s) / work)
         profile = replace(profile, costs=profile.costs.scaled(
             fitted["contention"], f"for ranks sharing the machine (fitted on {dp_run[0]})"))
     tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
@@ -528,7 +529,7 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
         link = links.node
         # the step is linear in alpha (one batch, no pipeline): the alpha that makes the run's own step come out
-        fitted["tp_alpha_s"] = max(link.alpha_s, link.alpha_s + (m.step_s - p.step_s) * links.speed(L.tp) / steps)
+        fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) * links.speed(L.tp) / steps)
         links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
                                             source=f"{link.source}; alpha fitted on {L}"))
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
