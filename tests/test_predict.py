@@ -193,8 +193,8 @@ def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
     links = Links(LINK, LINK, ranks_per_node=2, cores=2)
     before = predict(prof, Layout(dp=2), links, batch_size=8)
     work = before.step_s - before.dp_exposed_s
-    runs = {Layout(dp=2): Measured(before.dp_exposed_s + 1.5 * work, 0.0, 3),
-            Layout(tp=2): Measured(1.0, 20 * 2e-3, 20)}
+    runs = {Layout(dp=2): Measured(before.dp_exposed_s + 1.5 * work),
+            Layout(tp=2): Measured(1.0)}
     prof2, links2, fitted = calibrate(prof, links, 8, runs)
     assert fitted["contention"] == pytest.approx(1.5)
     assert predict(prof2, Layout(dp=2), links, batch_size=8).step_s == pytest.approx(
@@ -259,7 +259,7 @@ def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one
     p = predict(profile(block_costs(CONFIG.n_layer, opt=1e-9)), layout, Links(LINK, LINK, ranks_per_node=4),
                 batch_size=16)
     spans = {r: [Span(r, "compute", "F", 0, 10**6, microbatch=0, step=7)] for r in range(4)}
-    _side_by_side(layout, Measured(0.2, 0.0, 0, spans), p, tmp_path)
+    _side_by_side(layout, Measured(0.2, spans), p, tmp_path)
     trace = json.loads((tmp_path / "dp2-tp1-pp2-1f1b-m4.json").read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert {"rank 0: stage 0 dp 0 measured", "rank 4: stage 0 predicted", "rank 5: stage 1 predicted"} <= names
@@ -292,7 +292,7 @@ def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():
     before = predict(prof, Layout(dp=2), links, batch_size=8)
     wait = 3 * before.dp_exposed_s
     spans = {r: [Span(r, "wait", "grad_sync", 0, round(wait * 1e9))] for r in range(2)}
-    _, links2, fitted = calibrate(prof, links, 8, {Layout(dp=2): Measured(before.step_s + wait, 0.0, 3, spans)})
+    _, links2, fitted = calibrate(prof, links, 8, {Layout(dp=2): Measured(before.step_s + wait, spans)})
     assert fitted["dp_beta_s_per_byte"] > LINK.beta_s_per_byte
     assert predict(prof, Layout(dp=2), links2, batch_size=8).dp_exposed_s == pytest.approx(wait, rel=1e-6)
 

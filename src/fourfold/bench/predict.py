@@ -89,8 +89,7 @@ def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float)
     origin = min((s.start_ns for row in spans.values() for s in row), default=0)
     spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
              for r, row in spans.items()}
-    return Measured(statistics.median(r["step_time_s"] for r in rows), statistics.median(r["comm_s"] for r in rows),
-                    int(statistics.median(r["comm_messages"] for r in rows)), spans, _stolen(cpu, _cpu_times()))
+    return Measured(statistics.median(r["step_time_s"] for r in rows), spans, _stolen(cpu, _cpu_times()))
 
 
 def _best(layout: Layout, repeats: int, steps: int, model_flags: list[str], timeout: float) -> tuple[Measured, float]:

@@ -428,8 +428,9 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     tp_comm = allreduce * micro_count * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
     timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
-        forward = sum(unit_time("F", u) for u in range(n)) / links.speed(copies)
-        span = forward + sum(unit_time("B", u) for u in range(n)) / links.speed(copies)
+        share = links.speed(copies)
+        forward = sum(unit_time("F", u) for u in range(n)) / share
+        span = forward + sum(unit_time("B", u) for u in range(n)) / share
         busy, bubble, ends = [span], 0.0, [span]
         held = [elements([p for u in units for p in u])]
         last_backward = [sum(unit_time("B", u) for u in range(n))]
@@ -477,12 +478,9 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
 
 @dataclass(frozen=True)
 class Measured:
-    """What a real run's metrics say of one step (medians after the first): its time, the time its ranks spent in
-    communication, and how many calls that was."""
+    """What a real run says of one step: its time (the median after the first)."""
 
     step_s: float
-    comm_s: float
-    messages: int
     spans: Mapping[int, list[Span]] = field(default_factory=dict, compare=False, repr=False)
     """The median step's spans per rank, from t=0 (when the run was traced)."""
     stolen: float | None = None
@@ -501,9 +499,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
 
     fitted: dict[str, float] = {}
     dp_run = next(((L, m) for L, m in runs.items() if L.dp > 1 and L.tp == L.pp == 1), None)
-    waits = [sum(s.duration_s for s in row if s.name == "grad_sync") for row in dp_run[1].spans.values()] \
-        if dp_run is not None else []
-    if dp_run is not None and waits:  # the sync is linear in beta: the beta that makes the run's own wait come out
+    if dp_run is not None and dp_run[1].spans:  # the sync is linear in beta: the beta that gives the run's own wait
+        waits = [sum(s.duration_s for s in row if s.name == "grad_sync") for row in dp_run[1].spans.values()]
         link = links.node
         p = predict(profile, dp_run[0], links, batch_size)
         doubled = replace(links, node=replace(link, beta_s_per_byte=2 * link.beta_s_per_byte))
