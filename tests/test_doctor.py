@@ -21,9 +21,9 @@ from fourfold.testing import run_ranks
 NOW = 1000.0
 
 
-def _wait(op: str, *, group=None, peer=None, seq=1, since=NOW - 12, awaited="receive from"):
+def _wait(op: str, *, group=None, peer=None, seq=1, since=NOW - 12, awaited="receive from", direction=None):
     return {"op": op, "awaited": awaited, "peer": peer, "group": group, "seq": seq, "shape": [2, 8],
-            "dtype": "float64", "since": since}
+            "dtype": "float64", "since": since, "direction": direction}
 
 
 def _beat(now=None, *, last=None, step=3, stack="train.py:200 _train"):
@@ -60,6 +60,20 @@ def test_ranks_waiting_on_each_other_are_a_deadlock():
     assert f is not None and f.fatal and f.faulty == [0, 1]  # 1 waits in B for 0, which waits in A for 1
     assert "rank 0 and rank 1 are in a deadlock" in f.line
     assert f.summary.startswith("ranks 0 and 1 are deadlocked in 'all-reduce A' and 'all-reduce B'")
+
+
+def test_a_peer_receiving_from_this_rank_has_not_arrived_at_its_send():
+    """Pipeline stage 0 waits for the gradient of stage 1, whose last beat shows it waiting for an activation
+    from stage 0: the two waits are opposite ends of different messages. Counted as an arrival, the doctor
+    never looked further and a stopped last stage ran to --timeout (a flaky fault test, found this way)."""
+    me = _wait("0B1", peer=1, direction="recv")
+    receiving = _beat(_wait("1F1", peer=0, direction="recv", since=NOW - 20))
+    f = diagnose(0, me, {1: receiving}, {1: 9.0}, hang_s=10, now=NOW)
+    assert f is not None and f.faulty == [1] and "rank 1 never entered it: it is stopped" in f.line
+    f = diagnose(0, me, {1: _beat(_wait("1F1", peer=0, direction="recv", since=NOW - 11))}, {}, hang_s=10, now=NOW)
+    assert f is not None and f.faulty == [0, 1] and "deadlock" in f.line  # alive, both receiving: a deadlock
+    sending = _beat(_wait("1B1", peer=0, direction="send", since=NOW - 11))
+    assert diagnose(0, me, {1: sending}, {}, hang_s=10, now=NOW) is None  # the other end of the same transfer
 
 
 def test_arrived_ranks_are_not_blamed_and_a_computing_rank_is_slow_not_hung():

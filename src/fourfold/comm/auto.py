@@ -313,7 +313,8 @@ def attach(comm: Communicator, model: CostModel | None = None, device: torch.dev
     if comm.size > 1:
         work = dist.broadcast(payload, comm.global_ranks[0], group=comm.group, async_op=True)
         bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op="auto",
-                     awaited="the cost-model broadcast from", peer=comm.global_ranks[0])
+                     awaited=f"the cost-model broadcast from rank {comm.global_ranks[0]} to the group of",
+                     group_ranks=comm.global_ranks)
     if error is not None:
         raise error
     alpha, beta, gamma, g, net_alpha, net_beta = payload.tolist()

@@ -7,7 +7,8 @@ Every bounded wait (:func:`fourfold.comm.wait.bounded_wait`) and every blocking 
     ...  # wait
     LEDGER.leave(entry)
 
-An entry names the operation, the peer (point-to-point) or the group's global ranks (collective), this rank's
+An entry names the operation, the peer (point-to-point, with the direction: a rank receiving from its peer
+waits for that peer's send, not for its receive) or the group's global ranks (collective), this rank's
 sequence number on that group or pair, the tensor's shape and dtype, and when the wait began. Two ranks waiting
 in the same collective hold entries with the same group and sequence number; that is how the doctor tells a rank
 that arrived from one that never did. Entering and leaving are a few attribute writes: nothing is sent.
@@ -37,6 +38,7 @@ class Entry:
     shape: tuple[int, ...] | None
     dtype: str | None
     since: float  # time.time() when the wait began
+    direction: str | None = None  # point-to-point: "send" or "recv" (None: a collective, or not said)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,13 +69,14 @@ class Ledger:
         self._counts: dict[tuple[Any, ...], int] = {}
 
     def enter(self, op: str, awaited: str, *, peer: int | None = None, group: Sequence[int] | None = None,
-              tensor: torch.Tensor | None = None) -> Entry:
+              tensor: torch.Tensor | None = None, direction: str | None = None) -> Entry:
         ranks = tuple(group) if group is not None else None
         key: tuple[Any, ...] = ranks if ranks is not None else ("pair", *sorted((self.rank, -1 if peer is None
                                                                                    else peer)))
         seq = self._counts[key] = self._counts.get(key, 0) + 1
         entry = Entry(op, awaited, peer, ranks, seq, tuple(tensor.shape) if tensor is not None else None,
-                      str(tensor.dtype).removeprefix("torch.") if tensor is not None else None, time.time())
+                      str(tensor.dtype).removeprefix("torch.") if tensor is not None else None, time.time(),
+                      direction)
         self.current = entry
         return entry
 

@@ -141,7 +141,7 @@ class Communicator:
             assert work is not None  # None only for a rank outside the group, which exchange never targets
             where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
             bounded_wait(work, remaining, rank=self.global_rank, op=where, awaited=what,
-                         peer=self.global_ranks[peer])
+                         peer=self.global_ranks[peer], direction="send" if what == "send to" else "recv")
         received = [t for _, t in recvs] + [r.tensor for r in posted]
         sent = sum(t.numel() * t.element_size() for _, t in sends)
         got = sum(t.numel() * t.element_size() for t in received)

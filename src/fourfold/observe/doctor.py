@@ -92,7 +92,13 @@ def _arrived(rank: int, wait_: Mapping[str, Any], other: Mapping[str, Any] | Non
     if wait_.get("group") is not None:
         return (theirs.get("group") is not None and list(theirs["group"]) == list(wait_["group"])
                 and theirs["seq"] == wait_["seq"])
-    return theirs.get("peer") == rank  # the other end of the same transfer
+    if theirs.get("peer") != rank or theirs.get("group") is not None:
+        return False
+    # the other end of the transfer: my receive meets its send, my send its receive. Both receiving from each
+    # other (or both sending) is not an arrival: each waits for a message the other has not sent (a stopped
+    # rank's last beat can show it waiting to receive from the very rank that now waits on it)
+    mine, its = wait_.get("direction"), theirs.get("direction")
+    return mine is None or its is None or mine != its
 
 
 def _needed(rank: int, wait_: Mapping[str, Any]) -> list[int]:

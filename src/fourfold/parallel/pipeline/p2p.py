@@ -101,6 +101,7 @@ class Links:
 
     def _wait(self, work: Any, label: str, awaited: str, peer: int) -> None:
         bounded_wait(work, self.timeout_s, rank=self.rank, op=label, awaited=awaited, peer=peer,
+                     direction="send" if awaited.startswith("send") else "recv",
                      hint="The peer is dead, stuck, or running another schedule; its own error (if any) says which.")
 
     def _record(self, kind: Any, name: str, t0: int, t1: int, **kwargs: Any) -> None:
