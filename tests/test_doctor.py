@@ -149,3 +149,32 @@ def test_a_silent_but_running_process_is_starved_not_stopped():
         child.kill()
         child.wait()
     assert not running(child.pid)  # gone
+
+
+def test_the_heartbeat_outlives_a_failed_store_call_and_stops_when_the_store_is_gone(monkeypatch):
+    import json
+
+    from fourfold.observe import doctor as doctor_mod
+
+    monkeypatch.setattr(doctor_mod, "INTERVAL_S", 0.01)
+    d = doctor_mod.Doctor(dist.HashStore(), 0, 2, hang_s=0).start()
+    real, calls = d._beat, []
+
+    def flaky(fail: int) -> None:
+        calls.append(1)
+        if len(calls) <= fail:
+            raise RuntimeError("the store timed out")
+        real()
+
+    try:
+        d._beat = lambda: flaky(3)  # three failed beats in a row, then the store answers again
+        deadline = time.monotonic() + 10
+        while json.loads(d.store.get("0"))["n"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) > 3 and d._thread.is_alive()  # it went on beating after the failures
+        calls.clear()
+        d._beat = lambda: flaky(10**9)  # the store is gone for good: the thread ends by itself
+        d._thread.join(timeout=10)
+        assert not d._thread.is_alive() and len(calls) == doctor_mod.GIVE_UP
+    finally:
+        d.stop()

@@ -51,6 +51,7 @@ DEFAULT_HANG_S = 10.0
 
 INTERVAL_S = 1.0  # between heartbeats
 STALE_S = 3.0  # a heartbeat this old means the rank is stopped or dead
+GIVE_UP = 10  # beats in a row that failed to reach the store before the thread stops trying
 VERDICT_ENV = "FOURFOLD_VERDICT"  # where the launcher wants the verdict (a file path)
 
 
@@ -245,12 +246,16 @@ class Doctor:
         self.store.set(str(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
+        failed = 0
         while not self._stop.wait(INTERVAL_S):
             try:
                 self._beat()
                 self._look()
-            except Exception:  # the store went away (the run is ending): nothing left to watch
-                return
+                failed = 0
+            except Exception:  # one slow or broken store call (a busy machine) must not end the watch for good
+                failed += 1
+                if failed >= GIVE_UP:  # the store is gone: the run is ending, nothing left to watch
+                    return
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         return json.loads(self.store.get(str(rank))) if self.store.check([str(rank)]) else None
