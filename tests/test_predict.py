@@ -5,6 +5,7 @@ against the formulas they stand on; the predictions against real runs live in `f
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -122,6 +123,34 @@ def test_a_pipeline_on_shared_cores_runs_its_stages_faster_in_each_others_bubble
     work = sum(devices.timeline.busy) * layout.dp  # every process's compute, seconds on a core of its own
     assert one.step_s == pytest.approx(work, rel=1e-6)
     assert work / 2 < two.step_s < 2 * devices.step_s  # not every moment has all 4 computing
+
+
+def test_a_tensor_parallel_collectives_latency_is_not_slowed_by_shared_cores():
+    # tp2 on one core: compute and the bytes copied go at half speed, the collectives' alpha (a wait) does not
+    prof, tp2 = profile(), Layout(tp=2)
+
+    def slowdown(alpha: float) -> float:
+        link = CostModel(alpha, 1e-10, 0.0)
+        return (predict(prof, tp2, Links(link, link, ranks_per_node=2, cores=1), batch_size=8).step_s
+                - predict(prof, tp2, Links(link, link, ranks_per_node=2), batch_size=8).step_s)
+
+    assert slowdown(0.0) > 0
+    assert slowdown(1e-3) == pytest.approx(slowdown(0.0), rel=1e-9)
+
+
+def test_calibrate_takes_the_wake_up_time_of_pipeline_messages_from_a_crowded_pipeline_run():
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    links = Links(LINK, LINK, ranks_per_node=8, cores=2)
+    assert links.wake(2) == 0.0 and replace(links, wake_s=1.0).wake(8) == 3.0  # per core's worth queued ahead
+    crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
+    before = predict(prof, crowded, links, batch_size=8).step_s
+    runs = {Layout(dp=2): Measured(predict(prof, Layout(dp=2), links, batch_size=8).step_s),
+            crowded: Measured(before + 0.05)}
+    _, links2, fitted = calibrate(prof, links, 8, runs)
+    assert fitted["wake_s"] > 0 and links2.wake_s == fitted["wake_s"]
+    assert predict(prof, crowded, links2, batch_size=8).step_s == pytest.approx(before + 0.05, rel=1e-6)
+    assert predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links2, batch_size=8).step_s == \
+        predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links, batch_size=8).step_s  # 2 ranks: none
 
 
 def test_the_predicted_step_as_trace_spans():

@@ -301,6 +301,21 @@ def test_ranks_sharing_cores_slow_each_other_only_while_they_compute_at_once():
     assert free.ranks == simulate(make_schedule("1f1b", 4, 8), 1.0, 2.0, 0.5, comm=0.1).ranks
 
 
+def test_the_waiting_part_of_an_action_uses_no_core():
+    # (computing, waiting) costs on one core shared fairly: the wait goes at full speed and leaves the core to
+    # the other rank. naive runs one rank at a time, so nothing changes; gpipe's waits overlap the other's work
+    one_core = lambda k: 1.0 / k  # noqa: E731
+    s = make_schedule("naive", 2, 1)
+    both = simulate(s, cost=lambda a: (1.0, 0.5), speed=one_core)
+    assert both.makespan == pytest.approx(4 * 1.5)  # alone on the core: compute, then wait
+    plain = simulate(s, cost=lambda a: 1.5, speed=one_core)
+    assert plain.ranks == both.ranks  # one rank at a time: where the wait sits does not matter
+    g = make_schedule("gpipe", 2, 4)
+    waits = simulate(g, cost=lambda a: (1.0, 1.0), speed=one_core).makespan
+    assert waits < simulate(g, cost=lambda a: 2.0, speed=one_core).makespan  # waits overlap the other's compute
+    assert waits >= 2 * 4 * 2  # the core's work: 16 actions of 1
+
+
 def test_interleaved_bubble_is_smaller_and_follows_its_formula():
     for pp, k, v in itertools.product((2, 3, 4), (1, 2, 3), (2, 3)):
         m = k * pp

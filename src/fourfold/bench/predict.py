@@ -38,7 +38,11 @@ from fourfold.observe.visualize import draw_step, rank_labels
 __all__ = ["LAYOUTS", "main", "parse_layout"]
 
 LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
-CALIBRATION = (Layout(dp=2), Layout(tp=2), Layout(dp=4))
+def calibration(microbatches: int) -> tuple[Layout, ...]:
+    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data- and tensor-parallel at 2 ranks, and
+    with more ranks than this machine's 2 cores, data-parallel and pipelined."""
+    return (Layout(dp=2), Layout(tp=2), Layout(dp=4),
+            Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
 
 
 def parse_layout(text: str, microbatches: int) -> Layout:
@@ -155,11 +159,12 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     costs = measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
     profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     cores = os.cpu_count() or 1
+    fit_on = calibration(ns.microbatches)
     link = CostModel.load()
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
-          f"units timed ({costs.source}); calibrating on {', '.join(map(str, CALIBRATION))} ...", flush=True)
-    measured = {L: _best(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in CALIBRATION}
+          f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
+    measured = {L: _best(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in fit_on}
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: m for L, (m, _) in measured.items()})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -171,10 +176,10 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         error = p.step_s / m.step_s - 1
         rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,
                      "stolen": m.stolen,
-                     "error": error, "calibration": L in CALIBRATION, "bubble": p.bubble,
+                     "error": error, "calibration": L in fit_on, "bubble": p.bubble,
                      "dp_exposed_s": p.dp_exposed_s, "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
         _side_by_side(L, m, p, Path(ns.out) / "layouts")
-        note = "  (calibration run)" if L in CALIBRATION else ""
+        note = "  (calibration run)" if L in fit_on else ""
         stolen = "-" if m.stolen is None else f"{m.stolen:.0%}"
         print(f"{str(L):<30} {fmt_time(p.step_s):>10} {fmt_time(m.step_s):>10} {spread:>5.2f}x {stolen:>6} "
               f"{error:>+7.1%}   "

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,6 +258,18 @@ class Links:
     """With more ranks computing than ``cores``: how much slower than the cores' fair share each goes (switches,
     and ranks waiting for a peer the scheduler has set aside; fitted by :func:`calibrate`)."""
 
+    wake_s: float = 0.0
+    """With more ranks than ``cores``: the time a pipeline message adds, beyond the link's, before the rank it
+    wakes runs, per core's worth of other ranks (the scheduler has given its core to another rank; fitted by
+    :func:`calibrate` on a crowded pipeline run; see :meth:`wake`)."""
+
+    def wake(self, ranks: int) -> float:
+        """What a pipeline message adds when ``ranks`` processes share the cores: ``wake_s`` for each core's worth
+        of other ranks queued ahead of the one it wakes (0 while every rank has a core)."""
+        if self.cores is None or ranks <= self.cores:
+            return 0.0
+        return self.wake_s * (ranks / self.cores - 1)
+
     def speed(self, computing: int) -> float:
         """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""
         if self.cores is None or computing <= self.cores:
@@ -418,43 +430,56 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
 
     per_unit = [elements(u) for u in units]
     per_node = links.ranks_per_node
-    allreduce = _ring(links.node if L.tp <= per_node else links.network, profile.hidden_bytes * micro, itemsize, L.tp)
+    tp_link = links.node if L.tp <= per_node else links.network
+    allreduce = _ring(tp_link, profile.hidden_bytes * micro, itemsize, L.tp)
+    # its latency (alpha per step: the peer's arrival included) uses no core; copying and adding the bytes does
+    latency = min(allreduce, cost("ring", max(1, profile.hidden_bytes * micro // itemsize), itemsize, L.tp).steps
+                  * tp_link.alpha_s) if L.tp > 1 else 0.0
     costs = profile.costs
 
-    def unit_time(op: str, u: int) -> float:
+    def unit_time(op: str, u: int) -> tuple[float, float]:
+        """(computing, waiting) seconds: the unit's own work and its tensor-parallel collectives' bytes moved and
+        added, then the collectives' latency (waits on the link and the group's slowest rank: no core used, so
+        cores shared do not slow it)."""
         collectives = (profile.forward_collectives if op == "F" else profile.backward_collectives)[u]
-        return costs.time(op, u, micro, L.tp) + collectives * allreduce
+        return costs.time(op, u, micro, L.tp) + collectives * (allreduce - latency), collectives * latency
+
+    def total(op: str, us: Iterable[int]) -> tuple[float, float]:
+        parts = [unit_time(op, u) for u in us]
+        return sum(c for c, _ in parts), sum(w for _, w in parts)
 
     tp_comm = allreduce * micro_count * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
     timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
         share = links.speed(copies)
-        forward = sum(unit_time("F", u) for u in range(n)) / share
-        span = forward + sum(unit_time("B", u) for u in range(n)) / share
+        (fc, fw), (bc, bw) = total("F", range(n)), total("B", range(n))
+        forward = fc / share + fw
+        span = forward + bc / share + bw
         busy, bubble, ends = [span], 0.0, [span]
         held = [elements([p for u in units for p in u])]
-        last_backward = [sum(unit_time("B", u) for u in range(n))]
+        last_backward = [bc + bw]
     else:
         sched = pipeline_schedule("pipeline", L.schedule, L.pp, L.microbatches, L.virtual)
         stages = cut_units(per_unit, sched.stages)
-        f = [sum(unit_time("F", u) for u in us) for us in stages]
-        b = [sum(unit_time("B", u) for u in us) for us in stages]
+        f = [total("F", us) for us in stages]
+        b = [total("B", us) for us in stages]
         b_share, w_share = costs.split if sched.split_backward else (1.0, 0.0)
 
-        def action_time(a: Action) -> float:
+        def action_time(a: Action) -> tuple[float, float]:
             if a.op == "F":
                 return f[a.stage]
-            return b[a.stage] * (b_share if a.op == "B" else w_share)
+            computing, waiting = b[a.stage]  # a split backward's collectives are in B (the input gradient)
+            return (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (
-            L.tp if sequence_parallel else 1)
+            L.tp if sequence_parallel else 1) + links.wake(L.world_size)
         timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
         forward, ends = 0.0, [max(t.end for t in row) for row in timeline.ranks]
         mine = [[s for s in range(sched.stages) if sched.owner(s) == r] for r in range(L.pp)]
         held = [elements([p for s in ss for u in stages[s] for p in units[u]]) for ss in mine]
-        last_backward = [sum(b[s] for s in ss) for ss in mine]
+        last_backward = [sum(sum(b[s]) for s in ss) for ss in mine]
     dp_link, dp_node = _dp_links(links, L)
     idle_core = links.cores is None or L.world_size < links.cores
     tails, dp_times = [], []
@@ -494,7 +519,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     the node link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
     (``contention``: memory, caches, the launcher and gloo's threads); a tensor-parallel run's step over its prediction, spread over its collectives'
     steps, is the node link's α in use (waits for the slower rank included); a data-parallel run with more ranks
-    than cores gives ``oversubscribed``. Returns the profile and links with these applied, and the figures."""
+    than cores gives ``oversubscribed``; a pipeline run with more ranks than cores gives ``wake_s``, the time a
+    stage's message waits for a core on the rank it wakes. Returns the profile and links with these applied, and the figures."""
     from dataclasses import replace
 
     fitted: dict[str, float] = {}
@@ -526,7 +552,7 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
         link = links.node
         # the step is linear in alpha (one batch, no pipeline): the alpha that makes the run's own step come out
-        fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) * links.speed(L.tp) / steps)
+        fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) / steps)
         links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
                                             source=f"{link.source}; alpha fitted on {L}"))
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
@@ -536,4 +562,16 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         tail = p.dp_exposed_s + p.optimizer_s
         fitted["oversubscribed"] = max(1.0, (crowded[1].step_s - tail) / (p.step_s - tail))
         links = replace(links, oversubscribed=fitted["oversubscribed"])
+    piped = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores and L.pp > 1
+                  and L.tp == 1), None)
+    if piped is not None:  # the step grows with wake_s: bisect for the one that gives the run's own step
+        low, high = 0.0, piped[1].step_s
+        for _ in range(40):
+            mid = (low + high) / 2
+            if predict(profile, piped[0], replace(links, wake_s=mid), batch_size).step_s < piped[1].step_s:
+                low = mid
+            else:
+                high = mid
+        fitted["wake_s"] = low
+        links = replace(links, wake_s=low)
     return profile, links, fitted

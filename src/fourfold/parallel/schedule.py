@@ -30,11 +30,10 @@ ranks. The defaults f = b = w = 1 are the usual rule of thumb (backward = 2 x fo
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Literal, NamedTuple, NoReturn
 
 __all__ = [
     "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "TimedAction", "Timeline", "format_grid",
@@ -275,17 +274,36 @@ def _inputs(a: Action, stages: int) -> list[tuple[tuple[int, str, int], bool]]:
     return [((s, "B", i), False)]
 
 
-def _run(schedule: Schedule, cost: Callable[[Action], float], comm: float = 0.0,
-         speed: Callable[[int], float] | None = None,
+@dataclass
+class _Job:
+    """An action under way on one rank: ``work`` seconds of computing left (at the rank's share of the cores),
+    then ``wait`` seconds that use no core (a collective's latency, waits for a peer)."""
+
+    action: Action
+    start: float
+    work: float
+    wait: float
+
+    def left(self, rate: float) -> float:
+        """Seconds to the end of its current part at ``rate``."""
+        return self.work / rate if self.work > 0 else self.wait
+
+
+Cost = Callable[[Action], "float | tuple[float, float]"]
+
+
+def _run(schedule: Schedule, cost: Cost, comm: float = 0.0, speed: Callable[[int], float] | None = None,
          ) -> tuple[dict[tuple[int, str, int], tuple[float, float]], list[int]]:
     """Execute every rank's list in order: ``{key: (start, end)}`` for what ran, and how far each rank got.
 
-    Time moves from event to event (an action ends, a message arrives). ``speed(k)``: the fraction of its own
-    speed each of k ranks computing at once gets (ranks sharing cores); None: each has a device of its own.
+    Time moves from event to event (an action's computing or waiting ends, a message arrives). ``cost(a)``: the
+    action's seconds, or ``(computing, waiting)``: the waiting part uses no core and goes at full speed.
+    ``speed(k)``: the fraction of its own speed each of k ranks computing at once gets (ranks sharing cores);
+    None: each has a device of its own.
     """
     times: dict[tuple[int, str, int], tuple[float, float]] = {}
     pos, free = [0] * schedule.pp, [0.0] * schedule.pp
-    running: dict[int, list[Any]] = {}  # rank -> [action, start, work left, its whole cost]
+    running: dict[int, _Job] = {}
     now = 0.0
     while True:
         arrivals = []
@@ -299,23 +317,26 @@ def _run(schedule: Schedule, cost: Callable[[Action], float], comm: float = 0.0,
             ready = max([free[r]] + [times[key][1] + (comm if message and schedule.owner(key[0]) != r else 0)
                                      for key, message in needs])
             if ready <= now:
-                work = cost(a)
-                running[r] = [a, now, work, work]
+                c = cost(a)
+                work, wait = (c, 0.0) if isinstance(c, (int, float)) else c
+                running[r] = _Job(a, now, float(work), float(wait))
             else:
                 arrivals.append(ready)
         if not running and not arrivals:
             return times, pos
-        rate = 1.0 if speed is None or not running else speed(len(running))
-        first = min(running, key=lambda r: running[r][2], default=None)
-        dt = running[first][2] / rate if first is not None else math.inf
-        dt = min([dt] + [t - now for t in arrivals])
+        computing = sum(1 for job in running.values() if job.work > 0)
+        rate = 1.0 if speed is None or not computing else speed(computing)
+        left = {r: job.left(rate) for r, job in running.items()}
+        dt = min([*left.values(), *(t - now for t in arrivals)])
         now += dt
-        for r in list(running):
-            job = running[r]
-            job[2] = 0.0 if r == first and dt == job[2] / rate else job[2] - dt * rate
-            if job[2] <= 1e-12 * job[3]:
-                a, start = job[0], job[1]
-                times[(a.stage, a.op, a.microbatch)] = (start, now)
+        for r, job in list(running.items()):
+            ends = left[r] - dt <= 1e-12 * left[r]  # the part that sets dt ends exactly: no rounding residue
+            if job.work > 0:
+                job.work = 0.0 if ends else job.work - dt * rate
+            else:
+                job.wait = 0.0 if ends else job.wait - dt
+            if job.work <= 0 and job.wait <= 0:
+                times[(job.action.stage, job.action.op, job.action.microbatch)] = (job.start, now)
                 free[r] = now
                 pos[r] += 1
                 del running[r]
@@ -425,14 +446,14 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
-             cost: Callable[[Action], float] | None = None,
-             speed: Callable[[int], float] | None = None) -> Timeline:
+             cost: Cost | None = None, speed: Callable[[int], float] | None = None) -> Timeline:
     """Start and end of every action when each rank runs its list in order as soon as inputs arrive.
 
     ``f``, ``b``, ``w``: forward, input-gradient and weight-gradient time of one micro-batch through one rank's
     share of the model (a fused B costs b + w; a virtual stage 1/virtual of each); ``comm``: added to each
     activation or gradient sent to another rank. ``cost``: instead of f, b, w, each action's own time (stages
-    that differ; :mod:`fourfold.observe.predict`). ``speed(k)``: the fraction of its own speed each of k ranks
+    that differ; :mod:`fourfold.observe.predict`), or ``(computing, waiting)`` seconds: waiting (a tensor-parallel
+    collective's latency) uses no core, so it is not slowed by ranks sharing them. ``speed(k)``: the fraction of its own speed each of k ranks
     computing at once gets, when they share a machine's cores (:mod:`fourfold.observe.predict`); None: a device
     each. Validates first.
     """
