@@ -13,9 +13,10 @@ The model (docs/simulator.md):
   seconds forward and backward for a micro-batch of b samples: measured (:func:`measure_units`: forward and
   backward timed at the unit boundaries, at two batch sizes, one thread, as each rank of a multi-rank run on a
   CPU) or from FLOPs (:func:`flop_units`: counted on the model, backward twice forward). The pipeline cuts the
-  units into stages as the runtime does (by parameter count); a split backward gives half of it to W.
+  units into stages as the runtime does (by parameter count); a split backward gives W the share timed for it.
 * **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
-  layer forward and per column-parallel layer or head backward, ring-costed on the node's link.
+  layer forward and per column-parallel layer or head backward, ring-costed on the node's link; its α steps
+  wait without a core, its bytes are copied and added by one.
 * **pipeline**: :func:`~fourfold.parallel.schedule.simulate` runs the schedule with every action's own cost
   and one point-to-point message (α + bytes·β) between ranks: the makespan and the bubble.
 * **data parallelism**: the rank's gradients in buckets, each a ring all-reduce on the dp group's link
@@ -25,7 +26,8 @@ The model (docs/simulator.md):
   exposed otherwise.
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
   k processes compute, each goes at ``cores / k`` of its speed (over ``oversubscribed``, fitted), event by event
-  in the pipeline's simulation, so a bubble on one stage speeds up the others.
+  in the pipeline's simulation, so a bubble on one stage speeds up the others; a pipeline message waits
+  ``wake_s`` (fitted) per core's worth of other ranks for the rank it wakes to get a core.
 * **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
 * **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
 """
