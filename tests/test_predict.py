@@ -141,7 +141,7 @@ def test_a_tensor_parallel_collectives_latency_is_not_slowed_by_shared_cores():
 def test_calibrate_takes_the_wake_up_time_of_pipeline_messages_from_a_crowded_pipeline_run():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=8, cores=2)
-    assert links.wake(2) == 0.0 and replace(links, wake_s=1.0).wake(8) == 3.0  # per core's worth queued ahead
+    assert links.wake(2) == 0.0 and replace(links, wake_s=1.0).wake(3) == replace(links, wake_s=1.0).wake(8) == 1.0
     crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
     before = predict(prof, crowded, links, batch_size=8).step_s
     runs = {Layout(dp=2): Measured(predict(prof, Layout(dp=2), links, batch_size=8).step_s),
@@ -268,6 +268,42 @@ def test_plan_refuses_bad_flags(capsys):
     assert "link must be a rate" in capsys.readouterr().err
 
 
+def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monkeypatch):
+    from fourfold.cli.plan import main
+    from fourfold.observe import runs
+
+    made = []
+
+    def fake_run(layout, repeats, steps, train_flags, timeout=120.0):  # the real one: the next test
+        made.append(layout)
+        return Measured(0.2 * layout.world_size, stolen=0.0), 1.0
+
+    monkeypatch.setattr(runs, "best_run", fake_run)
+    flags = ["--nproc", "4", "--batch-size", "6", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
+             "--seq-len", "16", "--top", "3"]
+    assert main([*flags, "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert made == [Layout(dp=2), Layout(tp=2), Layout(dp=2, pp=2, schedule="1f1b", microbatches=1)]
+    assert "calibration run 3/4, dp4 tp1 pp1: skipped (batch 6 does not divide into dp x microbatches)" in out
+    assert "calibration run 4/4, dp2 tp1 pp2 1f1b m1: 800.0 ms per step, 0% of the CPU stolen" in out
+    assert "fitted: " in out and "wake_s" in out and "contention" in out
+    assert main(["--gpus", "8", "--calibrate"]) == 2
+    assert "with --gpus (on paper) there is nothing to run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_calibration_run_is_a_real_run_whose_layout_flags_win():
+    from fourfold.observe.runs import measure_run
+
+    user = ["--nproc", "4", "--dp", "4", "--zero", "2", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
+            "--seq-len", "16", "--batch-size", "4", "--no-progress"]
+    m = measure_run(Layout(dp=2), 3, user, timeout=150)
+    assert sorted(m.spans) == [0, 1] and m.step_s > 0  # 2 ranks, not the user's 4
+    assert {"forward", "backward", "optimizer"} <= {s.name for s in m.spans[0]}
+    assert m.stolen is None or 0 <= m.stolen <= 1
+
+
 def test_bench_predict_layout_names():
     from fourfold.bench.predict import parse_layout
 
@@ -327,9 +363,9 @@ def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():
 
 
 def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
-    from fourfold.bench.predict import _cpu_times, _stolen
+    from fourfold.observe.runs import cpu_times, stolen
 
-    assert _stolen([0] * 8, [10, 0, 0, 80, 0, 0, 0, 10]) == pytest.approx(0.1)
-    assert _stolen(None, [1] * 8) is None and _stolen([0] * 8, [0] * 8) is None
-    now = _cpu_times()
+    assert stolen([0] * 8, [10, 0, 0, 80, 0, 0, 0, 10]) == pytest.approx(0.1)
+    assert stolen(None, [1] * 8) is None and stolen([0] * 8, [0] * 8) is None
+    now = cpu_times()
     assert now is None or (len(now) == 8 and all(v >= 0 for v in now))

@@ -4,8 +4,8 @@
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2
 
 Times one model's units in this process (:func:`~fourfold.observe.predict.measure_units`), calibrates on
-three short real runs (dp=2: compute slowed by ranks sharing the machine; tp=2: the time per collective; dp=4:
-more ranks than cores), then for each layout runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps,
+four short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
+link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores), then for each layout runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps,
 takes the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
 slowest over it is printed as the spread), and puts the prediction
 (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
@@ -17,12 +17,8 @@ docs/simulator.md has a run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,19 +28,12 @@ from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_re
 from fourfold.mesh import Mesh
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.predict import Layout, Measured, Prediction
-from fourfold.observe.trace import load_jsonl
+from fourfold.observe.runs import best_run, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
 
 __all__ = ["LAYOUTS", "main", "parse_layout"]
 
 LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
-def calibration(microbatches: int) -> tuple[Layout, ...]:
-    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data- and tensor-parallel at 2 ranks, and
-    with more ranks than this machine's 2 cores, data-parallel and pipelined."""
-    return (Layout(dp=2), Layout(tp=2), Layout(dp=4),
-            Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
-
-
 def parse_layout(text: str, microbatches: int) -> Layout:
     """``"dp2tp2pp2:zb"`` -> Layout(dp=2, tp=2, pp=2, schedule="zb", microbatches=...)."""
     import re
@@ -57,49 +46,6 @@ def parse_layout(text: str, microbatches: int) -> Layout:
     schedule = match.group(4) or "1f1b"
     return Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
                   virtual=2 if pp > 1 and schedule == "interleaved" else 1)
-
-
-def _cpu_times() -> list[int] | None:
-    """This machine's CPU time counters (``/proc/stat``: user ... steal), or None off Linux."""
-    try:
-        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-
-
-def _stolen(before: list[int] | None, after: list[int] | None) -> float | None:
-    """The share of CPU time the hypervisor took from this virtual machine between two :func:`_cpu_times`."""
-    if before is None or after is None or len(before) < 8 or len(after) < 8:
-        return None
-    spent = [b - a for a, b in zip(before, after, strict=True)]
-    return spent[7] / sum(spent) if sum(spent) > 0 else None
-
-
-def _measure(layout: Layout, steps: int, model_flags: list[str], timeout: float) -> Measured:
-    """Run ``fourfold train`` with ``layout`` for ``steps`` steps: its median step after the first, with that
-    step's spans on every rank, and the CPU time stolen meanwhile."""
-    cpu = _cpu_times()
-    with tempfile.TemporaryDirectory(prefix="fourfold-predict-") as out:
-        argv = [sys.executable, "-m", "fourfold", "train", *layout.flags(), *model_flags, "--steps", str(steps),
-                "--out", out, "--no-memory-check", "--checkpoint-every", "0"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
-        middle = sorted(rows, key=lambda r: r["step_time_s"])[(len(rows) - 1) // 2]["step"]
-        spans = {r: [s for s in load_jsonl(Path(out, f"trace-rank{r}.jsonl")) if s.step == middle]
-                 for r in range(layout.world_size)}
-    origin = min((s.start_ns for row in spans.values() for s in row), default=0)
-    spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
-             for r, row in spans.items()}
-    return Measured(statistics.median(r["step_time_s"] for r in rows), spans, _stolen(cpu, _cpu_times()))
-
-
-def _best(layout: Layout, repeats: int, steps: int, model_flags: list[str], timeout: float) -> tuple[Measured, float]:
-    """The fastest of ``repeats`` runs (this machine's noise only ever adds time), and the slowest over it."""
-    runs = sorted((_measure(layout, steps, model_flags, timeout) for _ in range(repeats)), key=lambda m: m.step_s)
-    return runs[0], runs[-1].step_s / runs[0].step_s
 
 
 def _side_by_side(layout: Layout, measured: Measured, predicted: Prediction, out: Path) -> None:
@@ -159,19 +105,19 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     costs = measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
     profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     cores = os.cpu_count() or 1
-    fit_on = calibration(ns.microbatches)
+    fit_on = calibration_layouts(ns.microbatches)
     link = CostModel.load()
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
           f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
-    measured = {L: _best(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in fit_on}
+    measured = {L: best_run(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in fit_on}
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: m for L, (m, _) in measured.items()})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
     print(f"{'layout':<30} {'predicted':>10} {'measured':>10} {'spread':>6} {'stolen':>6} {'error':>7}   bubble  "
           "dp exposed  memory/rank")
     for L in ns.layouts:
-        m, spread = measured.get(L) or _best(L, ns.repeats, ns.steps, model_flags, ns.timeout)
+        m, spread = measured.get(L) or best_run(L, ns.repeats, ns.steps, model_flags, ns.timeout)
         p = predict(profile, L, links, ns.batch_size)
         error = p.step_s / m.step_s - 1
         rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,

@@ -21,6 +21,7 @@ machine, the units timed here and the links from the fitted cost model (``fourfo
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from typing import Any
 
@@ -189,9 +190,13 @@ def _ranking(argv: list[str]) -> int:
     parser.add_argument("--gpu-flops", type=float, default=989e12)
     parser.add_argument("--mfu", type=float, default=0.4)
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--calibrate", action="store_true")
     ns, rest = parser.parse_known_args(argv)
     paper = ns.gpus is not None
     try:
+        if paper and ns.calibrate:
+            raise ValueError("--calibrate fits the model to short runs on this machine; with --gpus (on paper) there "
+                             "is nothing to run. Drop one of them.")
         if paper and (ns.gpus < 1 or ns.gpus_per_node < 1 or not 0 < ns.mfu <= 1 or ns.top < 1):
             raise ValueError(f"--gpus and --gpus-per-node must be >= 1, --mfu in (0, 1], --top >= 1, got --gpus "
                              f"{ns.gpus}, --gpus-per-node {ns.gpus_per_node}, --mfu {ns.mfu}, --top {ns.top}.")
@@ -226,6 +231,13 @@ def _ranking(argv: list[str]) -> int:
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
         return 2
+    if ns.calibrate:
+        try:
+            profile, links = _calibrated(profile, links, rest, t.batch_size, len(blocks), bool(shards),
+                                         _heads(model))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"fourfold plan: error: a calibration run failed: {e}", file=sys.stderr)
+            return 1
     ranked = rank_layouts(profile, candidates, links, t.batch_size, available)
     fits = [p for p, ok in ranked if ok]
     params = sum(p.numel() for p in model.parameters())
@@ -248,6 +260,34 @@ def _ranking(argv: list[str]) -> int:
     return 0
 
 
+def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: int, blocks: int,
+                tensor_plan: bool, heads: int | None) -> tuple[Any, Any]:
+    """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
+    with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so."""
+    from fourfold.observe.predict import calibrate
+    from fourfold.observe.runs import best_run, calibration_layouts
+
+    microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
+    runs = {}
+    todo = calibration_layouts(microbatches)
+    for i, layout in enumerate(todo, start=1):
+        why = (f"batch {batch_size} does not divide into dp x microbatches"
+               if batch_size % (layout.dp * layout.microbatches) else
+               "the model has no tensor plan, or its heads do not divide by 2" if layout.tp > 1 and not (
+                   tensor_plan and (heads is None or heads % layout.tp == 0)) else
+               f"{blocks} block(s) do not make 2 stages" if layout.pp > blocks else None)
+        if why:
+            print(f"  calibration run {i}/{len(todo)}, {layout}: skipped ({why})", flush=True)
+            continue
+        measured, _ = best_run(layout, repeats=1, steps=8, train_flags=train_flags)
+        runs[layout] = measured
+        stolen = "" if measured.stolen is None else f", {measured.stolen:.0%} of the CPU stolen"
+        print(f"  calibration run {i}/{len(todo)}, {layout}: {_time(measured.step_s)} per step{stolen}", flush=True)
+    profile, links, fitted = calibrate(profile, links, batch_size, runs)
+    print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))
+    return profile, links
+
+
 PAPER_FLAGS = """with --gpus (on paper):
   --gpus N            devices to plan for (the model is built on the meta device: any size)
   --gpu-mem SIZE      memory per device (default: --memory-limit, else 80GB)
@@ -257,7 +297,13 @@ PAPER_FLAGS = """with --gpus (on paper):
   --latency S         seconds per message on either link (default: 1e-05)
   --gpu-flops X       peak FLOP/s of one device (default: 9.89e14, an H100 SXM's dense bf16)
   --mfu X             the fraction of the peak a step reaches (default: 0.4)
-  --top N             layouts to print (default: 10)"""
+  --top N             layouts to print (default: 10)
+
+on this machine (without --gpus):
+  --calibrate         first fit the simulator to 4 short runs of fourfold train here (dp=2, tp=2, dp=4,
+                      dp=2 pp=2; about a minute for a small model): how ranks sharing the cores slow each other,
+                      the links' real alpha and beta (docs/simulator.md). Without it, 4- and 8-rank figures on a
+                      CPU with fewer cores are optimistic."""
 
 
 def _time(s: float) -> str:

@@ -26,8 +26,8 @@ The model (docs/simulator.md):
   exposed otherwise.
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
   k processes compute, each goes at ``cores / k`` of its speed (over ``oversubscribed``, fitted), event by event
-  in the pipeline's simulation, so a bubble on one stage speeds up the others; a pipeline message waits
-  ``wake_s`` (fitted) per core's worth of other ranks for the rank it wakes to get a core.
+  in the pipeline's simulation, so a bubble on one stage speeds up the others; with more ranks than cores a
+  pipeline message waits ``wake_s`` (fitted) for the rank it wakes to get a core.
 * **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
 * **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
 """
@@ -262,15 +262,14 @@ class Links:
 
     wake_s: float = 0.0
     """With more ranks than ``cores``: the time a pipeline message adds, beyond the link's, before the rank it
-    wakes runs, per core's worth of other ranks (the scheduler has given its core to another rank; fitted by
-    :func:`calibrate` on a crowded pipeline run; see :meth:`wake`)."""
+    wakes runs (the scheduler has given its core to another rank; fitted by :func:`calibrate` on a crowded
+    pipeline run; see :meth:`wake`)."""
 
     def wake(self, ranks: int) -> float:
-        """What a pipeline message adds when ``ranks`` processes share the cores: ``wake_s`` for each core's worth
-        of other ranks queued ahead of the one it wakes (0 while every rank has a core)."""
-        if self.cores is None or ranks <= self.cores:
-            return 0.0
-        return self.wake_s * (ranks / self.cores - 1)
+        """What a pipeline message adds when ``ranks`` processes share the cores: ``wake_s`` once more ranks than
+        cores run (0 while every rank has a core). Not scaled with the crowd: a woken process is run ahead of the
+        busy ones, and scaled by ranks/cores - 1 it put 8-rank pipelines at +100..+190 % (docs/simulator.md)."""
+        return 0.0 if self.cores is None or ranks <= self.cores else self.wake_s
 
     def speed(self, computing: int) -> float:
         """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""

@@ -1,0 +1,82 @@
+"""Short real runs of ``fourfold train`` for the simulator to fit on and be checked against.
+
+    from fourfold.observe.runs import best_run, calibration_layouts
+
+    runs = {L: best_run(L, repeats=1, steps=8, train_flags=["--batch-size", "16"])[0]
+            for L in calibration_layouts(microbatches=4)}
+    profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.observe.predict
+
+Each run is ``fourfold train`` in a subprocess with the user's model and batch flags, then the layout's own
+flags (which win), for a few steps without checkpoints: its median step after the first, that step's spans on
+every rank (from the run's trace) and the share of CPU time the hypervisor took meanwhile (``/proc/stat``;
+steal makes a run on a shared virtual machine slower than the model can know). ``fourfold bench predict`` and
+``fourfold plan --calibrate`` use them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from fourfold.observe.predict import Layout, Measured
+from fourfold.observe.trace import load_jsonl
+
+__all__ = ["best_run", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
+
+
+def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
+    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data- and tensor-parallel at 2 ranks, and
+    with more ranks than a 2-core machine's cores, data-parallel and pipelined."""
+    return (Layout(dp=2), Layout(tp=2), Layout(dp=4),
+            Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
+
+
+def cpu_times() -> list[int] | None:
+    """This machine's CPU time counters (``/proc/stat``: user ... steal), or None off Linux."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def stolen(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor took from this virtual machine between two :func:`cpu_times`."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else None
+
+
+def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout: float) -> Measured:
+    """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps: its median step after the first,
+    with that step's spans on every rank, and the CPU time stolen meanwhile."""
+    cpu = cpu_times()
+    with tempfile.TemporaryDirectory(prefix="fourfold-run-") as out:
+        argv = [sys.executable, "-m", "fourfold", "train", *train_flags, *layout.flags(),
+                *([] if layout.zero else ["--zero", "0"]), "--steps", str(steps), "--out", out,
+                "--no-memory-check", "--checkpoint-every", "0"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
+        middle = sorted(rows, key=lambda r: r["step_time_s"])[(len(rows) - 1) // 2]["step"]
+        spans = {r: [s for s in load_jsonl(Path(out, f"trace-rank{r}.jsonl")) if s.step == middle]
+                 for r in range(layout.world_size)}
+    origin = min((s.start_ns for row in spans.values() for s in row), default=0)
+    spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
+             for r, row in spans.items()}
+    return Measured(statistics.median(r["step_time_s"] for r in rows), spans, stolen(cpu, cpu_times()))
+
+
+def best_run(layout: Layout, repeats: int, steps: int, train_flags: Sequence[str],
+             timeout: float = 120.0) -> tuple[Measured, float]:
+    """The fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and the slowest over it."""
+    runs = sorted((measure_run(layout, steps, train_flags, timeout) for _ in range(repeats)), key=lambda m: m.step_s)
+    return runs[0], runs[-1].step_s / runs[0].step_s
