@@ -5,9 +5,10 @@
 
 Times one model's units in this process (:func:`~fourfold.observe.predict.measure_units`), calibrates on
 four short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
-link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores), then for each layout runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps,
-takes the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
-slowest over it is printed as the spread), and puts the prediction
+link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores). Then for each layout it
+runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, takes the median step after the first of the
+fastest run (a shared machine's noise only ever adds time; the slowest over it is printed as the spread), and
+puts the prediction
 (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
 time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
 ``layouts/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step above the predicted one.
@@ -34,6 +35,8 @@ from fourfold.observe.visualize import draw_step, rank_labels
 __all__ = ["LAYOUTS", "main", "parse_layout"]
 
 LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
+
+
 def parse_layout(text: str, microbatches: int) -> Layout:
     """``"dp2tp2pp2:zb"`` -> Layout(dp=2, tp=2, pp=2, schedule="zb", microbatches=...)."""
     import re
@@ -121,8 +124,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         p = predict(profile, L, links, ns.batch_size)
         error = p.step_s / m.step_s - 1
         rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,
-                     "stolen": m.stolen,
-                     "error": error, "calibration": L in fit_on, "bubble": p.bubble,
+                     "stolen": m.stolen, "error": error, "calibration": L in fit_on, "bubble": p.bubble,
                      "dp_exposed_s": p.dp_exposed_s, "tp_comm_s": p.tp_comm_s, "peak_bytes": p.peak_bytes})
         _side_by_side(L, m, p, Path(ns.out) / "layouts")
         note = "  (calibration run)" if L in fit_on else ""

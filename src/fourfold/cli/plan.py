@@ -271,11 +271,7 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     runs = {}
     todo = calibration_layouts(microbatches)
     for i, layout in enumerate(todo, start=1):
-        why = (f"batch {batch_size} does not divide into dp x microbatches"
-               if batch_size % (layout.dp * layout.microbatches) else
-               "the model has no tensor plan, or its heads do not divide by 2" if layout.tp > 1 and not (
-                   tensor_plan and (heads is None or heads % layout.tp == 0)) else
-               f"{blocks} block(s) do not make 2 stages" if layout.pp > blocks else None)
+        why = _cannot_run(layout, batch_size, blocks, tensor_plan, heads)
         if why:
             print(f"  calibration run {i}/{len(todo)}, {layout}: skipped ({why})", flush=True)
             continue
@@ -286,6 +282,17 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     profile, links, fitted = calibrate(profile, links, batch_size, runs)
     print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))
     return profile, links
+
+
+def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None) -> str | None:
+    """Why this model and batch cannot run ``layout`` (None: they can)."""
+    if batch_size % (layout.dp * layout.microbatches):
+        return f"batch {batch_size} does not divide into dp x microbatches"
+    if layout.tp > 1 and not (tensor_plan and (heads is None or heads % layout.tp == 0)):
+        return f"the model has no tensor plan, or its heads do not divide by {layout.tp}"
+    if layout.pp > blocks:
+        return f"{blocks} block(s) do not make {layout.pp} stages"
+    return None
 
 
 PAPER_FLAGS = """with --gpus (on paper):

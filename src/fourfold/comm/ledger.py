@@ -19,11 +19,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["LEDGER", "Entry", "Ledger", "describe"]
+__all__ = ["LEDGER", "Direction", "Entry", "Ledger", "describe"]
+
+Direction = Literal["send", "recv"]
+"""Which end of a point-to-point transfer a wait is."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class Entry:
     shape: tuple[int, ...] | None
     dtype: str | None
     since: float  # time.time() when the wait began
-    direction: str | None = None  # point-to-point: "send" or "recv" (None: a collective, or not said)
+    direction: Direction | None = None  # point-to-point: which end this rank is (None: a collective, or not said)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +72,7 @@ class Ledger:
         self._counts: dict[tuple[Any, ...], int] = {}
 
     def enter(self, op: str, awaited: str, *, peer: int | None = None, group: Sequence[int] | None = None,
-              tensor: torch.Tensor | None = None, direction: str | None = None) -> Entry:
+              tensor: torch.Tensor | None = None, direction: Direction | None = None) -> Entry:
         ranks = tuple(group) if group is not None else None
         key: tuple[Any, ...] = ranks if ranks is not None else ("pair", *sorted((self.rank, -1 if peer is None
                                                                                    else peer)))

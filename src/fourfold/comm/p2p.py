@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fourfold.comm.ledger import Direction
 from fourfold.comm.wait import CommError, bounded_wait
 
 __all__ = ["CommError", "CommStats", "Communicator", "Message", "Posted", "check_same"]
@@ -130,18 +131,19 @@ class Communicator:
         receives :meth:`post`-ed earlier, waited for (and counted) here. ``offsets`` and ``labels`` (one per send)
         only decorate recorded messages.
         """
-        works = [("recv from", r.peer, r.work) for r in posted]
+        works: list[tuple[Direction, int, Any]] = [("recv", r.peer, r.work) for r in posted]
         for peer, t in recvs:  # receives first: see the module's note on gloo
-            works.append(("recv from", peer, dist.irecv(t, self.global_ranks[peer], group=self.group)))
+            works.append(("recv", peer, dist.irecv(t, self.global_ranks[peer], group=self.group)))
         for peer, t in sends:
-            works.append(("send to", peer, dist.isend(t, self.global_ranks[peer], group=self.group)))
+            works.append(("send", peer, dist.isend(t, self.global_ranks[peer], group=self.group)))
         deadline = time.monotonic() + self.timeout_s
-        for what, peer, work in works:
+        for direction, peer, work in works:
             remaining = max(deadline - time.monotonic(), 0.001)
             assert work is not None  # None only for a rank outside the group, which exchange never targets
             where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
-            bounded_wait(work, remaining, rank=self.global_rank, op=where, awaited=what,
-                         peer=self.global_ranks[peer], direction="send" if what == "send to" else "recv")
+            bounded_wait(work, remaining, rank=self.global_rank, op=where,
+                         awaited="send to" if direction == "send" else "recv from", peer=self.global_ranks[peer],
+                         direction=direction)
         received = [t for _, t in recvs] + [r.tensor for r in posted]
         sent = sum(t.numel() * t.element_size() for _, t in sends)
         got = sum(t.numel() * t.element_size() for t in received)

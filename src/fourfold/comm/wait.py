@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fourfold.comm.ledger import LEDGER
+from fourfold.comm.ledger import LEDGER, Direction
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CommError", "barrier", "bounded_wait", "default_timeout_s", "gather_objects", "group_ranks",
            "set_default_timeout"]
@@ -69,7 +69,7 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 
 def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: str, peer: int | None = None,
                  group_ranks: Sequence[int] | None = None, hint: str = HINT,
-                 tensor: torch.Tensor | None = None, direction: str | None = None) -> None:
+                 tensor: torch.Tensor | None = None, direction: Direction | None = None) -> None:
     """Wait for ``work`` (a ``dist.Work``) at most ``timeout_s`` seconds, or raise :class:`CommError` naming
     ``rank``, ``op`` and ``peer`` (or ``group_ranks`` for a collective). ``None`` work (nothing posted) returns.
     ``tensor`` (optional) gives the ledger the shape and dtype moved; ``direction`` (``"send"`` or ``"recv"``)

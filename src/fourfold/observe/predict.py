@@ -515,13 +515,19 @@ class Measured:
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,
               runs: Mapping[Layout, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
-    """Fit what one process cannot measure from 2-3 real steps of short runs, each figure so that its run's own
-    step comes out: a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is
-    the node link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
-    (``contention``: memory, caches, the launcher and gloo's threads); a tensor-parallel run's step over its prediction, spread over its collectives'
-    steps, is the node link's α in use (waits for the slower rank included); a data-parallel run with more ranks
-    than cores gives ``oversubscribed``; a pipeline run with more ranks than cores gives ``wake_s``, the time a
-    stage's message waits for a core on the rank it wakes. Returns the profile and links with these applied, and the figures."""
+    """Fit what one process cannot measure from 2-3 real steps of short runs (:mod:`fourfold.observe.runs`),
+    each figure so that its run's own step comes out:
+
+    * a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is the node
+      link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
+      (``contention``: memory, caches, the launcher and gloo's threads);
+    * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
+      in use (waits for the slower rank included);
+    * a data-parallel run with more ranks than cores gives ``oversubscribed``;
+    * a pipeline run with more ranks than cores gives ``wake_s``, the time a stage's message waits for a core on
+      the rank it wakes.
+
+    Returns the profile and links with these applied, and the figures."""
     from dataclasses import replace
 
     fitted: dict[str, float] = {}

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fourfold.comm.ledger import Direction
 from fourfold.comm.wait import bounded_wait
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.pipeline.split import Stage, TensorSpec, sum_tied_grads
@@ -99,9 +100,8 @@ class Links:
         self._trace_wait(t0, time.perf_counter_ns(), None, None, "sends")
         assert not self.recvs, f"rank {self.rank}: receives posted but never used: {sorted(self.recvs)}"
 
-    def _wait(self, work: Any, label: str, awaited: str, peer: int) -> None:
-        bounded_wait(work, self.timeout_s, rank=self.rank, op=label, awaited=awaited, peer=peer,
-                     direction="send" if awaited.startswith("send") else "recv",
+    def _wait(self, work: Any, label: str, direction: Direction, awaited: str, peer: int) -> None:
+        bounded_wait(work, self.timeout_s, rank=self.rank, op=label, awaited=awaited, peer=peer, direction=direction,
                      hint="The peer is dead, stuck, or running another schedule; its own error (if any) says which.")
 
     def _record(self, kind: Any, name: str, t0: int, t1: int, **kwargs: Any) -> None:
@@ -137,7 +137,7 @@ class Links:
         tag = self._tag(kind, a.stage, i)
         works = [dist.isend(header, dst, group=self.group, tag=tag)]
         if expect is not None and not expect.matches(tensor.shape, tensor.dtype):
-            self._wait(works[0], str(a), f"send the {what} header to", dst)  # so the receiver fails at once too
+            self._wait(works[0], str(a), "send", f"send the {what} header to", dst)  # so the receiver fails at once too
             raise PipelineError(
                 f"rank {self.rank}: {a}: stage {a.stage}'s {what} for micro-batch {i} is {describe(tensor)}, but "
                 f"stage {to_stage} expects {expect}. The stage's output changed shape since the split traced it.")
@@ -155,7 +155,7 @@ class Links:
         if entry is not None:
             works, _, what, dst = entry
             for work in works:
-                self._wait(work, label, f"send the {what} of {key[1]}{'FB'[key[0]]}{key[2]} to", dst)
+                self._wait(work, label, "send", f"send the {what} of {key[1]}{'FB'[key[0]]}{key[2]} to", dst)
 
     def _post_recvs(self, actions: Sequence[Action]) -> None:
         """Post the header receive of every message this rank receives in this step, in action order."""
@@ -184,7 +184,7 @@ class Links:
         """Check a come header against what its action expects; post the receive of exactly what it announces."""
         kind, from_stage, i = key
         what, a, src = ("activation", "gradient")[kind], r.action, self.owner(from_stage)
-        self._wait(r.header_work, str(a), f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
+        self._wait(r.header_work, str(a), "recv", f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
         h = r.header.tolist()
         if h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] > _MAX_DIMS:
             raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
@@ -210,7 +210,7 @@ class Links:
         if r.payload_work is None:
             self._post_payload(key, r)  # waits for the header
         assert r.payload is not None
-        self._wait(r.payload_work, str(a), awaited, src)
+        self._wait(r.payload_work, str(a), "recv", awaited, src)
         t1 = time.perf_counter_ns()
         self._trace_wait(t0, t1, i, src, what)
         self._record("comm", "recv", t0, t1, recv_bytes=r.header.nbytes + r.payload.nbytes, microbatch=i, peer=src,
@@ -230,7 +230,7 @@ class Links:
     def exchange_tied(self, stages: Sequence[Stage]) -> None:
         """Exchange tied copies' gradients with the ranks holding the other copies; sum in stage order."""
         remote: dict[tuple[int, int], torch.Tensor | None] = {}
-        works: list[tuple[Any, int, str]] = []
+        works: list[tuple[Any, int, Direction, str]] = []
         n = self.schedule.stages
         base = 4 * n * self.schedule.microbatches  # after every activation and gradient tag
         t0 = time.perf_counter_ns()
@@ -248,15 +248,15 @@ class Links:
                     if self.owner(j) != self.rank and (tie, j) not in remote:
                         remote[(tie, j)] = buf = torch.empty_like(p)
                         works.append((dist.irecv(buf, self.owner(j), group=self.group, tag=base + tie * n + j),
-                                      self.owner(j), f"receive the gradient of tied weight {tie} (stage {j}) from"))
+                                      self.owner(j), "recv", f"receive the gradient of tied weight {tie} (stage {j}) from"))
         for grad, peer, tag, awaited in sends:
-            works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, awaited))
+            works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, "send", awaited))
             nbytes += grad.nbytes
-        for work, peer, awaited in works:
-            self._wait(work, "tied gradients", awaited, peer)
+        for work, peer, direction, awaited in works:
+            self._wait(work, "tied gradients", direction, awaited, peer)
         if works:
             self.sent_bytes += nbytes
-            self.messages += sum(1 for _, _, awaited in works if awaited.startswith("send"))
+            self.messages += sum(1 for _, _, direction, _ in works if direction == "send")
             self._record("comm", "tied_grads", t0, time.perf_counter_ns(), bytes=nbytes)
         sum_tied_grads(stages, remote)
 
