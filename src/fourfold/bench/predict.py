@@ -3,7 +3,7 @@
     fourfold bench predict                                 # every layout runnable on this machine
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2
 
-Times one model's units in this process (:func:`~fourfold.observe.predict.measure_units`), calibrates on
+Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
 four short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
 link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores). Then for each layout it
 runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, takes the median step after the first of the
@@ -96,7 +96,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     from fourfold.engine import model_blocks
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
-    from fourfold.observe.predict import Links, ModelProfile, calibrate, measure_units, predict
+    from fourfold.observe.costs import measure_units
+    from fourfold.observe.predict import Links, ModelProfile, calibrate, predict
 
     started = time.monotonic()
     config = GPTConfig(vocab_size=256, seq_len=ns.seq_len, n_layer=ns.n_layer, n_head=4, d_model=ns.d_model)

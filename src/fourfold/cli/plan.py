@@ -176,7 +176,8 @@ def _ranking(argv: list[str]) -> int:
     from fourfold.lab.net import parse_rate
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model
-    from fourfold.observe.predict import Links, ModelProfile, flop_units, measure_units
+    from fourfold.observe.costs import flop_units, measure_units
+    from fourfold.observe.predict import Links, ModelProfile
     from fourfold.train import parse_args
     from fourfold.units import format_bytes, parse_bytes
 

@@ -1,7 +1,6 @@
 """Step time, bubble, exposed communication and memory of a layout, predicted before it runs.
 
-    costs = measure_units(model, blocks, seq_len=64)                     # 3 real steps, one process (or:)
-    costs = flop_units(model, blocks, seq_len=1024, flops_per_s=0.4 * 989e12)   # on paper, a meta model
+    costs = measure_units(model, blocks, seq_len=64)      # fourfold.observe.costs: each unit's time
     profile = ModelProfile.of(model, blocks, seq_len=64, shards=shard_plan(model), costs=costs)
     links = Links(node=CostModel.load(), network=CostModel.load(), ranks_per_node=8, cores=2)
     p = predict(profile, Layout(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
@@ -10,9 +9,8 @@
 The model (docs/simulator.md):
 
 * **compute**: each unit of ``[before the blocks, *blocks, after them]`` costs ``fixed + per_sample * b / tp``
-  seconds forward and backward for a micro-batch of b samples: measured (:func:`measure_units`: forward and
-  backward timed at the unit boundaries, at two batch sizes, one thread, as each rank of a multi-rank run on a
-  CPU) or from FLOPs (:func:`flop_units`: counted on the model, backward twice forward). The pipeline cuts the
+  seconds forward and backward for a micro-batch of b samples, timed or counted in FLOPs
+  (:mod:`fourfold.observe.costs`). The pipeline cuts the
   units into stages as the runtime does (by parameter count); a split backward gives W the share timed for it.
 * **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
   layer forward and per column-parallel layer or head backward, ring-costed on the node's link; its α steps
@@ -35,16 +33,15 @@ The model (docs/simulator.md):
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
+from fourfold.observe.costs import UnitCosts
 from fourfold.observe.estimate import (
     Probe,
     RankMemory,
@@ -59,193 +56,7 @@ from fourfold.observe.estimate import (
 from fourfold.observe.trace import Span
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
-__all__ = ["Layout", "Links", "ModelProfile", "Prediction", "UnitCosts", "flop_units", "measure_units", "predict"]
-
-W_SHARE = 0.5
-"""The weight-gradient part of a split backward: a linear layer's backward is two matmuls the size of its
-forward, one for the input's gradient (B) and one for the weight's (W)."""
-
-
-@dataclass(frozen=True)
-class UnitCosts:
-    """Per unit ``[before, *blocks, after]``: (fixed s, s per sample) forward and backward; the optimiser's
-    seconds per parameter element; where the figures came from."""
-
-    forward: tuple[tuple[float, float], ...]
-    backward: tuple[tuple[float, float], ...]
-    optimizer_s_per_element: float
-    source: str
-    split: tuple[float, float] = (1 - W_SHARE, W_SHARE)
-    """A split backward's B and W, each over the fused backward (zero-bubble schedules): measured on the blocks by
-    :func:`measure_units`, else a linear layer's half and half."""
-
-    def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
-        fixed, per = (self.forward if op == "F" else self.backward)[unit]
-        return fixed + per * samples / tp
-
-    def scaled(self, factor: float, why: str) -> UnitCosts:
-        """Every time ``factor`` times longer; ``why`` joins the source."""
-        return UnitCosts(tuple((a * factor, b * factor) for a, b in self.forward),
-                         tuple((a * factor, b * factor) for a, b in self.backward),
-                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}", self.split)
-
-
-def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
-    """(fixed, per sample) through the medians at the smallest and largest batch, both >= 0."""
-    (b1, t1), (b2, t2) = sorted((b, statistics.median(ts)) for b, ts in at.items())[::len(at) - 1]
-    per = max(0.0, (t2 - t1) / (b2 - b1))
-    return max(0.0, t2 - per * b2), per
-
-
-def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, samples: tuple[int, int] = (1, 4),
-                  steps: int = 3, loss_fn: Any = None, threads: int = 1) -> UnitCosts:
-    """Time each unit's forward and backward on ``model`` (its device; CPU here) with ``steps`` real steps at
-    each batch size in ``samples`` (the first of all is a warm-up), on ``threads`` threads, and an AdamW step."""
-    from fourfold.loss import lm_loss
-    from fourfold.parallel.pipeline.blocks import output_tensor
-
-    n = len(blocks) + 2
-    stamps: dict[str, float] = {}
-    handles = []
-    for i, block in enumerate(blocks, start=1):
-        def into(module: nn.Module, args: Any, i: int = i) -> None:
-            stamps[f"F{i}"] = time.perf_counter()
-            first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if first is not None:
-                first.register_hook(lambda g, i=i: stamps.__setitem__(f"B{i}", time.perf_counter()))
-
-        def out_of(module: nn.Module, args: Any, out: Any, i: int = i) -> None:
-            stamps[f"F{i + 1}"] = time.perf_counter()
-            tensor = output_tensor(out)
-            if i == len(blocks) and tensor.requires_grad:
-                tensor.register_hook(lambda g: stamps.__setitem__(f"B{n - 1}", time.perf_counter()))
-
-        handles += [block.register_forward_pre_hook(into), block.register_forward_hook(out_of)]
-    device = next(model.parameters()).device
-    fwd: list[dict[int, list[float]]] = [{} for _ in range(n)]
-    bwd: list[dict[int, list[float]]] = [{} for _ in range(n)]
-    was_threads, was_training = torch.get_num_threads(), model.training
-    torch.set_num_threads(threads)
-    model.train()
-    try:
-        for b, record in ((samples[-1], False), *((b, True) for b in samples for _ in range(steps))):
-            x = torch.zeros(b, seq_len, dtype=torch.long, device=device)
-            stamps.clear()
-            t0 = time.perf_counter()
-            loss = (loss_fn or lm_loss)(output_tensor(model(x)), x)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            if not record:
-                continue  # the first pass warms up
-            f_at, b_at = [t0], [t1]  # a boundary without a stamp (no gradient there) gives its time to the next
-            for i in range(1, n):
-                f_at.append(stamps.get(f"F{i}", f_at[-1]))
-            for i in range(n - 1, 0, -1):
-                b_at.append(stamps.get(f"B{i}", b_at[-1]))
-            f_at.append(t1)
-            b_at.append(t2)
-            for u in range(n):
-                fwd[u].setdefault(b, []).append(f_at[u + 1] - f_at[u])
-                bwd[n - 1 - u].setdefault(b, []).append(b_at[u + 1] - b_at[u])
-        split = _split_shares(model, blocks, torch.zeros(samples[-1], seq_len, dtype=torch.long, device=device),
-                              loss_fn or lm_loss, steps)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            opt.step()
-        opt_s = (time.perf_counter() - t0) / steps
-    finally:
-        torch.set_num_threads(was_threads)
-        model.train(was_training)
-        model.zero_grad(set_to_none=True)
-        for h in handles:
-            h.remove()
-    elements = sum(p.numel() for p in model.parameters())
-    return UnitCosts(tuple(_fit(t) for t in fwd), tuple(_fit(t) for t in bwd), opt_s / elements,
-                     f"measured: {steps} steps at {samples[0]} and {samples[1]} samples, {threads} thread(s), "
-                     f"{device.type}; split backward B {split[0]:.2f} + W {split[1]:.2f} of fused", split)
-
-
-def _split_shares(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, loss_fn: Any,
-                  steps: int) -> tuple[float, float]:
-    """The zero-bubble runtime's B and W over the blocks (its own :func:`activation_grads` and
-    :func:`weight_grads`), each over the fused backward of the same blocks on the same graph: medians of ``steps``
-    after a warm-up. Per-call autograd overhead makes B + W more than the fused backward on small layers."""
-    from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads
-    from fourfold.parallel.pipeline.blocks import output_tensor
-
-    owners = [m for blk in blocks for m in blk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    params = [p for m in owners for p in m.parameters(recurse=False) if p.requires_grad]
-    fused, b, w = [], [], []
-    calls: list[Call] = []
-    edge: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append(Call(mod, args, out))) for m in owners]
-    hooks.append(blocks[0].register_forward_pre_hook(
-        lambda mod, args: edge.setdefault("in", next(a for a in args if isinstance(a, torch.Tensor)))))
-    hooks.append(blocks[-1].register_forward_hook(lambda mod, args, out: edge.setdefault("out", output_tensor(out))))
-    try:
-        for _ in range(steps + 1):
-            calls.clear()
-            edge.clear()
-            loss = loss_fn(output_tensor(model(x)), x)
-            into: list[torch.Tensor] = [edge["in"]] if edge["in"].requires_grad else []
-            grad, = torch.autograd.grad(loss, [edge["out"]], retain_graph=True)
-            t0 = time.perf_counter()
-            torch.autograd.backward(edge["out"], grad, inputs=[*into, *params], retain_graph=True)
-            t1 = time.perf_counter()
-            grads = activation_grads(edge["out"], grad, into + [c.output for c in calls])
-            t2 = time.perf_counter()
-            weight_grads(calls, list(grads[len(into):]))
-            t3 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            fused.append(t1 - t0)
-            b.append(t2 - t1)
-            w.append(t3 - t2)
-    finally:
-        for h in hooks:
-            h.remove()
-    whole = statistics.median(fused[1:])
-    return statistics.median(b[1:]) / whole, statistics.median(w[1:]) / whole
-
-
-def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_per_s: float,
-               loss_fn: Any = None) -> UnitCosts:
-    """Each unit's time from its FLOPs (``torch.utils.flop_counter``, one sample's forward; works on a ``meta``
-    model, so on sizes this machine cannot hold) at ``flops_per_s`` (the device's peak times the fraction of
-    it a step reaches); backward twice forward; no fixed cost; the optimiser's memory traffic left out."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from fourfold.loss import lm_loss
-    from fourfold.parallel.pipeline.blocks import output_tensor
-
-    if not flops_per_s > 0:
-        raise ValueError(f"flops_per_s must be > 0, got {flops_per_s}.")
-    n = len(blocks) + 2
-    counter = FlopCounterMode(display=False)
-    at = [0] * (n + 1)
-
-    def mark(i: int) -> Any:
-        return lambda *args: at.__setitem__(i, counter.get_total_flops())
-
-    handles = [h for i, block in enumerate(blocks, start=1)
-               for h in (block.register_forward_pre_hook(mark(i)), block.register_forward_hook(mark(i + 1)))]
-    x = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
-    try:
-        with torch.no_grad(), counter:
-            (loss_fn or lm_loss)(output_tensor(model(x)), x)
-            at[n] = counter.get_total_flops()
-    finally:
-        for h in handles:
-            h.remove()
-    per = [(at[u + 1] - at[u]) / flops_per_s for u in range(n)]
-    return UnitCosts(tuple((0.0, p) for p in per), tuple((0.0, 2 * p) for p in per), 0.0,
-                     f"FLOPs at {flops_per_s / 1e12:.4g} TFLOP/s")
-
+__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "calibrate", "predict"]
 
 @dataclass(frozen=True)
 class Links:
