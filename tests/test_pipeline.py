@@ -29,6 +29,7 @@ from torch import nn
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.model import MultiDeviceModel, model_parallel
+from fourfold.parallel.pipeline.p2p import HEADER_INTS
 from fourfold.parallel.pipeline.runtime import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.split import partition, plan, split_model
 from fourfold.parallel.schedule import make_schedule, peak_in_flight
@@ -229,8 +230,9 @@ def test_spans_follow_the_schedule(name):
         waits = [s for s in spans if s.kind == "wait"]
         assert len(recvs) == MICRO and all(s.peer == 1 - r and s.microbatch is not None for s in recvs)
         activation = BATCH // MICRO * CFG.seq_len * CFG.d_model * 8  # one (b, T, C) float64 micro-batch
-        assert {s.recv_bytes for s in recvs} == {activation + 14 * 8}, "payload + a 14-integer header"
-        assert sum(s.bytes for s in spans if s.name == "send") == MICRO * (activation + 14 * 8)
+        header = HEADER_INTS * 8
+        assert {s.recv_bytes for s in recvs} == {activation + header}, "payload + the header"
+        assert sum(s.bytes for s in spans if s.name == "send") == MICRO * (activation + header)
         assert any(s.name == "tied_grads" for s in spans), "the tied head's gradient exchange is traced"
         assert waits and all(s.end_ns >= s.start_ns for s in waits)
 
@@ -471,3 +473,103 @@ def test_multi_device_single_process_equals_one_process():
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     _check_parity("multi-device cpu,cpu", [losses], model.model_state_dict(), "float64")
+
+
+# ------------------------------------------------------------------------------------------ messages
+
+def _gradient_posted_ahead(ctx) -> dict:
+    """Stage 0 posts the payload receive of a gradient before its header comes (its shape is its F's output's);
+    a gradient that disagrees is refused by the sender's check and named by the receiver's header check."""
+    import torch.distributed as dist
+
+    from fourfold.parallel.pipeline.p2p import GRADIENT, Links, PipelineError
+    from fourfold.parallel.pipeline.split import TensorSpec
+
+    schedule = make_schedule("gpipe", 2, 2)
+    links = Links(schedule, None, ranks=[0, 1], device=torch.device("cpu"), timeout_s=10,
+                  tracer=Tracer(ctx.rank, enabled=False))
+    spec = TensorSpec((2, 3), torch.float64)
+    links.begin(schedule.ranks[ctx.rank], lambda a: spec if a.op == "B" else None)
+    out: dict = {}
+    if ctx.rank == 0:
+        links.prefetch()
+        posted = links.recvs[(GRADIENT, 1, 0)]
+        out["posted_before_header"] = posted.payload_work is not None and not posted.checked
+    dist.barrier()  # rank 1 sends only now: no header can have come above
+    b0, b1 = (a for a in schedule.ranks[ctx.rank] if a.op == "B")
+    if ctx.rank == 1:
+        links.send(b0, GRADIENT, torch.full((2, 3), 7.0, dtype=torch.float64), 0, spec)
+        try:
+            links.send(b1, GRADIENT, torch.zeros(3, 3, dtype=torch.float64), 0, spec)
+        except PipelineError as e:
+            out["sender"] = str(e)
+        links.complete_send((GRADIENT, 1, 0), "test")
+    else:
+        out["value"] = links.recv(b0, GRADIENT, 1, spec).tolist()
+        try:
+            links.recv(b1, GRADIENT, 1, spec)
+        except PipelineError as e:
+            out["receiver"] = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gradient_receive_is_posted_before_its_header():
+    first, second = run_ranks(_gradient_posted_ahead, 2, timeout_s=40)
+    assert first["posted_before_header"], first
+    assert first["value"] == [[7.0] * 3] * 2, first
+    assert "expects (2, 3) float64" in second["sender"], second
+    assert "expects the gradient of micro-batch 1 from stage 1 (rank 1) to be (2, 3) float64, got (3, 3) float64" \
+        in first["receiver"], first
+
+
+def _activation_guessed(ctx) -> dict:
+    """Stage 1 posts activation i's payload receive at i-1's shape before i's header comes; a sender whose
+    activation changed shape moves it one tag on and fills the guessed receive with one byte, whether the
+    receiver had posted it (micro-batch 1) or not (micro-batch 2)."""
+    import torch.distributed as dist
+
+    from fourfold.parallel.pipeline.p2p import ACTIVATION, Links
+
+    schedule = make_schedule("gpipe", 2, 3)
+    links = Links(schedule, None, ranks=[0, 1], device=torch.device("cpu"), timeout_s=10,
+                  tracer=Tracer(ctx.rank, enabled=False))
+    hold = {"mb2": True}
+    links.begin(schedule.ranks[ctx.rank], lambda a: False if a.microbatch == 2 and hold["mb2"] else None)
+    f0, f1, f2 = (a for a in schedule.ranks[ctx.rank] if a.op == "F")
+    sent = [torch.arange(6.0).reshape(2, 3), torch.arange(9.0).reshape(3, 3), torch.arange(4.0).reshape(2, 2)]
+    out: dict = {}
+    if ctx.rank == 0:
+        links.send(f0, ACTIVATION, sent[0], 1, None)
+    else:
+        out["0"] = links.recv(f0, ACTIVATION, 0, None).tolist()  # its header is seen: 1's is guessed from it
+        r = links.recvs[(ACTIVATION, 0, 1)]
+        out["guessed"] = r.payload_work is not None and not r.checked
+    dist.barrier()
+    if ctx.rank == 0:
+        links.send(f1, ACTIVATION, sent[1], 1, None)
+        links.send(f2, ACTIVATION, sent[2], 1, None)
+        links.complete_send((ACTIVATION, 0, 0), "test")
+        links.complete_send((ACTIVATION, 0, 1), "test")
+        links.complete_send((ACTIVATION, 0, 2), "test")
+        out["messages"] = links.messages
+    else:
+        out["1"] = links.recv(f1, ACTIVATION, 0, None).tolist()
+        time.sleep(0.2)  # 2's header is in: gloo says so only when waited on, which the receive below does
+        out["2 not guessed"] = links.recvs[(ACTIVATION, 0, 2)].payload_work is None
+        hold["mb2"] = False
+        out["2"] = links.recv(f2, ACTIVATION, 0, None).tolist()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_activation_receive_is_posted_at_the_last_shape_and_moved_when_it_changed():
+    sender, receiver = run_ranks(_activation_guessed, 2, timeout_s=40)
+    assert receiver["guessed"], receiver
+    assert receiver["2 not guessed"], receiver
+    want = [torch.arange(6.0).reshape(2, 3), torch.arange(9.0).reshape(3, 3), torch.arange(4.0).reshape(2, 2)]
+    for i, t in enumerate(want):
+        assert receiver[str(i)] == t.tolist(), (i, receiver)
+    assert sender["messages"] == 2 + 3 + 3, "micro-batches 1 and 2 changed shape: header, one byte, payload"

@@ -88,7 +88,6 @@ _SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_
           ("gpt-heads", 4, "TinyGPT n_head"), ("gpt-seq-len", 128, "TinyGPT seq_len"),
           ("gpt-batch", 16, "batch in sequences, every rank the same"),
           ("microbatches", 8, "micro-batches per step, m"))
-_HEADER_INTS = 14  # what fourfold's runtime sends before each activation: the ping-pong sends it too
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -206,8 +205,9 @@ def _pingpong(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
     import torch.distributed as dist
 
     from fourfold.comm.wait import barrier
+    from fourfold.parallel.pipeline.p2p import HEADER_INTS
 
-    header, payload, times = torch.zeros(_HEADER_INTS, dtype=torch.int64), torch.zeros(shape), []
+    header, payload, times = torch.zeros(HEADER_INTS, dtype=torch.int64), torch.zeros(shape), []
     for _ in range(reps + 3):
         barrier("line up a timed exchange")
         t0 = time.perf_counter()

@@ -3,25 +3,32 @@
 Messages. Sends are ``isend`` (never blocking: the schedules' model); receives ``irecv`` waited for at most
 ``timeout_s``, or :class:`~fourfold.comm.CommError` names this rank, the action (``1F3``), the peer and what
 was awaited. Each message has its own tag (kind, stage, micro-batch), so ranks need not post them in the same
-order. Each is preceded by a 14-integer header (magic, kind, stage, micro-batch, dtype, ndim, dims): the
-receiver allocates exactly what comes, so a wrong size is never gloo's abort on a too-small buffer, and checks
-it against what its stage expects (the traced :class:`~fourfold.parallel.pipeline.split.TensorSpec`, or the output's
-shape for a gradient) before the payload: a mismatch is a :class:`PipelineError` naming stage, micro-batch,
-expected and got. The sender checks its output against the same spec first; on a mismatch it still sends the
-header, so the receiver fails at once too. A header costs one small extra message per transfer.
+order. Each is preceded by a 15-integer header (magic, kind, stage, micro-batch, dtype, moved, ndim, dims): the
+receiver checks it against what its stage expects (the traced :class:`~fourfold.parallel.pipeline.split.TensorSpec`,
+or the output's shape for a gradient) before it waits for the payload: a mismatch is a :class:`PipelineError`
+naming stage, micro-batch, expected and got. The sender checks its output against the same spec first; on a
+mismatch it still sends the header, so the receiver fails at once too.
 
 Activation sends are known complete when the gradient for that micro-batch comes back (so they are waited for
 then); gradient sends at the end of the step (gloo reports a send complete only when waited on, so their
 buffers live until then).
 
-Receives are posted early: each step posts the header ``irecv`` of every message this rank will receive before
-its first action, and after every send and receive posts the payload ``irecv`` of each header that has come.
-With gloo a send only announces a message; its data leaves once the receiver has posted the matching receive,
-so a receive posted when its action starts costs a round trip (and thread wake-ups) per message.
+Receives are posted before they are needed, because with gloo a send only announces a message: its data leaves
+once the receiver has posted the matching receive, so a receive posted when its action starts costs a round
+trip and two thread wake-ups (milliseconds on busy cores) on the critical path. Each step posts the header
+``irecv`` of every message this rank will receive before its first action. A payload's ``irecv`` needs its
+shape, and gloo reports a point-to-point receive complete only when it is waited on, so a header's arrival
+cannot be seen between actions; after every send and receive the payload receives are posted at a shape known
+ahead (:meth:`Links._guess`): a gradient's is its forward's output's, exact; an activation's is the last one's
+from the same stage this step. The sender knows that guess too: an activation whose shape differs from the last
+one's is *moved* (its header says so) one tag on, and one byte fills the receive the guess may have posted. So
+a posted receive is never smaller than what arrives: gloo aborts the process on a message longer than its
+buffer. Where the backend does report an arrived header (NCCL), it is checked and its payload posted exactly.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,11 +43,11 @@ from fourfold.observe.trace import Tracer
 from fourfold.parallel.pipeline.split import Stage, TensorSpec, sum_tied_grads
 from fourfold.parallel.schedule import Action, Schedule
 
-__all__ = ["ACTIVATION", "GRADIENT", "Links", "PipelineError", "describe"]
+__all__ = ["ACTIVATION", "GRADIENT", "HEADER_INTS", "Links", "PipelineError", "describe"]
 
 _MAGIC = 0x46_46_50  # "FFP"
 _MAX_DIMS = 8
-_HEADER = 6 + _MAX_DIMS
+HEADER_INTS = 7 + _MAX_DIMS
 ACTIVATION, GRADIENT = 0, 1
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64, torch.bool)
@@ -59,6 +66,8 @@ class _Recv:
     header_work: Any
     payload: torch.Tensor | None = None
     payload_work: Any = None
+    checked: bool = False  # the header has come and was checked; the payload's receive is posted where it says
+    spare: Any = None  # a receive posted at a guessed shape the sender moved past: it gets one byte
 
 
 Expect = Callable[[Action], "TensorSpec | None | bool"]
@@ -82,6 +91,8 @@ class Links:
 
     def _reset(self) -> None:
         self.sends: dict[tuple[int, int, int], tuple[list[Any], list[torch.Tensor], str, int]] = {}
+        self.sent: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # this step's, by message
+        self.seen: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # headers come this step
         self.mailbox: dict[tuple[int, int, int], torch.Tensor] = {}  # messages from this rank to itself
         self.recvs: dict[tuple[int, int, int], _Recv] = {}  # posted, not yet used
         self.sent_bytes = self.messages = self.wait_ns = 0
@@ -117,7 +128,8 @@ class Links:
         return self.ranks[self.schedule.owner(stage)]
 
     def _tag(self, kind: int, stage: int, microbatch: int) -> int:
-        return 2 * ((kind * self.schedule.stages + stage) * self.schedule.microbatches + microbatch)
+        """Three per message: its header, its payload, and its payload when moved (see :meth:`send`)."""
+        return 3 * ((kind * self.schedule.stages + stage) * self.schedule.microbatches + microbatch)
 
     def send(self, a: Action, kind: int, tensor: torch.Tensor, to_stage: int, expect: TensorSpec | None) -> None:
         what = ("activation", "gradient")[kind]
@@ -126,13 +138,19 @@ class Links:
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
             raise PipelineError(f"rank {self.rank}: {a}: a stage boundary must carry a tensor of at most "
                                 f"{_MAX_DIMS} dims and dtype in {[str(d) for d in _DTYPES]}, got {describe(tensor)}.")
-        header = torch.tensor([_MAGIC, kind, a.stage, i, _DTYPES.index(tensor.dtype), tensor.dim(),
-                               *tensor.shape, *[0] * (_MAX_DIMS - tensor.dim())], dtype=torch.int64,
-                              device=tensor.device)
         key = (kind, a.stage, i)
         if dst == self.rank:  # both stages on this rank (pp = 1): no message
             self.mailbox[key] = tensor
             return
+        shape = (tuple(tensor.shape), tensor.dtype)
+        self.sent[key] = shape
+        if kind == ACTIVATION and i > 0 and (kind, a.stage, i - 1) not in self.sent:
+            raise PipelineError(f"rank {self.rank}: {a}: activations must leave a stage in micro-batch order; "
+                                f"{i - 1} has not been sent (the receiver guesses each one's shape from the last).")
+        moved = kind == ACTIVATION and i > 0 and self.sent[(kind, a.stage, i - 1)] != shape
+        header = torch.tensor([_MAGIC, kind, a.stage, i, _DTYPES.index(tensor.dtype), int(moved), tensor.dim(),
+                               *tensor.shape, *[0] * (_MAX_DIMS - tensor.dim())], dtype=torch.int64,
+                              device=tensor.device)
         t0 = time.perf_counter_ns()
         tag = self._tag(kind, a.stage, i)
         works = [dist.isend(header, dst, group=self.group, tag=tag)]
@@ -141,11 +159,15 @@ class Links:
             raise PipelineError(
                 f"rank {self.rank}: {a}: stage {a.stage}'s {what} for micro-batch {i} is {describe(tensor)}, but "
                 f"stage {to_stage} expects {expect}. The stage's output changed shape since the split traced it.")
-        works.append(dist.isend(tensor, dst, group=self.group, tag=tag + 1))
-        nbytes = header.nbytes + tensor.nbytes
-        self.sends[key] = (works, [header, tensor], what, dst)
+        held = [header, tensor]
+        if moved:  # the receiver may have posted this payload at the last one's shape: one byte fills that receive
+            held.append(torch.zeros(1, dtype=torch.uint8, device=tensor.device))
+            works.append(dist.isend(held[-1], dst, group=self.group, tag=tag + 1))
+        works.append(dist.isend(tensor, dst, group=self.group, tag=tag + 1 + int(moved)))
+        nbytes = sum(t.nbytes for t in held)
+        self.sends[key] = (works, held, what, dst)
         self.sent_bytes += nbytes
-        self.messages += 2
+        self.messages += len(held)
         self._record("comm", "send", t0, time.perf_counter_ns(), bytes=nbytes, microbatch=i, peer=dst,
                      stage=a.stage, what=what)
         self.prefetch()
@@ -170,31 +192,75 @@ class Links:
             src = self.owner(from_stage)
             if src == self.rank:  # from the mailbox
                 continue
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            header = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
             work = dist.irecv(header, src, group=self.group, tag=self._tag(kind, from_stage, a.microbatch))
             self.recvs[(kind, from_stage, a.microbatch)] = _Recv(a, header, work)
 
     def prefetch(self) -> None:
-        """Post the payload receive of every header that has come (and can be checked now); never blocks."""
+        """Post the payload receive of every message whose header has come (and can be checked now), or whose
+        shape is known or guessed before it (:meth:`_guess`); never blocks."""
         for key, r in self.recvs.items():
-            if r.payload_work is None and r.header_work.is_completed() and self._expect_fn(r.action) is not False:
-                self._post_payload(key, r)
+            if r.checked:
+                continue
+            expect = self._expect_fn(r.action)
+            if isinstance(expect, bool):  # False: not known yet
+                continue
+            if r.header_work.is_completed():
+                self._settle(key, r)
+            elif r.payload_work is None and (guess := self._guess(key, expect)) is not None:
+                self._post(key, r, *guess, moved=False)
 
-    def _post_payload(self, key: tuple[int, int, int], r: _Recv) -> None:
-        """Check a come header against what its action expects; post the receive of exactly what it announces."""
+    def _guess(self, key: tuple[int, int, int], expect: TensorSpec | None) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """The payload's shape before its header comes, or None. A gradient's is exact: its forward's output's (the
+        sender checks its gradient against the very activation this rank sent it, and sends no payload if they
+        differ). An activation's is the last one's from the same stage this step; the sender knows that guess
+        too, and moves a payload that differs from it (:meth:`send`). Either way a receive posted ahead is never
+        too small: gloo aborts the process on a message longer than its buffer."""
+        kind, from_stage, i = key
+        if kind == GRADIENT:
+            exact = [d for d in expect.shape if d is not None] if expect is not None else []
+            return (tuple(exact), expect.dtype) if expect is not None and len(exact) == len(expect.shape) else None
+        last = self.seen.get((kind, from_stage, i - 1))
+        return last if last is not None and math.prod(last[0]) > 0 else None
+
+    def _post(self, key: tuple[int, int, int], r: _Recv, shape: tuple[int, ...], dtype: torch.dtype, *,
+              moved: bool) -> None:
+        kind, from_stage, i = key
+        r.payload = torch.empty(shape, dtype=dtype, device=self.device)
+        r.payload_work = dist.irecv(r.payload, self.owner(from_stage), group=self.group,
+                                    tag=self._tag(kind, from_stage, i) + 1 + int(moved))
+
+    def _settle(self, key: tuple[int, int, int], r: _Recv) -> None:
+        """Wait for a message's header, check it against what its action expects, and make sure its payload's
+        receive is posted where the header says: at the same tag as a receive posted ahead at the right shape,
+        or, when the sender moved it, one tag on (the receive at the old tag, posted or not, takes one byte)."""
         kind, from_stage, i = key
         what, a, src = ("activation", "gradient")[kind], r.action, self.owner(from_stage)
         self._wait(r.header_work, str(a), "recv", f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
         h = r.header.tolist()
-        if h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] > _MAX_DIMS:
+        if (h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] not in (0, 1)
+                or h[6] > _MAX_DIMS):
             raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
                                 f"{from_stage}{'FB'[kind]}{i}, got {h}. Are both ranks running the same schedule?")
-        shape, dtype = tuple(h[6:6 + h[5]]), _DTYPES[h[4]]
+        shape, dtype, moved = tuple(h[7:7 + h[6]]), _DTYPES[h[4]], bool(h[5])
         expect = self._expect_fn(a)
         assert not isinstance(expect, bool), f"{a}: the expected gradient is known once its F has run"
         self._check(a, what, from_stage, src, expect, shape, dtype)
-        r.payload = torch.empty(shape, dtype=dtype, device=self.device)
-        r.payload_work = dist.irecv(r.payload, src, group=self.group, tag=self._tag(kind, from_stage, i) + 1)
+        self.seen[key] = (shape, dtype)
+        if moved:
+            if r.payload_work is None:
+                r.payload = torch.empty(1, dtype=torch.uint8, device=self.device)
+                r.payload_work = dist.irecv(r.payload, src, group=self.group, tag=self._tag(*key) + 1)
+            r.spare = r.payload_work
+            self._post(key, r, shape, dtype, moved=True)
+        elif r.payload_work is None:
+            self._post(key, r, shape, dtype, moved=False)
+        elif r.payload is None or (tuple(r.payload.shape), r.payload.dtype) != (shape, dtype):
+            raise PipelineError(f"rank {self.rank}: {a}: rank {src} sent the {what} of micro-batch {i} as "
+                                f"{TensorSpec(shape, dtype)} at the tag of a receive posted at "
+                                f"{describe(r.payload) if r.payload is not None else '?'}: the ranks run different "
+                                "fourfold versions.")
+        r.checked = True
 
     def recv(self, a: Action, kind: int, from_stage: int, expect: TensorSpec | None) -> torch.Tensor:
         what = ("activation", "gradient")[kind]
@@ -207,10 +273,11 @@ class Links:
         r = self.recvs.pop(key)  # posted at the step's start
         awaited = f"receive the {what} of {from_stage}{'FB'[kind]}{i} from"
         t0 = time.perf_counter_ns()
-        if r.payload_work is None:
-            self._post_payload(key, r)  # waits for the header
+        if not r.checked:
+            self._settle(key, r)  # waits for the header: one that disagrees fails here, before a payload never sent
         assert r.payload is not None
         self._wait(r.payload_work, str(a), "recv", awaited, src)
+        self._wait(r.spare, str(a), "recv", awaited, src)
         t1 = time.perf_counter_ns()
         self._trace_wait(t0, t1, i, src, what)
         self._record("comm", "recv", t0, t1, recv_bytes=r.header.nbytes + r.payload.nbytes, microbatch=i, peer=src,
@@ -232,7 +299,7 @@ class Links:
         remote: dict[tuple[int, int], torch.Tensor | None] = {}
         works: list[tuple[Any, int, Direction, str]] = []
         n = self.schedule.stages
-        base = 4 * n * self.schedule.microbatches  # after every activation and gradient tag
+        base = 6 * n * self.schedule.microbatches  # after every activation and gradient tag (3 each)
         t0 = time.perf_counter_ns()
         nbytes = 0
         sends: list[tuple[torch.Tensor, int, int, str]] = []
