@@ -265,11 +265,11 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
 
     made = []
 
-    def fake_run(layout, repeats, steps, train_flags, timeout=120.0):  # the real one: the next test
+    def fake_run(layout, steps, train_flags, timeout):  # the real one: the next test
         made.append(layout)
-        return Measured(0.2 * layout.world_size, stolen=0.0), 1.0
+        return Measured(0.2 * layout.world_size, stolen=0.0)
 
-    monkeypatch.setattr(runs, "best_run", fake_run)
+    monkeypatch.setattr(runs, "measure_run", fake_run)
     flags = ["--nproc", "4", "--batch-size", "6", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
              "--seq-len", "16", "--top", "3"]
     assert main([*flags, "--calibrate"]) == 0
@@ -360,3 +360,21 @@ def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
     assert stolen(None, [1] * 8) is None and stolen([0] * 8, [0] * 8) is None
     now = cpu_times()
     assert now is None or (len(now) == 8 and all(v >= 0 for v in now))
+
+
+def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
+    from fourfold.observe import runs
+
+    order, slower = [], iter(range(1, 100))
+
+    def fake_run(layout, steps, train_flags, timeout):  # the machine gets slower with every run
+        order.append(layout)
+        return Measured(0.1 * next(slower), stolen=0.0)
+
+    monkeypatch.setattr(runs, "measure_run", fake_run)
+    a, b, c = Layout(dp=2), Layout(tp=2), Layout(dp=4)
+    seen = []
+    got = runs.best_runs([a, b, c], repeats=2, steps=3, train_flags=[], progress=lambda L, m: seen.append(L))
+    assert order == seen == [a, b, c, c, b, a]
+    assert {L: round(m.step_s, 3) for L, (m, _) in got.items()} == {a: 0.1, b: 0.2, c: 0.3}
+    assert {L: round(spread, 3) for L, (_, spread) in got.items()} == {a: 6.0, b: 2.5, c: 1.333}

@@ -5,10 +5,11 @@
 
 Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
 four short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
-link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores). Then for each layout it
-runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, takes the median step after the first of the
-fastest run (a shared machine's noise only ever adds time; the slowest over it is printed as the spread), and
-puts the prediction
+link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores). Every layout, those four
+included, runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, in rotation (all of them once, then
+again in reverse order: a machine whose speed drifts weighs on the calibration and the checked runs alike); the
+figure is the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
+slowest over it is printed as the spread). Then it puts the prediction
 (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
 time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
 ``layouts/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step above the predicted one.
@@ -29,7 +30,7 @@ from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_re
 from fourfold.mesh import Mesh
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.predict import Layout, Measured, Prediction
-from fourfold.observe.runs import best_run, calibration_layouts
+from fourfold.observe.runs import best_runs, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
 
 __all__ = ["LAYOUTS", "main", "parse_layout"]
@@ -114,14 +115,20 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
           f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
-    measured = {L: best_run(L, ns.repeats, ns.steps, model_flags, ns.timeout) for L in fit_on}
-    profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: m for L, (m, _) in measured.items()})
+    todo = list(dict.fromkeys([*fit_on, *ns.layouts]))
+    done = iter(range(1, len(todo) * ns.repeats + 1))
+
+    def progress(L: Layout, m: Measured) -> None:
+        print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
+
+    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress)
+    profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: measured[L][0] for L in fit_on})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
     print(f"{'layout':<30} {'predicted':>10} {'measured':>10} {'spread':>6} {'stolen':>6} {'error':>7}   bubble  "
           "dp exposed  memory/rank")
     for L in ns.layouts:
-        m, spread = measured.get(L) or best_run(L, ns.repeats, ns.steps, model_flags, ns.timeout)
+        m, spread = measured[L]
         p = predict(profile, L, links, ns.batch_size)
         error = p.step_s / m.step_s - 1
         rows.append({"layout": str(L), "predicted_s": p.step_s, "measured_s": m.step_s, "spread": spread,

@@ -266,7 +266,7 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
     with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so."""
     from fourfold.observe.predict import calibrate
-    from fourfold.observe.runs import best_run, calibration_layouts
+    from fourfold.observe.runs import calibration_layouts, measure_run
 
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
     runs = {}
@@ -276,7 +276,7 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
         if why:
             print(f"  calibration run {i}/{len(todo)}, {layout}: skipped ({why})", flush=True)
             continue
-        measured, _ = best_run(layout, repeats=1, steps=8, train_flags=train_flags)
+        measured = measure_run(layout, steps=8, train_flags=train_flags, timeout=120.0)
         runs[layout] = measured
         stolen = "" if measured.stolen is None else f", {measured.stolen:.0%} of the CPU stolen"
         print(f"  calibration run {i}/{len(todo)}, {layout}: {_time(measured.step_s)} per step{stolen}", flush=True)

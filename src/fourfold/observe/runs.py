@@ -1,9 +1,9 @@
 """Short real runs of ``fourfold train`` for the simulator to fit on and be checked against.
 
-    from fourfold.observe.runs import best_run, calibration_layouts
+    from fourfold.observe.runs import best_runs, calibration_layouts
 
-    runs = {L: best_run(L, repeats=1, steps=8, train_flags=["--batch-size", "16"])[0]
-            for L in calibration_layouts(microbatches=4)}
+    runs = {L: m for L, (m, _) in best_runs(calibration_layouts(microbatches=4), repeats=2, steps=8,
+                                           train_flags=["--batch-size", "16"]).items()}
     profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.observe.predict
 
 Each run is ``fourfold train`` in a subprocess with the user's model and batch flags, then the layout's own
@@ -20,14 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from fourfold.observe.predict import Layout, Measured
 from fourfold.observe.trace import load_jsonl
 
-__all__ = ["best_run", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
+__all__ = ["best_runs", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
 
 
 def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
@@ -75,8 +75,18 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
     return Measured(statistics.median(r["step_time_s"] for r in rows), spans, stolen(cpu, cpu_times()))
 
 
-def best_run(layout: Layout, repeats: int, steps: int, train_flags: Sequence[str],
-             timeout: float = 120.0) -> tuple[Measured, float]:
-    """The fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and the slowest over it."""
-    runs = sorted((measure_run(layout, steps, train_flags, timeout) for _ in range(repeats)), key=lambda m: m.step_s)
-    return runs[0], runs[-1].step_s / runs[0].step_s
+def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
+              timeout: float = 120.0, *, progress: Callable[[Layout, Measured], None] | None = None,
+              ) -> dict[Layout, tuple[Measured, float]]:
+    """Each layout's fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and its slowest
+    over it. The runs rotate, every layout once and then again in reverse order, so a machine whose speed
+    drifts over minutes (this VM's did by 20 %) weighs on the calibration runs and on the runs checked against
+    them alike. ``progress(layout, run)`` is called after each run."""
+    runs: dict[Layout, list[Measured]] = {L: [] for L in layouts}
+    for k in range(repeats):
+        for L in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+            runs[L].append(measure_run(L, steps, train_flags, timeout))
+            if progress is not None:
+                progress(L, runs[L][-1])
+    return {L: (min(got, key=lambda m: m.step_s), max(m.step_s for m in got) / min(m.step_s for m in got))
+            for L, got in runs.items()}
