@@ -31,6 +31,12 @@ __all__ = ["main"]
 RDZV_PORT = 29411
 
 
+def _tcp_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tcp", default="cubic", help="each node's TCP congestion control, or keep for this machine's "
+                   "(default: cubic, Linux's default; bbr's pacing and probing over the shaped links made a ring "
+                   "19%% slower than its model here)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = make_parser("fourfold lab", "An emulated cluster on this machine: nodes as network namespaces, links shaped "
                     "with tc (needs root).")
@@ -42,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                      "loopback, unshaped (default: 1)")
     run.add_argument("--link", default="1gbit", help="each node's link to the switch, both ways, as tc writes "
                      "rates: 100mbit, 1gbit, 10gbit (default: 1gbit)")
+    _tcp_flag(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. fourfold train ...")
     sw = sub.add_parser("sweep", help="one all-reduce size across labs of growing size: time against G per "
                         "algorithm, bytes per link, the alpha-beta model beside them")
@@ -53,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--algorithms", default="ring,master,naive,rabenseifner,native",
                     help="comma-separated, as bench allreduce takes them (default: ring,master,naive,rabenseifner,"
                     "native)")
+    _tcp_flag(sw)
     sw.add_argument("--iters", type=int, default=3, help="timed calls per algorithm and lab (default: 3)")
     sw.add_argument("--out", default="runs/lab-sweep", help="where sweep.json, sweep.png and each lab's bench "
                     "output go (default: runs/lab-sweep)")
@@ -97,7 +105,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     return [int(p.returncode) for p in procs]
 
 
-def run_command(nodes: int, gpus: int, link: str, command: list[str]) -> int:
+def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str = "cubic") -> int:
     """Make the lab, run ``command`` on every node, remove the lab; the worst node's exit code."""
     from fourfold.lab import Lab
 
@@ -110,11 +118,11 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str]) -> int:
         command = [sys.executable, "-m", "fourfold.cli", *command[1:]]
     if gpus < 1:
         raise ValueError(f"gpus-per-node must be >= 1, got {gpus}.")
-    lab = Lab(nodes, link)
+    lab = Lab(nodes, link, tcp)
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
         logs = Path(tmp)
-        print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, addresses "
+        print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, TCP {tcp}, addresses "
               f"{lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed lab run still removes its lab
         try:
@@ -159,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 counts = [int(x) for x in ns.nodes.split(",")]
             except ValueError:
                 raise ValueError(f"nodes must be comma-separated counts such as 2,4,8, got {ns.nodes!r}.") from None
-            Lab(1, ns.link)  # refuse a bad --link before the first lab
-            return sweep(counts, ns.gpus_per_node, ns.link, ns.size, ns.algorithms, ns.iters, Path(ns.out))
-        return run_command(ns.nodes, ns.gpus_per_node, ns.link, ns.command)
+            Lab(1, ns.link, ns.tcp)  # refuse a bad --link or --tcp before the first lab
+            return sweep(counts, ns.gpus_per_node, ns.link, ns.size, ns.algorithms, ns.iters, Path(ns.out), ns.tcp)
+        Lab(1, ns.link, ns.tcp)
+        return run_command(ns.nodes, ns.gpus_per_node, ns.link, ns.command, ns.tcp)
     except ValueError as e:
         parser.error(str(e))
     except LabUnavailable as e:

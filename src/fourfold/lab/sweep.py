@@ -20,7 +20,8 @@ from typing import Any
 __all__ = ["sweep"]
 
 
-def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, iters: int, out: Path) -> int:
+def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, iters: int, out: Path,
+          tcp: str = "cubic") -> int:
     """Run the bench in a lab per entry of ``nodes``; report and draw. The worst exit code of the runs."""
     from fourfold.bench.harness import format_bytes, parse_size, write_report
     from fourfold.cli.lab import run_command
@@ -38,7 +39,7 @@ def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, it
         print(f"fourfold lab sweep: {n} node(s) x {gpus}, {size} ...", file=sys.stderr, flush=True)
         code = run_command(n, gpus, link, ["fourfold", "bench", "allreduce", "--nproc", str(gpus), "--sizes", size,
                                            "--algorithms", algorithms, "--iters", str(iters), "--no-save-model",
-                                           "--out", str(where)])
+                                           "--out", str(where)], tcp)
         if code != 0:
             print(f"fourfold lab sweep: the run on {n} node(s) failed (exit {code}); stopping", file=sys.stderr)
             return code
@@ -60,8 +61,8 @@ def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, it
     targets += _flat_ring(table)
     for what, ok in targets:
         print(f"  {'met   ' if ok else 'MISSED'} {what}")
-    result = {"command": " ".join(sys.argv), "nodes": nodes, "gpus_per_node": gpus, "link": link, "bytes": nbytes,
-              "rows": table, "targets": [{"target": w, "met": ok} for w, ok in targets]}
+    result = {"command": " ".join(sys.argv), "nodes": nodes, "gpus_per_node": gpus, "link": link, "tcp": tcp,
+              "bytes": nbytes, "rows": table, "targets": [{"target": w, "met": ok} for w, ok in targets]}
     write_report(out, result, time.monotonic() - started, lambda path: _chart(table, names, nbytes, link, gpus, path), name="sweep")
     return 0
 
