@@ -137,3 +137,13 @@ def test_sweep_fits_both_links_and_predicts_every_algorithm(tmp_path):
     assert rows["hierarchical"]["busiest_link_bytes"] < rows["ring"]["busiest_link_bytes"]
     assert any("within 20% of its model" in t["target"] for t in sweep["targets"])
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_lab_keeps_its_cost_model_apart_from_this_machines(monkeypatch):
+    from fourfold.cli.lab import _node_env
+
+    monkeypatch.delenv("FOURFOLD_COST_MODEL", raising=False)
+    env = _node_env(Lab(4, "250mbit"), 1, 2)
+    assert env["FOURFOLD_COST_MODEL"].endswith("/.cache/fourfold/lab/cost_model-4x2-250mbit-cubic.json")
+    monkeypatch.setenv("FOURFOLD_COST_MODEL", "/tmp/mine.json")  # the user's choice wins
+    assert _node_env(Lab(4, "250mbit"), 1, 2)["FOURFOLD_COST_MODEL"] == "/tmp/mine.json"
