@@ -61,7 +61,7 @@ def test_lab_shapes_each_link_and_removes_a_crashed_labs_leftovers():
     with Lab(2, "50mbit") as lab:
         assert leftovers() == [PREFIX + "n0", PREFIX + "n1", PREFIX + "sw"]  # n9 is gone
         assert "tbf" in lab.qdiscs(0) and "rate 50Mbit" in lab.qdiscs(0)
-        assert lab.congestion_control(0) == lab.congestion_control(1) == "cubic"  # whatever the machine's is
+        assert lab.tcp_settings(0) == lab.tcp_settings(1) == ("cubic", 0)  # whatever the machine's are
         server = subprocess.Popen(lab.exec_argv(0, [sys.executable, "-c", (
             "import socket\ns = socket.socket(); s.bind(('10.213.0.1', 5000)); s.listen(); c, _ = s.accept()\n"
             "n = 0\nwhile (b := c.recv(1 << 20)):\n    n += len(b)\nprint(n)")]), stdout=subprocess.PIPE, text=True)

@@ -32,9 +32,9 @@ RDZV_PORT = 29411
 
 
 def _tcp_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tcp", default="cubic", help="each node's TCP congestion control, or keep for this machine's "
-                   "(default: cubic, Linux's default; bbr's pacing and probing over the shaped links made a ring "
-                   "19%% slower than its model here)")
+    p.add_argument("--tcp", default="cubic", help="each node's TCP congestion control, windows kept across idle "
+                   "(tcp_slow_start_after_idle=0); keep: this machine's TCP settings (default: cubic, Linux's "
+                   "default; bbr's pacing and probing over the shaped links made a ring 19%% slower than its model)")
 
 
 def _parser() -> argparse.ArgumentParser:
