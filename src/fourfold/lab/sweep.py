@@ -127,7 +127,7 @@ def _chart(table: list[dict[str, Any]], names: list[str], nbytes: int, link: str
     ax.set(xlabel="ranks G", ylabel="median time (ms); dotted: alpha-beta model", xticks=ranks,
            title=f"all-reduce of {nbytes / 2**20:g} MB, links {link}{per_node}")
     bx.set(xlabel="ranks G", ylabel="MB on a node's link (up or down, the larger)", xticks=ranks,
-           title="bytes per link: the master's root link grows with G, the ring's stay flat")
+           title="bytes per link: the master's root link grows with G,\nthe ring's stay flat")
     for a in (ax, bx):
         a.grid(True, alpha=0.3)
         a.legend(fontsize=8)
