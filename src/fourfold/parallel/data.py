@@ -119,6 +119,9 @@ class DataParallel(nn.Module):
         _broadcast_state(module, self._comm)
         self.buckets = self._make_buckets(named, int(bucket_mb * 2**20))
         self._where = {id(p): (b, b.offsets[i]) for b in self.buckets for i, p in enumerate(b.params)}
+        # each parameter's slice of its bucket, shaped as the parameter: made once, not per gradient per step
+        self._slots = {id(p): b.flat[o:o + p.numel()].view_as(p) for b in self.buckets
+                       for p, o in zip(b.params, b.offsets, strict=True)}
         self._names = {id(p): n for n, p in named}
         self._sync = True
         self.auto_finish = auto_finish
@@ -180,12 +183,12 @@ class DataParallel(nn.Module):
 
     def _pack(self, p: torch.Tensor) -> None:
         """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation)."""
-        bucket, offset = self._where[id(p)]
+        bucket, _ = self._where[id(p)]
         assert p.grad is not None
         # Scale while packing (grad_scale: 1/G, or 1 when the loss is already the global batch's), so finish()
         # has no separate pass over the buckets on the critical path.
         # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
-        torch.mul(p.grad.reshape(-1), self.grad_scale, out=bucket.flat[offset:offset + p.numel()])
+        torch.mul(p.grad, self.grad_scale, out=self._slots[id(p)])
         bucket.ready.add(id(p))
 
     def _launch_in_order(self) -> None:
@@ -261,8 +264,8 @@ class DataParallel(nn.Module):
         """Each ``p.grad`` becomes a view of its slice of the bucket (as DDP's ``gradient_as_bucket_view``): no
         copy back, and the gradient autograd produced is freed. ``zero_grad()`` then zeroes the bucket in place
         (or drops the view), and the next backward accumulates into it; the hook packs it again either way."""
-        for p, offset in zip(b.params, b.offsets, strict=True):
-            p.grad = b.flat[offset:offset + p.numel()].view_as(p)
+        for p in b.params:
+            p.grad = self._slots[id(p)]
 
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
