@@ -21,9 +21,10 @@ from fourfold.testing import run_ranks
 NOW = 1000.0
 
 
-def _wait(op: str, *, group=None, peer=None, seq=1, since=NOW - 12, awaited="receive from", direction=None):
+def _wait(op: str, *, group=None, peer=None, seq=1, since=NOW - 12, awaited="receive from", direction=None,
+          message=None):
     return {"op": op, "awaited": awaited, "peer": peer, "group": group, "seq": seq, "shape": [2, 8],
-            "dtype": "float64", "since": since, "direction": direction}
+            "dtype": "float64", "since": since, "direction": direction, "message": message}
 
 
 def _beat(now=None, *, last=None, step=3, stack="train.py:200 _train"):
@@ -74,6 +75,19 @@ def test_a_peer_receiving_from_this_rank_has_not_arrived_at_its_send():
     assert f is not None and f.faulty == [0, 1] and "deadlock" in f.line  # alive, both receiving: a deadlock
     sending = _beat(_wait("1B1", peer=0, direction="send", since=NOW - 11))
     assert diagnose(0, me, {1: sending}, {}, hang_s=10, now=NOW) is None  # the other end of the same transfer
+
+
+def test_a_peer_sending_another_message_has_not_arrived():
+    """Rank 1 stuck sending message 1B1 while rank 0 waits to receive 1B2 from it: opposite ends, but of two
+    messages; 1B2 comes only after 1B1 is taken, so rank 1 is not at the other end of rank 0's wait."""
+    me = _wait("0B2", peer=1, direction="recv", message="1B2")
+    other = _beat(_wait("1B1", peer=0, direction="send", message="1B1", since=NOW - 11))
+    f = diagnose(0, me, {1: other}, {}, hang_s=10, now=NOW)
+    assert f is not None and f.faulty == [0, 1] and "deadlock" in f.line, f
+    same = _beat(_wait("1B2", peer=0, direction="send", message="1B2", since=NOW - 11))
+    assert diagnose(0, me, {1: same}, {}, hang_s=10, now=NOW) is None
+    unnamed = _beat(_wait("1B1", peer=0, direction="send", since=NOW - 11))  # a wait that names no message
+    assert diagnose(0, me, {1: unnamed}, {}, hang_s=10, now=NOW) is None
 
 
 def test_arrived_ranks_are_not_blamed_and_a_computing_rank_is_slow_not_hung():

@@ -42,6 +42,7 @@ class Entry:
     dtype: str | None
     since: float  # time.time() when the wait began
     direction: Direction | None = None  # point-to-point: which end this rank is (None: a collective, or not said)
+    message: str | None = None  # point-to-point: which message ("0F3"), the same at both ends (None: not said)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,14 +73,15 @@ class Ledger:
         self._counts: dict[tuple[Any, ...], int] = {}
 
     def enter(self, op: str, awaited: str, *, peer: int | None = None, group: Sequence[int] | None = None,
-              tensor: torch.Tensor | None = None, direction: Direction | None = None) -> Entry:
+              tensor: torch.Tensor | None = None, direction: Direction | None = None,
+              message: str | None = None) -> Entry:
         ranks = tuple(group) if group is not None else None
         key: tuple[Any, ...] = ranks if ranks is not None else ("pair", *sorted((self.rank, -1 if peer is None
                                                                                    else peer)))
         seq = self._counts[key] = self._counts.get(key, 0) + 1
         entry = Entry(op, awaited, peer, ranks, seq, tuple(tensor.shape) if tensor is not None else None,
                       str(tensor.dtype).removeprefix("torch.") if tensor is not None else None, time.time(),
-                      direction)
+                      direction, message)
         self.current = entry
         return entry
 

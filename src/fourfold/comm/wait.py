@@ -69,16 +69,18 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 
 def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: str, peer: int | None = None,
                  group_ranks: Sequence[int] | None = None, hint: str = HINT,
-                 tensor: torch.Tensor | None = None, direction: Direction | None = None) -> None:
+                 tensor: torch.Tensor | None = None, direction: Direction | None = None,
+                 message: str | None = None) -> None:
     """Wait for ``work`` (a ``dist.Work``) at most ``timeout_s`` seconds, or raise :class:`CommError` naming
     ``rank``, ``op`` and ``peer`` (or ``group_ranks`` for a collective). ``None`` work (nothing posted) returns.
     ``tensor`` (optional) gives the ledger the shape and dtype moved; ``direction`` (``"send"`` or ``"recv"``)
     says which end of a point-to-point transfer this rank is, so the hang doctor can tell the peer's matching
-    send from a receive of its own."""
+    send from a receive of its own; ``message`` names the message ("0F3") the same way at both ends, so it can
+    tell a send of another message too."""
     if work is None:
         return
     entry = LEDGER.enter(op, awaited, peer=peer, group=group_ranks if peer is None else None, tensor=tensor,
-                         direction=direction)
+                         direction=direction, message=message)
     try:
         work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
     except RuntimeError as e:

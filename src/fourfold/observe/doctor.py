@@ -99,6 +99,8 @@ def _arrived(rank: int, wait_: Mapping[str, Any], other: Mapping[str, Any] | Non
     # other (or both sending) is not an arrival: each waits for a message the other has not sent (a stopped
     # rank's last beat can show it waiting to receive from the very rank that now waits on it)
     mine, its = wait_.get("direction"), theirs.get("direction")
+    if wait_.get("message") and theirs.get("message") and wait_["message"] != theirs["message"]:
+        return False  # it sends (or takes) another message: this one waits behind it
     return mine is None or its is None or mine != its
 
 

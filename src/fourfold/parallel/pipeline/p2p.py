@@ -111,8 +111,9 @@ class Links:
         self._trace_wait(t0, time.perf_counter_ns(), None, None, "sends")
         assert not self.recvs, f"rank {self.rank}: receives posted but never used: {sorted(self.recvs)}"
 
-    def _wait(self, work: Any, label: str, direction: Direction, awaited: str, peer: int) -> None:
+    def _wait(self, work: Any, label: str, direction: Direction, awaited: str, peer: int, message: str) -> None:
         bounded_wait(work, self.timeout_s, rank=self.rank, op=label, awaited=awaited, peer=peer, direction=direction,
+                     message=message,
                      hint="The peer is dead, stuck, or running another schedule; its own error (if any) says which.")
 
     def _record(self, kind: Any, name: str, t0: int, t1: int, **kwargs: Any) -> None:
@@ -155,7 +156,8 @@ class Links:
         tag = self._tag(kind, a.stage, i)
         works = [dist.isend(header, dst, group=self.group, tag=tag)]
         if expect is not None and not expect.matches(tensor.shape, tensor.dtype):
-            self._wait(works[0], str(a), "send", f"send the {what} header to", dst)  # so the receiver fails at once too
+            self._wait(works[0], str(a), "send", f"send the {what} header to", dst,  # so the receiver fails at once too
+                       _name(key))
             raise PipelineError(
                 f"rank {self.rank}: {a}: stage {a.stage}'s {what} for micro-batch {i} is {describe(tensor)}, but "
                 f"stage {to_stage} expects {expect}. The stage's output changed shape since the split traced it.")
@@ -177,7 +179,7 @@ class Links:
         if entry is not None:
             works, _, what, dst = entry
             for work in works:
-                self._wait(work, label, "send", f"send the {what} of {key[1]}{'FB'[key[0]]}{key[2]} to", dst)
+                self._wait(work, label, "send", f"send the {what} of {_name(key)} to", dst, _name(key))
 
     def _post_recvs(self, actions: Sequence[Action]) -> None:
         """Post the header receive of every message this rank receives in this step, in action order."""
@@ -236,7 +238,7 @@ class Links:
         or, when the sender moved it, one tag on (the receive at the old tag, posted or not, takes one byte)."""
         kind, from_stage, i = key
         what, a, src = ("activation", "gradient")[kind], r.action, self.owner(from_stage)
-        self._wait(r.header_work, str(a), "recv", f"receive the {what} of {from_stage}{'FB'[kind]}{i} from", src)
+        self._wait(r.header_work, str(a), "recv", f"receive the {what} of {_name(key)} from", src, _name(key))
         h = r.header.tolist()
         if (h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] not in (0, 1)
                 or h[6] > _MAX_DIMS):
@@ -271,13 +273,13 @@ class Links:
             self._check(a, what, from_stage, src, expect, tensor.shape, tensor.dtype)
             return tensor
         r = self.recvs.pop(key)  # posted at the step's start
-        awaited = f"receive the {what} of {from_stage}{'FB'[kind]}{i} from"
+        awaited = f"receive the {what} of {_name(key)} from"
         t0 = time.perf_counter_ns()
         if not r.checked:
             self._settle(key, r)  # waits for the header: one that disagrees fails here, before a payload never sent
         assert r.payload is not None
-        self._wait(r.payload_work, str(a), "recv", awaited, src)
-        self._wait(r.spare, str(a), "recv", awaited, src)
+        self._wait(r.payload_work, str(a), "recv", awaited, src, _name(key))
+        self._wait(r.spare, str(a), "recv", awaited, src, _name(key))
         t1 = time.perf_counter_ns()
         self._trace_wait(t0, t1, i, src, what)
         self._record("comm", "recv", t0, t1, recv_bytes=r.header.nbytes + r.payload.nbytes, microbatch=i, peer=src,
@@ -297,12 +299,12 @@ class Links:
     def exchange_tied(self, stages: Sequence[Stage]) -> None:
         """Exchange tied copies' gradients with the ranks holding the other copies; sum in stage order."""
         remote: dict[tuple[int, int], torch.Tensor | None] = {}
-        works: list[tuple[Any, int, Direction, str]] = []
+        works: list[tuple[Any, int, Direction, str, str]] = []
         n = self.schedule.stages
         base = 6 * n * self.schedule.microbatches  # after every activation and gradient tag (3 each)
         t0 = time.perf_counter_ns()
         nbytes = 0
-        sends: list[tuple[torch.Tensor, int, int, str]] = []
+        sends: list[tuple[torch.Tensor, int, int, str, str]] = []
         for st in stages:  # receives posted before sends (see fourfold.comm.p2p on gloo)
             named = dict(st.named_parameters())
             for name, (tie, holders) in st.tied.items():
@@ -310,22 +312,30 @@ class Links:
                 grad = (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
                 for peer in sorted({self.owner(j) for j in holders} - {self.rank}):
                     sends.append((grad, peer, base + tie * n + st.index,
-                                  f"send the gradient of tied weight {tie} (stage {st.index}) to"))
+                                  f"send the gradient of tied weight {tie} (stage {st.index}) to",
+                                  f"tied {tie} of stage {st.index}"))
                 for j in holders:
                     if self.owner(j) != self.rank and (tie, j) not in remote:
                         remote[(tie, j)] = buf = torch.empty_like(p)
                         works.append((dist.irecv(buf, self.owner(j), group=self.group, tag=base + tie * n + j),
-                                      self.owner(j), "recv", f"receive the gradient of tied weight {tie} (stage {j}) from"))
-        for grad, peer, tag, awaited in sends:
-            works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, "send", awaited))
+                                      self.owner(j), "recv", f"receive the gradient of tied weight {tie} (stage {j}) from",
+                                      f"tied {tie} of stage {j}"))
+        for grad, peer, tag, awaited, message in sends:
+            works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, "send", awaited, message))
             nbytes += grad.nbytes
-        for work, peer, direction, awaited in works:
-            self._wait(work, "tied gradients", direction, awaited, peer)
+        for work, peer, direction, awaited, message in works:
+            self._wait(work, "tied gradients", direction, awaited, peer, message)
         if works:
             self.sent_bytes += nbytes
-            self.messages += sum(1 for _, _, direction, _ in works if direction == "send")
+            self.messages += sum(1 for _, _, direction, _, _ in works if direction == "send")
             self._record("comm", "tied_grads", t0, time.perf_counter_ns(), bytes=nbytes)
         sum_tied_grads(stages, remote)
+
+
+def _name(key: tuple[int, int, int]) -> str:
+    """A message's name, the same at both ends: ``0F3``, the activation of stage 0's F of micro-batch 3."""
+    kind, stage, microbatch = key
+    return f"{stage}{'FB'[kind]}{microbatch}"
 
 
 def describe(t: torch.Tensor) -> str:
