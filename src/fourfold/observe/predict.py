@@ -284,8 +284,8 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
             return (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
-        message = link.alpha_s + link.beta_s_per_byte * profile.hidden_bytes * micro // (
-            L.tp if sequence_parallel else 1) + links.wake(L.world_size)
+        message_bytes = profile.hidden_bytes * micro // (L.tp if sequence_parallel else 1)
+        message = link.alpha_s + link.beta_s_per_byte * message_bytes + links.wake(L.world_size)
         timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
         forward, ends = 0.0, [max(t.end for t in row) for row in timeline.ranks]
