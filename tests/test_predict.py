@@ -378,3 +378,36 @@ def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
     assert order == seen == [a, b, c, c, b, a]
     assert {L: round(m.step_s, 3) for L, (m, _) in got.items()} == {a: 0.1, b: 0.2, c: 0.3}
     assert {L: round(spread, 3) for L, (_, spread) in got.items()} == {a: 6.0, b: 2.5, c: 1.333}
+
+
+def _first_step_ms(out: str) -> float:
+    import re
+
+    return float(re.search(r"^\s+1 \S+ .*?(\d+\.\d) ms", out, re.MULTILINE).group(1))
+
+
+def test_plan_for_a_lab_joins_its_nodes_by_the_labs_link(capsys, monkeypatch, tmp_path):
+    from fourfold.cli.plan import main
+    from fourfold.comm.auto import CostModel
+    from fourfold.lab.net import cost_model_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no lab fitted yet
+    flags = ["--nproc", "4", "--batch-size", "8", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
+             "--seq-len", "16", "--top", "3"]
+    assert main(flags) == 0
+    here = capsys.readouterr().out
+    assert main([*flags, "--lab", "2", "--link", "10mbit"]) == 0
+    lab = capsys.readouterr().out
+    assert "links: lab 10mbit, not fitted (fit it: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit" in lab
+    assert "run the first in the lab: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit -- fourfold " \
+           "train --dp" in lab and "--nproc" not in lab.splitlines()[-1]
+    assert _first_step_ms(lab) > 1.5 * _first_step_ms(here), (here, lab)  # 10 Mbit/s between the nodes
+    path = cost_model_path(2, 2, "10mbit")  # what lab run's bench allreduce saves: the node link, then the network
+    path.parent.mkdir(parents=True)
+    CostModel(1e-4, 1e-10, 0.0, "test", network=(3e-4, 8 / 10e6)).save(path)
+    assert main([*flags, "--lab", "2", "--link", "10mbit"]) == 0
+    assert f"links: lab 10mbit, fitted ({path})" in capsys.readouterr().out
+    assert main([*flags, "--lab", "3"]) == 2
+    assert "--lab must be a number of nodes that divides --nproc, got --lab 3 for --nproc 4" in capsys.readouterr().err
+    assert main(["--gpus", "8", "--lab", "2"]) == 2
+    assert "drop one of them" in capsys.readouterr().err

@@ -73,8 +73,9 @@ def _node_env(lab, k: int, gpus: int) -> dict[str, str]:  # noqa: ANN001 - a Lab
     """Node ``k``'s environment. A cost model fitted in the lab (``bench allreduce`` saves one) is the lab's,
     kept apart from this machine's own unless ``FOURFOLD_COST_MODEL`` says otherwise: ``auto`` on loopback must
     not pick algorithms for 250 Mbit/s links."""
-    model = Path.home() / ".cache" / "fourfold" / "lab" / f"cost_model-{lab.nodes}x{gpus}-{lab.link}-{lab.tcp}.json"
-    return {"FOURFOLD_COST_MODEL": str(model), **os.environ, LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
+    from fourfold.lab.net import cost_model_path
+
+    return {"FOURFOLD_COST_MODEL": str(cost_model_path(lab.nodes, gpus, lab.link, lab.tcp)), **os.environ, LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
             LAB_ENV + "NODE_RANK": str(k), LAB_ENV + "RDZV_ENDPOINT": f"{lab.address(0)}:{RDZV_PORT}",
             LAB_ENV + "LOCAL_ADDR": lab.address(k),
             "GLOO_SOCKET_IFNAME": lab.interface(k),

@@ -11,12 +11,16 @@ the largest term and the cheapest change that fits. ``fourfold train`` runs the 
 
     fourfold plan --gpus 64 --gpu-mem 80GB --link 400gbit --model gpt2 --model-config xl.json --batch-size 512
     fourfold plan --nproc 8 --batch-size 16                      # this machine, its units timed here
+    fourfold plan --nproc 8 --lab 4 --link 250mbit --batch-size 16   # a lab of 4 nodes x 2 ranks (docs/lab.md)
 
 ranks every layout (dp x tp x pp, schedule, micro-batches, ZeRO stage) of the model that fits in memory by its
 predicted step time (:mod:`fourfold.observe.predict`; docs/simulator.md). ``--gpus``: on paper, the model built
 on the meta device (any size), each unit's time from its FLOPs at ``--gpu-flops`` x ``--mfu``, links from
 ``--link`` (between machines of ``--gpus-per-node``) and ``--node-link`` (within one). ``--nproc``: this
-machine, the units timed here and the links from the fitted cost model (``fourfold bench allreduce``).
+machine, the units timed here and the links from the fitted cost model (``fourfold bench allreduce``);
+with ``--lab N``, as ``fourfold lab run --nodes N --link RATE`` would run it: --nproc / N ranks per node over
+this machine's own links, the nodes joined by the lab's (its fitted model if ``fourfold lab run ... -- fourfold
+bench allreduce`` made one, else ``--link``'s rate at this machine's latency).
 """
 
 from __future__ import annotations
@@ -185,7 +189,9 @@ def _ranking(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int)
     parser.add_argument("--gpu-mem", default=None)
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--link", default="400gbit")
+    parser.add_argument("--link", default=None)
+    parser.add_argument("--lab", type=int, default=None)
+    parser.add_argument("--tcp", default="cubic")
     parser.add_argument("--node-link", default=None)
     parser.add_argument("--latency", type=float, default=10e-6)
     parser.add_argument("--gpu-flops", type=float, default=989e12)
@@ -195,6 +201,8 @@ def _ranking(argv: list[str]) -> int:
     ns, rest = parser.parse_known_args(argv)
     paper = ns.gpus is not None
     try:
+        if paper and ns.lab is not None:
+            raise ValueError("--lab plans for a lab on this machine and --gpus on paper; drop one of them.")
         if paper and ns.calibrate:
             raise ValueError("--calibrate fits the model to short runs on this machine; with --gpus (on paper) there "
                              "is nothing to run. Drop one of them.")
@@ -207,6 +215,7 @@ def _ranking(argv: list[str]) -> int:
         if paper:
             def link(text: str) -> CostModel:
                 return CostModel(ns.latency, 8 / parse_rate(text, most=1e13), 0.0, f"{text}, {ns.latency * 1e6:g} us")
+            ns.link = ns.link or "400gbit"
             links = Links(node=link(ns.node_link or ns.link), network=link(ns.link), ranks_per_node=ns.gpus_per_node)
             available = parse_bytes(ns.gpu_mem) if ns.gpu_mem else parse_bytes(t.memory_limit or "80GB")
             where = "--gpu-mem" if ns.gpu_mem else "--memory-limit" if t.memory_limit else "80GB (default)"
@@ -219,6 +228,8 @@ def _ranking(argv: list[str]) -> int:
             model = build_model(cfg)
             cost_model = CostModel.load()
             links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
+            if ns.lab is not None:
+                links = _lab_links(links, ns.lab, world, ns.link or "1gbit", ns.tcp)
             available, where = _available(cfg, world)
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
@@ -257,7 +268,12 @@ def _ranking(argv: list[str]) -> int:
             print(f"  none fits: the smallest, {smallest.layout}, needs {format_bytes(smallest.peak_bytes)} per rank. "
                   "Try more devices, a smaller batch, or --activation-checkpointing full.")
         return 1
-    print(f"  run the first here: fourfold train {' '.join(fits[0].layout.flags())} ...")
+    flags = fits[0].layout.flags()
+    if ns.lab is not None:  # in a lab, --nproc counts a node's ranks: the lab's --gpus-per-node says it
+        print(f"  run the first in the lab: fourfold lab run --nodes {ns.lab} --gpus-per-node {world // ns.lab} "
+              f"--link {ns.link or '1gbit'} -- fourfold train {' '.join(flags[2:])} ...")
+    else:
+        print(f"  run the first here: fourfold train {' '.join(flags)} ...")
     return 0
 
 
@@ -285,6 +301,31 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     return profile, links
 
 
+def _lab_links(here: Any, nodes: int, world: int, link: str, tcp: str) -> Any:
+    """This machine's links as a lab of ``nodes`` would join them: ``world / nodes`` ranks per node over the
+    machine's own link, the nodes over the lab's (its fitted model where one was saved, else ``link``'s rate at
+    the machine's own latency: a lab's latency is the real stack's)."""
+    from dataclasses import replace
+
+    from fourfold.comm.auto import CostModel
+    from fourfold.lab.net import Lab, cost_model_path
+
+    if nodes < 1 or world % nodes:
+        raise ValueError(f"--lab must be a number of nodes that divides --nproc, got --lab {nodes} for --nproc "
+                         f"{world}.")
+    lab = Lab(nodes, link, tcp)  # checks --link and --tcp
+    fitted = cost_model_path(nodes, world // nodes, link, tcp)
+    if fitted.exists():  # fitted by bench allreduce in such a lab: with several ranks a node, its network pair
+        saved = CostModel.load(fitted)
+        alpha, beta = saved.network or (saved.alpha_s, saved.beta_s_per_byte)
+        network = CostModel(alpha, beta, saved.gamma_s_per_byte, f"lab {link}, fitted ({fitted})")
+    else:
+        network = CostModel(here.node.alpha_s, 8 / lab.rate, here.node.gamma_s_per_byte,
+                            f"lab {link}, not fitted (fit it: fourfold lab run --nodes {nodes} --gpus-per-node "
+                            f"{world // nodes} --link {link} -- fourfold bench allreduce --nproc {world // nodes})")
+    return replace(here, network=network, ranks_per_node=world // nodes)
+
+
 def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None) -> str | None:
     """Why this model and batch cannot run ``layout`` (None: they can)."""
     if batch_size % (layout.dp * layout.microbatches):
@@ -308,6 +349,9 @@ PAPER_FLAGS = """with --gpus (on paper):
   --top N             layouts to print (default: 10)
 
 on this machine (without --gpus):
+  --lab N             plan for `fourfold lab run --nodes N`: --nproc / N ranks per node, nodes joined by --link
+                      (default: 1gbit), the lab's fitted model where one was saved (docs/lab.md)
+  --tcp NAME          the lab's TCP congestion control, as lab run's --tcp (default: cubic)
   --calibrate         first fit the simulator to 4 short runs of fourfold train here (dp=2, tp=2, dp=4,
                       dp=2 pp=2; about a minute for a small model): how ranks sharing the cores slow each other,
                       the links' real alpha and beta (docs/simulator.md). Without it, 4- and 8-rank figures on a

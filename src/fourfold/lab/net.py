@@ -31,8 +31,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["PREFIX", "SUBNET", "Lab", "LabUnavailable", "congestion_controls", "leftovers",
+__all__ = ["PREFIX", "SUBNET", "Lab", "LabUnavailable", "congestion_controls", "cost_model_path", "leftovers",
            "parse_rate", "unavailable"]
 
 PREFIX = "fourfold-lab-"
@@ -86,6 +87,12 @@ def unavailable() -> str | None:
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+def cost_model_path(nodes: int, ranks_per_node: int, link: str, tcp: str = "cubic") -> Path:
+    """Where a cost model fitted in a lab of this shape is kept (``fourfold lab run`` points
+    ``FOURFOLD_COST_MODEL`` there; ``fourfold plan --lab`` reads it): apart from this machine's own."""
+    return Path.home() / ".cache" / "fourfold" / "lab" / f"cost_model-{nodes}x{ranks_per_node}-{link}-{tcp}.json"
 
 
 def congestion_controls() -> list[str]:
