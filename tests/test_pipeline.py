@@ -477,17 +477,24 @@ def test_multi_device_single_process_equals_one_process():
 
 # ------------------------------------------------------------------------------------------ messages
 
+def _links(ctx, schedule):
+    """Rank ctx.rank's pipeline links of ``schedule`` on 2 ranks, alone: the tests drive them by hand."""
+    from fourfold.parallel.pipeline.p2p import Links
+
+    return Links(schedule, None, ranks=[0, 1], device=torch.device("cpu"), timeout_s=10,
+                 tracer=Tracer(ctx.rank, enabled=False))
+
+
 def _gradient_posted_ahead(ctx) -> dict:
     """Stage 0 posts the payload receive of a gradient before its header comes (its shape is its F's output's);
     a gradient that disagrees is refused by the sender's check and named by the receiver's header check."""
     import torch.distributed as dist
 
-    from fourfold.parallel.pipeline.p2p import GRADIENT, Links, PipelineError
+    from fourfold.parallel.pipeline.p2p import GRADIENT, PipelineError
     from fourfold.parallel.pipeline.split import TensorSpec
 
     schedule = make_schedule("gpipe", 2, 2)
-    links = Links(schedule, None, ranks=[0, 1], device=torch.device("cpu"), timeout_s=10,
-                  tracer=Tracer(ctx.rank, enabled=False))
+    links = _links(ctx, schedule)
     spec = TensorSpec((2, 3), torch.float64)
     links.begin(schedule.ranks[ctx.rank], lambda a: spec if a.op == "B" else None)
     out: dict = {}
@@ -530,11 +537,10 @@ def _activation_guessed(ctx) -> dict:
     receiver had posted it (micro-batch 1) or not (micro-batch 2)."""
     import torch.distributed as dist
 
-    from fourfold.parallel.pipeline.p2p import ACTIVATION, Links
+    from fourfold.parallel.pipeline.p2p import ACTIVATION
 
     schedule = make_schedule("gpipe", 2, 3)
-    links = Links(schedule, None, ranks=[0, 1], device=torch.device("cpu"), timeout_s=10,
-                  tracer=Tracer(ctx.rank, enabled=False))
+    links = _links(ctx, schedule)
     hold = {"mb2": True}
     links.begin(schedule.ranks[ctx.rank], lambda a: False if a.microbatch == 2 and hold["mb2"] else None)
     f0, f1, f2 = (a for a in schedule.ranks[ctx.rank] if a.op == "F")
