@@ -302,3 +302,11 @@ def test_verify_names_the_step_and_parameter_that_differ():
 
     with pytest.raises(ValueError, match="verify must be between 0 and steps"):
         TrainConfig(steps=2, verify=3)
+
+
+def test_the_timeline_draws_the_median_step_not_the_last():
+    from fourfold.train import _typical_step
+
+    rows = [{"step": s, "step_time_s": t} for s, t in [(1, 9.0), (2, 0.3), (3, 0.1), (4, 0.2), (5, 0.5)]]
+    assert _typical_step(rows, 5) == 4  # of steps 2-5 (the first warms up): 0.1, 0.2, 0.3, 0.5 -> 0.2
+    assert _typical_step(rows[:1], 1) == 1 and _typical_step([], 7) == 7

@@ -378,15 +378,22 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
         if spans is not None:
             labels = rank_labels(engine.mesh)
             write_chrome_trace(out / "trace.json", spans, groups=labels)
-            last = cfg.train.steps
-            draw_step(spans, last, out / "timeline.png", f"step {last} on every rank", labels=labels,
-                      color_by="microbatch" if engine.mesh.pp > 1 else "name")  # one row per rank, by stage
+            shown = _typical_step(result.metrics, cfg.train.steps)
+            draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
+                      labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
     # model.pt is the same checkpoint, under the model's own names, whatever the layout.
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     barrier("finish the run")
+
+
+def _typical_step(rows: list[dict[str, Any]], last: int) -> int:
+    """The step to draw: the median one by time after the first (which warms up), not the last, which also
+    gathers every rank's memory (the step time leaves that out; the picture would not). ``last`` if none ran."""
+    timed = rows[1:] or rows
+    return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2]["step"] if timed else last
 
 
 def _memory_line(cfg: Config, world_size: int) -> None:
