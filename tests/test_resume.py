@@ -123,3 +123,20 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert proc.returncode == 130, output
     assert "Traceback" not in output, output
     assert output.count("interrupted (Ctrl-C)") == 1, output
+
+
+def test_a_resumed_compressed_run_is_told_its_error_feedback_starts_afresh(tmp_path, capsys):
+    from fourfold.config import parse_args
+    from fourfold.mesh import Mesh
+
+    part = tmp_path / "part"
+    assert train_mod.main([*SMALL, "--steps", "1", "--out", str(part)]) == 0  # a checkpoint to resume from
+    capsys.readouterr()
+    dp2 = Mesh.for_world(2, dp=2)
+    for flags, said in [(["--compress", "int8", "--resume", str(part)], True),
+                        (["--compress", "powersgd", "--max-restarts", "1"], True),
+                        (["--compress", "bf16", "--resume", str(part)], False),  # stateless
+                        (["--compress", "int8"], False)]:                       # nothing resumed
+        train_mod._resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", *flags]), dp2)
+        err = capsys.readouterr().err
+        assert ("checkpoints do not hold yet: a resumed or restarted run starts it afresh" in err) == said, (flags, err)
