@@ -125,18 +125,35 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert output.count("interrupted (Ctrl-C)") == 1, output
 
 
-def test_a_resumed_compressed_run_is_told_its_error_feedback_starts_afresh(tmp_path, capsys):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("compress", [["--compress", "int8"],
+                                      ["--compress", "powersgd", "--powersgd-rank", "1", "--powersgd-warmup", "1"]])
+def test_a_compressed_run_resumes_exactly_its_errors_fed_back_restored(tmp_path, compress):
+    """int8's and PowerSGD's errors fed back (and PowerSGD's factors and warm-up count) live on each rank: a
+    checkpoint keeps them, so a resumed run continues bit for bit; without them step 3 would differ."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    flags = [*SMALL, "--nproc", "2", "--dp", "2", *compress]
+    want = run_ranks(_train_on_ranks, 2, [*flags, "--steps", "4", "--out", str(full)], timeout_s=120)[0]
+    run_ranks(_train_on_ranks, 2, [*flags, "--steps", "2", "--out", str(part)], timeout_s=120)
+    got = run_ranks(_train_on_ranks, 2, [*flags, "--steps", "4", "--resume", str(part), "--out", str(part)],
+                    timeout_s=120)[0]
+    assert got == want[2:], (got, want)
+    assert [r["step"] for r in rows(part)] == [1, 2, 3, 4]
+
+
+def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_afresh(tmp_path, capsys):
     from fourfold.config import parse_args
     from fourfold.mesh import Mesh
 
     part = tmp_path / "part"
-    assert train_mod.main([*SMALL, "--steps", "1", "--out", str(part)]) == 0  # a checkpoint to resume from
+    assert train_mod.main([*SMALL, "--steps", "1", "--out", str(part)]) == 0  # a checkpoint of 1 rank
     capsys.readouterr()
-    dp2 = Mesh.for_world(2, dp=2)
-    for flags, said in [(["--compress", "int8", "--resume", str(part)], True),
-                        (["--compress", "powersgd", "--max-restarts", "1"], True),
-                        (["--compress", "bf16", "--resume", str(part)], False),  # stateless
-                        (["--compress", "int8"], False)]:                       # nothing resumed
-        train_mod._resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", *flags]), dp2)
+    for flags, said in [(["--compress", "int8"], True), (["--compress", "powersgd"], True),
+                        (["--compress", "bf16"], False)]:  # stateless
+        cfg = parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--resume", str(part), *flags])
+        train_mod._resume_note(cfg, Mesh.for_world(2, dp=2), 2)
         err = capsys.readouterr().err
-        assert ("checkpoints do not hold yet: a resumed or restarted run starts it afresh" in err) == said, (flags, err)
+        assert ("restored only under the checkpoint's layout (1 ranks" in err) == said, (flags, err)
+    train_mod._resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--compress", "int8"]),
+                           Mesh.for_world(2, dp=2), 2)
+    assert capsys.readouterr().err == ""  # nothing resumed

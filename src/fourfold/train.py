@@ -396,15 +396,17 @@ def _typical_step(rows: list[dict[str, Any]], last: int) -> int:
     return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2]["step"] if timed else last
 
 
-def _resume_note(cfg: Config, mesh: Mesh) -> None:
-    """Say so when a resumed or restarted run cannot continue exactly: int8's and PowerSGD's error feedback
-    (and PowerSGD's warm-started factors) live on each rank and are not in checkpoints yet."""
+def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
+    """Say so when a resumed run cannot continue exactly: int8's and PowerSGD's state (errors fed back, factors)
+    is each rank's own, restored only under the checkpoint's layout."""
     t = cfg.train
-    if mesh.dp > 1 and t.compress in ("int8", "powersgd") and (
-            resume_from(cfg) is not None or cfg.launch.max_restarts > 0):
-        print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its error feedback) that "
-              "checkpoints do not hold yet: a resumed or restarted run starts it afresh, so its losses follow an "
-              "uninterrupted run's closely, not exactly.", file=sys.stderr, flush=True)
+    resume = resume_from(cfg)
+    if mesh.dp > 1 and t.compress in ("int8", "powersgd") and resume is not None and (
+            resume["world_size"] != world_size or resume["mesh"] != {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
+        print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its errors fed back), "
+              f"restored only under the checkpoint's layout ({resume['world_size']} ranks, {resume['mesh']}): "
+              "this run starts it afresh, so its losses follow an uninterrupted run's closely, not exactly.",
+              file=sys.stderr, flush=True)
 
 
 def _memory_line(cfg: Config, world_size: int) -> None:
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if not worker:  # the checks that need no process group, before any rank starts
             mesh = preflight(cfg, cfg.launch.world_size)
             _memory_line(cfg, cfg.launch.world_size)
-            _resume_note(cfg, mesh)
+            _resume_note(cfg, mesh, cfg.launch.world_size)
         if not worker and cfg.launch.world_size > 1:
             from fourfold.elastic import launch_workers
 

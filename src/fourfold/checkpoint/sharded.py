@@ -5,7 +5,9 @@ tensor or of its optimiser state, keyed by the **unsharded model's own name** (`
 ``optim/NAME/KEY#i``) and described by its global shape and how it was cut (dim, fused parts, index, count):
 never by stage or rank. Data-parallel replicas write nothing (dp rank 0 of each replica group writes);
 replicated tensors are written by tp rank 0 only. Loading rebuilds each tensor this rank holds from the pieces
-it needs, one tensor at a time, from memory-mapped files, and cuts it for this layout.
+it needs, one tensor at a time, from memory-mapped files, and cuts it for this layout. Each rank's own state,
+its RNG and its gradient compressor's (int8's and PowerSGD's errors fed back, PowerSGD's factors), is restored
+when the layout is the same; under another it starts afresh.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
+    compressor = getattr(engine.dp, "compress", None)  # int8 / PowerSGD: this rank's errors fed back, its factors
+    compress = {k: t.detach().to("cpu", copy=True) for k, t in compressor.state_dict().items()} if compressor else {}
     name = f"rank-{rank:05d}.pt"
     with atomic_path(where / name) as tmp:
-        torch.save({"tensors": tensors, "rng": rng}, tmp)
+        torch.save({"tensors": tensors, "rng": rng, "compress": compress}, tmp)
     mine = {"file": name, "bytes": (where / name).stat().st_size, "sha256": sha256_file(where / name),
             "meta": meta, "aliases": tied}
     everyone = _gather(mine, "checkpoint save: gather the piece tables")
@@ -152,7 +156,8 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     layout. A collective. Returns the manifest (``"step"``: the step it was saved after).
 
     Refused with :class:`CheckpointError`, on every rank alike, when the model's tensors (names, global shapes,
-    dtypes) differ from the checkpoint's, naming them. RNG states are restored when the layout is the same.
+    dtypes) differ from the checkpoint's, naming them. RNG states and gradient compressors' state are restored
+    when the layout is the same.
     """
     from fourfold.parallel.tensor.layers import REPLICATED, Layout, shard, unshard
 
@@ -178,12 +183,15 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
         if optimizer is not None:
             _load_optimizer(engine, optimizer, manifest, pieces, mine, where)
     rank, world = _world()
-    if restore_rng and manifest["world_size"] == world and \
-            manifest["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}:
-        rng = files.get(f"rank-{rank:05d}.pt")["rng"]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    if manifest["world_size"] == world and manifest["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}:
+        own = files.get(f"rank-{rank:05d}.pt")  # this rank's own state: meaningful under the same layout only
+        compressor = getattr(engine.dp, "compress", None)
+        if compressor is not None:
+            compressor.load_state_dict(own.get("compress", {}))
+        if restore_rng:
+            torch.set_rng_state(own["rng"]["cpu"])
+            if "cuda" in own["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(own["rng"]["cuda"])
     return manifest
 
 

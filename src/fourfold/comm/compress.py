@@ -46,9 +46,31 @@ class Compressor:
     """A lossy, stateful all-reduce of a data-parallel bucket (see the module docstring)."""
 
     name = ""
+    _restored: dict[str, torch.Tensor]  # from a checkpoint: taken by each bucket's state when it is made
 
     def reduce(self, comm: Communicator, key: int, flat: torch.Tensor, shapes: Shapes, algorithm: str) -> None:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state (its errors fed back, PowerSGD's factors and step counts), flat names -> tensors:
+        what a checkpoint keeps so that a resumed run continues exactly. Empty for a stateless compressor."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take ``state`` (a :meth:`state_dict` of the same compressor on the same rank and layout); each bucket
+        takes its part when its state is made, at its first reduce after loading."""
+        self._restored = dict(state)
+
+    def _restore(self, key: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Copy the restored ``{key}/{name}`` entries into ``tensors`` (the bucket's new state) where every one is
+        there with the same shape; True if they were."""
+        restored = getattr(self, "_restored", {})
+        got = {n: restored.pop(f"{key}/{n}", None) for n in tensors}
+        if any(v is None or v.shape != tensors[n].shape for n, v in got.items()):
+            return False
+        for n, t in tensors.items():
+            t.copy_(got[n])  # type: ignore[arg-type]
+        return True
 
 
 def _quantize(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -115,6 +137,7 @@ class Int8(Compressor):
                 torch.zeros_like(flat), flat.new_zeros(segs[me][1]),
                 torch.empty(g * size, dtype=torch.int8, device=flat.device),
                 torch.empty(max(g - 1, 1), size, dtype=torch.int8, device=flat.device))
+            self._restore(key, {"error": st.error, "owner_error": st.owner_error})
         chunk = st.packed.view(g, size)
         flat.add_(st.error)
         others = [(me + s) % g for s in range(1, g)]
@@ -135,6 +158,10 @@ class Int8(Compressor):
         ring.all_gather(comm, st.packed, algorithm="int8", step0=1)
         for j, (o, n) in enumerate(segs):
             flat[o:o + n].copy_(_dequantize(chunk[j], n, flat.dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{key}/{n}": t for key, st in self._state.items()
+                for n, t in (("error", st.error), ("owner_error", st.owner_error))}
 
     @staticmethod
     def theory(numel: int, world_size: int) -> tuple[int, int]:
@@ -186,6 +213,13 @@ class PowerSGD(Compressor):
         self.rank, self.warmup, self.seed = rank, warmup, seed
         self._state: dict[int, _PowerState] = {}
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key, st in self._state.items():
+            out[f"{key}/calls"], out[f"{key}/q"] = torch.tensor(st.calls, dtype=torch.int64), st.q
+            out.update({f"{key}/error{i}": f.error for i, f in enumerate(st.factors)})
+        return out
+
     def split(self, shapes: Shapes, numel: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
         """``(matrices, rest)``: the ``(offset, rows, cols)`` sent as factors, and the ``(offset, numel)`` sent
         as they are (vectors, matrices too small to gain, a bucket's padding up to ``numel``)."""
@@ -226,6 +260,10 @@ class PowerSGD(Compressor):
         st = self._state.get(key)
         if st is None:
             st = self._state[key] = self._plan(key, flat, shapes)
+            calls = torch.zeros((), dtype=torch.int64)
+            if self._restore(key, {"calls": calls, "q": st.q,
+                                   **{f"error{i}": f.error for i, f in enumerate(st.factors)}}):
+                st.calls = int(calls)
         st.calls += 1
         if st.calls <= self.warmup or not st.factors:
             allreduce(flat, algorithm, comm=comm, check=st.calls == 1)
