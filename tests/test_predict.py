@@ -367,7 +367,7 @@ def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
 
     order, slower = [], iter(range(1, 100))
 
-    def fake_run(layout, steps, train_flags, timeout):  # the machine gets slower with every run
+    def fake_run(layout, steps, train_flags, timeout, lab=None):  # the machine gets slower with every run
         order.append(layout)
         return Measured(0.1 * next(slower), stolen=0.0)
 

@@ -113,6 +113,13 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     fit_on = calibration_layouts(ns.microbatches)
     link = CostModel.load()
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
+    lab = None
+    if ns.lab_link is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
+        from fourfold.cli.plan import lab_links
+        from fourfold.observe.runs import LabShape
+
+        lab = LabShape(ns.lab_ranks_per_node, ns.lab_link)
+        links = lab_links(links, ns.lab_ranks_per_node, ns.lab_link, lab.tcp)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
           f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
     todo = list(dict.fromkeys([*fit_on, *ns.layouts]))
@@ -121,7 +128,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     def progress(L: Layout, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
-    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress)
+    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=lab)
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: measured[L][0] for L in fit_on})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -163,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=4, help="TinyGPT blocks (default: 4)")
     parser.add_argument("--d-model", type=int, default=128, help="TinyGPT width (default: 128)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
+    parser.add_argument("--lab-link", default=None, help="make every run (the calibration's too) in a lab of "
+                        "--lab-ranks-per-node ranks a node, the nodes joined by this link, e.g. 250mbit (root; "
+                        "docs/lab.md); the prediction joins them by the lab's fitted model or this rate")
+    parser.add_argument("--lab-ranks-per-node", type=int, default=2, help="with --lab-link (default: 2)")
     add_output_flags(parser, "predict", "bench.json, bench.png and layouts/ (each layout's measured and "
                      "predicted step)")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -172,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {ns.repeats}.")
         ns.layouts = [parse_layout(t, ns.microbatches) for t in ns.layouts.split(",")]
+        if ns.lab_link is not None:
+            from fourfold.observe.runs import LabShape, calibration_layouts
+
+            shape = LabShape(ns.lab_ranks_per_node, ns.lab_link)
+            for L in [*calibration_layouts(ns.microbatches), *ns.layouts]:
+                shape.command(L)  # refuses a layout whose ranks do not fill whole nodes
         for L in ns.layouts:
             if ns.batch_size % (L.dp * L.microbatches):
                 raise ValueError(f"--batch-size must divide into dp x microbatches for every layout, got "

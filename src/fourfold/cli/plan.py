@@ -229,7 +229,10 @@ def _ranking(argv: list[str]) -> int:
             cost_model = CostModel.load()
             links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
             if ns.lab is not None:
-                links = _lab_links(links, ns.lab, world, ns.link or "1gbit", ns.tcp)
+                if ns.lab < 1 or world % ns.lab:
+                    raise ValueError(f"--lab must be a number of nodes that divides --nproc, got --lab {ns.lab} for "
+                                     f"--nproc {world}.")
+                links = lab_links(links, world // ns.lab, ns.link or "1gbit", ns.tcp, nodes=ns.lab)
             available, where = _available(cfg, world)
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
@@ -301,29 +304,28 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     return profile, links
 
 
-def _lab_links(here: Any, nodes: int, world: int, link: str, tcp: str) -> Any:
-    """This machine's links as a lab of ``nodes`` would join them: ``world / nodes`` ranks per node over the
-    machine's own link, the nodes over the lab's (its fitted model where one was saved, else ``link``'s rate at
-    the machine's own latency: a lab's latency is the real stack's)."""
+def lab_links(here: Any, ranks_per_node: int, link: str, tcp: str, nodes: int | None = None) -> Any:
+    """This machine's links as a lab joins them: ``ranks_per_node`` ranks a node over the machine's own link, the
+    nodes over the lab's: its fitted model where ``lab run ... bench allreduce`` saved one (of ``nodes`` nodes
+    if given, else of any count: a link's alpha and beta do not depend on it), else ``link``'s rate at the
+    machine's own latency (a lab's latency is the real stack's)."""
     from dataclasses import replace
 
     from fourfold.comm.auto import CostModel
     from fourfold.lab.net import Lab, cost_model_path
 
-    if nodes < 1 or world % nodes:
-        raise ValueError(f"--lab must be a number of nodes that divides --nproc, got --lab {nodes} for --nproc "
-                         f"{world}.")
-    lab = Lab(nodes, link, tcp)  # checks --link and --tcp
-    fitted = cost_model_path(nodes, world // nodes, link, tcp)
-    if fitted.exists():  # fitted by bench allreduce in such a lab: with several ranks a node, its network pair
-        saved = CostModel.load(fitted)
+    rate = Lab(1, link, tcp).rate  # checks --link and --tcp
+    exact = cost_model_path(nodes or 0, ranks_per_node, link, tcp)
+    fitted = [exact] if exact.exists() else sorted(exact.parent.glob(f"cost_model-*x{ranks_per_node}-{link}-{tcp}.json"))
+    if fitted:  # with several ranks a node, the saved model's network pair is the link between nodes
+        saved = CostModel.load(fitted[-1])
         alpha, beta = saved.network or (saved.alpha_s, saved.beta_s_per_byte)
-        network = CostModel(alpha, beta, saved.gamma_s_per_byte, f"lab {link}, fitted ({fitted})")
+        network = CostModel(alpha, beta, saved.gamma_s_per_byte, f"lab {link}, fitted ({fitted[-1]})")
     else:
-        network = CostModel(here.node.alpha_s, 8 / lab.rate, here.node.gamma_s_per_byte,
-                            f"lab {link}, not fitted (fit it: fourfold lab run --nodes {nodes} --gpus-per-node "
-                            f"{world // nodes} --link {link} -- fourfold bench allreduce --nproc {world // nodes})")
-    return replace(here, network=network, ranks_per_node=world // nodes)
+        network = CostModel(here.node.alpha_s, 8 / rate, here.node.gamma_s_per_byte,
+                            f"lab {link}, not fitted (fit it: fourfold lab run --nodes {nodes or 2} --gpus-per-node "
+                            f"{ranks_per_node} --link {link} -- fourfold bench allreduce --nproc {ranks_per_node})")
+    return replace(here, network=network, ranks_per_node=ranks_per_node)
 
 
 def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None) -> str | None:

@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fourfold.observe.predict import Layout, Measured
 from fourfold.observe.trace import load_jsonl
 
-__all__ = ["best_runs", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
+__all__ = ["LabShape", "best_runs", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
 
 
 def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
@@ -53,12 +53,32 @@ def stolen(before: list[int] | None, after: list[int] | None) -> float | None:
     return spent[7] / sum(spent) if sum(spent) > 0 else None
 
 
-def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout: float) -> Measured:
-    """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps: its median step after the first,
-    with that step's spans on every rank, and the CPU time stolen meanwhile."""
+@dataclass(frozen=True)
+class LabShape:
+    """Runs made in a lab (docs/lab.md): ``ranks_per_node`` ranks a node, the nodes joined by ``link``."""
+
+    ranks_per_node: int
+    link: str
+    tcp: str = "cubic"
+
+    def command(self, layout: Layout) -> list[str]:
+        """``fourfold lab run ... -- fourfold train`` for ``layout`` (whose ranks must fill whole nodes)."""
+        if layout.world_size % self.ranks_per_node:
+            raise ValueError(f"a lab of {self.ranks_per_node} ranks per node cannot run {layout} "
+                             f"({layout.world_size} ranks). Pick layouts of a multiple of {self.ranks_per_node} ranks.")
+        return ["lab", "run", "--nodes", str(layout.world_size // self.ranks_per_node), "--gpus-per-node",
+                str(self.ranks_per_node), "--link", self.link, "--tcp", self.tcp, "--", "fourfold", "train"]
+
+
+def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout: float,
+                lab: LabShape | None = None) -> Measured:
+    """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps (in ``lab`` when given): its median
+    step after the first, with that step's spans on every rank, and the CPU time stolen meanwhile."""
     cpu = cpu_times()
     with tempfile.TemporaryDirectory(prefix="fourfold-run-") as out:
-        argv = [sys.executable, "-m", "fourfold", "train", *train_flags, *layout.flags(),
+        flags = layout.flags() if lab is None else layout.flags()[2:]  # in a lab --nproc counts a node's ranks
+        argv = [sys.executable, "-m", "fourfold", *(["train"] if lab is None else lab.command(layout)),
+                *train_flags, *flags,
                 *([] if layout.zero else ["--zero", "0"]), "--steps", str(steps), "--out", out,
                 "--no-memory-check", "--checkpoint-every", "0"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -77,15 +97,15 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
 
 def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
               timeout: float = 120.0, *, progress: Callable[[Layout, Measured], None] | None = None,
-              ) -> dict[Layout, tuple[Measured, float]]:
+              lab: LabShape | None = None) -> dict[Layout, tuple[Measured, float]]:
     """Each layout's fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and its slowest
     over it. The runs rotate, every layout once and then again in reverse order, so a machine whose speed
     drifts over minutes (this VM's did by 20 %) weighs on the calibration runs and on the runs checked against
-    them alike. ``progress(layout, run)`` is called after each run."""
+    them alike. ``progress(layout, run)`` is called after each run; ``lab``: every run in such a lab."""
     runs: dict[Layout, list[Measured]] = {L: [] for L in layouts}
     for k in range(repeats):
         for L in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
-            runs[L].append(measure_run(L, steps, train_flags, timeout))
+            runs[L].append(measure_run(L, steps, train_flags, timeout, lab))
             if progress is not None:
                 progress(L, runs[L][-1])
     return {L: (min(got, key=lambda m: m.step_s), max(m.step_s for m in got) / min(m.step_s for m in got))
