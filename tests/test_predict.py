@@ -411,3 +411,18 @@ def test_plan_for_a_lab_joins_its_nodes_by_the_labs_link(capsys, monkeypatch, tm
     assert "--lab must be a number of nodes that divides --nproc, got --lab 3 for --nproc 4" in capsys.readouterr().err
     assert main(["--gpus", "8", "--lab", "2"]) == 2
     assert "drop one of them" in capsys.readouterr().err
+
+
+def test_runs_in_a_lab_go_through_lab_run_with_a_nodes_ranks(capsys):
+    from fourfold.bench.predict import main
+    from fourfold.observe.runs import LabShape
+
+    shape = LabShape(2, "250mbit")
+    assert shape.command(Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)) == [
+        "lab", "run", "--nodes", "2", "--gpus-per-node", "2", "--link", "250mbit", "--tcp", "cubic", "--",
+        "fourfold", "train"]
+    with pytest.raises(ValueError, match="cannot run dp3 tp1 pp1 .3 ranks.. Pick layouts of a multiple of 2"):
+        shape.command(Layout(dp=3))
+    with pytest.raises(SystemExit):  # refused before any run
+        main(["--lab-link", "250mbit", "--layouts", "dp3", "--batch-size", "12"])
+    assert "cannot run dp3" in capsys.readouterr().err
