@@ -305,8 +305,8 @@ def test_verify_names_the_step_and_parameter_that_differ():
 
 
 def test_the_timeline_draws_the_median_step_not_the_last():
-    from fourfold.train import _typical_step
+    from fourfold.files import median_step
 
     rows = [{"step": s, "step_time_s": t} for s, t in [(1, 9.0), (2, 0.3), (3, 0.1), (4, 0.2), (5, 0.5)]]
-    assert _typical_step(rows, 5) == 4  # of steps 2-5 (the first warms up): 0.1, 0.2, 0.3, 0.5 -> 0.2
-    assert _typical_step(rows[:1], 1) == 1 and _typical_step([], 7) == 7
+    assert median_step(rows) == 4  # of steps 2-5 (the first warms up): 0.1, 0.2, 0.3, 0.5 -> 0.2
+    assert median_step(rows[:1]) == 1 and median_step([]) is None

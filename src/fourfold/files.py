@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "move_aside", "open_metrics",
-           "run_lock", "write_text_atomic"]
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "median_step",
+           "move_aside", "open_metrics", "run_lock", "write_text_atomic"]
 
 LOCK_NAME = ".fourfold.lock"
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
@@ -110,6 +110,13 @@ def drop_replaced(out: Path) -> None:
     """Remove the earlier runs moved aside by :func:`move_aside` (called once a run in ``out`` is complete)."""
     for aside in out.glob(f"{REPLACED}*"):
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def median_step(rows: list[dict[str, Any]]) -> int | None:
+    """The run's typical step, from its metrics.jsonl rows: the median by ``step_time_s`` after the first (which
+    warms up), or the only one; None without rows. What ``bench predict`` measures and ``timeline.png`` draws."""
+    timed = rows[1:] or rows
+    return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2]["step"] if timed else None
 
 
 def open_metrics(path: Path, keep_through: int) -> Any:

@@ -59,6 +59,7 @@ from fourfold.files import (
     check_writable,
     drop_replaced,
     earlier_outputs,
+    median_step,
     move_aside,
     open_metrics,
     run_lock,
@@ -378,7 +379,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
         if spans is not None:
             labels = rank_labels(engine.mesh)
             write_chrome_trace(out / "trace.json", spans, groups=labels)
-            shown = _typical_step(result.metrics, cfg.train.steps)
+            shown = median_step(result.metrics) or cfg.train.steps  # not the last: it also gathers memory
             draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
                       labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
@@ -387,13 +388,6 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
     barrier("finish the run")
-
-
-def _typical_step(rows: list[dict[str, Any]], last: int) -> int:
-    """The step to draw: the median one by time after the first (which warms up), not the last, which also
-    gathers every rank's memory (the step time leaves that out; the picture would not). ``last`` if none ran."""
-    timed = rows[1:] or rows
-    return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2]["step"] if timed else last
 
 
 def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:

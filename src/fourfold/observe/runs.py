@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fourfold.files import median_step
 from fourfold.observe.predict import Layout, Measured
 from fourfold.observe.trace import load_jsonl
 
@@ -85,14 +86,14 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
         if done.returncode != 0:
             raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
                                f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
-        middle = sorted(rows, key=lambda r: r["step_time_s"])[(len(rows) - 1) // 2]["step"]
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+        middle = median_step(rows)
         spans = {r: [s for s in load_jsonl(Path(out, f"trace-rank{r}.jsonl")) if s.step == middle]
                  for r in range(layout.world_size)}
     origin = min((s.start_ns for row in spans.values() for s in row), default=0)
     spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
              for r, row in spans.items()}
-    return Measured(statistics.median(r["step_time_s"] for r in rows), spans, stolen(cpu, cpu_times()))
+    return Measured(statistics.median(r["step_time_s"] for r in rows[1:] or rows), spans, stolen(cpu, cpu_times()))
 
 
 def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
