@@ -30,7 +30,7 @@ from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_re
 from fourfold.mesh import Mesh
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.predict import Layout, Measured, Prediction
-from fourfold.observe.runs import best_runs, calibration_layouts
+from fourfold.observe.runs import LabShape, best_runs, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
 
 __all__ = ["LAYOUTS", "main", "parse_layout"]
@@ -113,13 +113,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     fit_on = calibration_layouts(ns.microbatches)
     link = CostModel.load()
     links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
-    lab = None
-    if ns.lab_link is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
-        from fourfold.cli.plan import lab_links
-        from fourfold.observe.runs import LabShape
-
-        lab = LabShape(ns.lab_ranks_per_node, ns.lab_link)
-        links = lab_links(links, ns.lab_ranks_per_node, ns.lab_link, lab.tcp)
+    if ns.lab is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
+        links = ns.lab.links(links)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
           f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
     todo = list(dict.fromkeys([*fit_on, *ns.layouts]))
@@ -128,7 +123,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     def progress(L: Layout, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
-    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=lab)
+    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab)
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: measured[L][0] for L in fit_on})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -183,12 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {ns.repeats}.")
         ns.layouts = [parse_layout(t, ns.microbatches) for t in ns.layouts.split(",")]
-        if ns.lab_link is not None:
-            from fourfold.observe.runs import LabShape, calibration_layouts
-
-            shape = LabShape(ns.lab_ranks_per_node, ns.lab_link)
+        ns.lab = None if ns.lab_link is None else LabShape(ns.lab_ranks_per_node, ns.lab_link)
+        if ns.lab is not None:
             for L in [*calibration_layouts(ns.microbatches), *ns.layouts]:
-                shape.command(L)  # refuses a layout whose ranks do not fill whole nodes
+                ns.lab.command(L)  # refuses a layout whose ranks do not fill whole nodes
         for L in ns.layouts:
             if ns.batch_size % (L.dp * L.microbatches):
                 raise ValueError(f"--batch-size must divide into dp x microbatches for every layout, got "

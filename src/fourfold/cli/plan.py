@@ -182,6 +182,7 @@ def _ranking(argv: list[str]) -> int:
     from fourfold.models.build import build_model
     from fourfold.observe.costs import flop_units, measure_units
     from fourfold.observe.predict import Links, ModelProfile
+    from fourfold.observe.runs import LabShape
     from fourfold.train import parse_args
     from fourfold.units import format_bytes, parse_bytes
 
@@ -232,7 +233,7 @@ def _ranking(argv: list[str]) -> int:
                 if ns.lab < 1 or world % ns.lab:
                     raise ValueError(f"--lab must be a number of nodes that divides --nproc, got --lab {ns.lab} for "
                                      f"--nproc {world}.")
-                links = lab_links(links, world // ns.lab, ns.link or "1gbit", ns.tcp, nodes=ns.lab)
+                links = LabShape(world // ns.lab, ns.link or "1gbit", ns.tcp).links(links, nodes=ns.lab)
             available, where = _available(cfg, world)
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
@@ -302,30 +303,6 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     profile, links, fitted = calibrate(profile, links, batch_size, runs)
     print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))
     return profile, links
-
-
-def lab_links(here: Any, ranks_per_node: int, link: str, tcp: str, nodes: int | None = None) -> Any:
-    """This machine's links as a lab joins them: ``ranks_per_node`` ranks a node over the machine's own link, the
-    nodes over the lab's: its fitted model where ``lab run ... bench allreduce`` saved one (of ``nodes`` nodes
-    if given, else of any count: a link's alpha and beta do not depend on it), else ``link``'s rate at the
-    machine's own latency (a lab's latency is the real stack's)."""
-    from dataclasses import replace
-
-    from fourfold.comm.auto import CostModel
-    from fourfold.lab.net import Lab, cost_model_path
-
-    rate = Lab(1, link, tcp).rate  # checks --link and --tcp
-    exact = cost_model_path(nodes or 0, ranks_per_node, link, tcp)
-    fitted = [exact] if exact.exists() else sorted(exact.parent.glob(f"cost_model-*x{ranks_per_node}-{link}-{tcp}.json"))
-    if fitted:  # with several ranks a node, the saved model's network pair is the link between nodes
-        saved = CostModel.load(fitted[-1])
-        alpha, beta = saved.network or (saved.alpha_s, saved.beta_s_per_byte)
-        network = CostModel(alpha, beta, saved.gamma_s_per_byte, f"lab {link}, fitted ({fitted[-1]})")
-    else:
-        network = CostModel(here.node.alpha_s, 8 / rate, here.node.gamma_s_per_byte,
-                            f"lab {link}, not fitted (fit it: fourfold lab run --nodes {nodes or 2} --gpus-per-node "
-                            f"{ranks_per_node} --link {link} -- fourfold bench allreduce --nproc {ranks_per_node})")
-    return replace(here, network=network, ranks_per_node=ranks_per_node)
 
 
 def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fourfold.files import median_step
-from fourfold.observe.predict import Layout, Measured
+from fourfold.observe.predict import Layout, Links, Measured
 from fourfold.observe.trace import load_jsonl
 
 __all__ = ["LabShape", "best_runs", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
@@ -61,6 +61,28 @@ class LabShape:
     ranks_per_node: int
     link: str
     tcp: str = "cubic"
+
+    def links(self, here: Links, nodes: int | None = None) -> Links:
+        """``here`` (this machine's links) as this lab joins them: a node's ranks over the machine's own link, the
+        nodes over the lab's: its fitted model where ``lab run ... bench allreduce`` saved one (of ``nodes``
+        nodes if given, else of any count: a link's alpha and beta do not depend on it), else the link's rate at
+        the machine's own latency (a lab's latency is the real stack's)."""
+        from fourfold.comm.auto import CostModel
+        from fourfold.lab.net import Lab, cost_model_path
+
+        rate = Lab(1, self.link, self.tcp).rate  # checks the link and tcp
+        g, link, tcp = self.ranks_per_node, self.link, self.tcp
+        exact = cost_model_path(nodes or 0, g, link, tcp)
+        fitted = [exact] if exact.exists() else sorted(exact.parent.glob(f"cost_model-*x{g}-{link}-{tcp}.json"))
+        if fitted:  # with several ranks a node, the saved model's network pair is the link between nodes
+            saved = CostModel.load(fitted[-1])
+            alpha, beta = saved.network or (saved.alpha_s, saved.beta_s_per_byte)
+            network = CostModel(alpha, beta, saved.gamma_s_per_byte, f"lab {link}, fitted ({fitted[-1]})")
+        else:
+            network = CostModel(here.node.alpha_s, 8 / rate, here.node.gamma_s_per_byte,
+                                f"lab {link}, not fitted (fit it: fourfold lab run --nodes {nodes or 2} "
+                                f"--gpus-per-node {g} --link {link} -- fourfold bench allreduce --nproc {g})")
+        return replace(here, network=network, ranks_per_node=g)
 
     def command(self, layout: Layout) -> list[str]:
         """``fourfold lab run ... -- fourfold train`` for ``layout`` (whose ranks must fill whole nodes)."""
