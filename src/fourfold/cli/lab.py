@@ -75,7 +75,8 @@ def _node_env(lab, k: int, gpus: int) -> dict[str, str]:  # noqa: ANN001 - a Lab
     not pick algorithms for 250 Mbit/s links."""
     from fourfold.lab.net import cost_model_path
 
-    return {"FOURFOLD_COST_MODEL": str(cost_model_path(lab.nodes, gpus, lab.link, lab.tcp)), **os.environ, LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
+    return {"FOURFOLD_COST_MODEL": str(cost_model_path(lab.nodes, gpus, lab.link, lab.tcp)), **os.environ,
+            LAB_ENV + "NPROC": str(gpus), LAB_ENV + "NNODES": str(lab.nodes),
             LAB_ENV + "NODE_RANK": str(k), LAB_ENV + "RDZV_ENDPOINT": f"{lab.address(0)}:{RDZV_PORT}",
             LAB_ENV + "LOCAL_ADDR": lab.address(k),
             "GLOO_SOCKET_IFNAME": lab.interface(k),
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fourfold lab: removed {', '.join(left)}" if left else "fourfold lab: no lab to remove")
         return 0
     try:
+        Lab(1, ns.link, ns.tcp)  # refuse a bad --link or --tcp before any lab is made
         if ns.action == "sweep":
             from fourfold.lab.sweep import sweep
 
@@ -172,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts = [int(x) for x in ns.nodes.split(",")]
             except ValueError:
                 raise ValueError(f"nodes must be comma-separated counts such as 2,4,8, got {ns.nodes!r}.") from None
-            Lab(1, ns.link, ns.tcp)  # refuse a bad --link or --tcp before the first lab
             return sweep(counts, ns.gpus_per_node, ns.link, ns.size, ns.algorithms, ns.iters, Path(ns.out), ns.tcp)
-        Lab(1, ns.link, ns.tcp)
         return run_command(ns.nodes, ns.gpus_per_node, ns.link, ns.command, ns.tcp)
     except ValueError as e:
         parser.error(str(e))

@@ -243,7 +243,7 @@ class Links:
         if (h[0] != _MAGIC or h[1:4] != [kind, from_stage, i] or not 0 <= h[4] < len(_DTYPES) or h[5] not in (0, 1)
                 or h[6] > _MAX_DIMS):
             raise PipelineError(f"rank {self.rank}: {a}: the header from rank {src} is not the {what} of "
-                                f"{from_stage}{'FB'[kind]}{i}, got {h}. Are both ranks running the same schedule?")
+                                f"{_name(key)}, got {h}. Are both ranks running the same schedule?")
         shape, dtype, moved = tuple(h[7:7 + h[6]]), _DTYPES[h[4]], bool(h[5])
         expect = self._expect_fn(a)
         assert not isinstance(expect, bool), f"{a}: the expected gradient is known once its F has run"
