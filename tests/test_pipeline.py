@@ -579,3 +579,43 @@ def test_activation_receive_is_posted_at_the_last_shape_and_moved_when_it_change
     for i, t in enumerate(want):
         assert receiver[str(i)] == t.tolist(), (i, receiver)
     assert sender["messages"] == 2 + 3 + 3, "micro-batches 1 and 2 changed shape: header, one byte, payload"
+
+
+def _first_activation_guessed_from_the_last_step(ctx) -> dict:
+    """A step's first activation is guessed at the last step's last shape: its payload receive is posted when the
+    step begins, before its header comes; a first activation whose shape changed is moved, as any other."""
+    import torch.distributed as dist
+
+    from fourfold.parallel.pipeline.p2p import ACTIVATION
+
+    schedule = make_schedule("gpipe", 2, 2)
+    links = _links(ctx, schedule)
+    forwards = [a for a in schedule.ranks[ctx.rank] if a.op == "F"]
+    steps = [[torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)], [torch.arange(6.0).reshape(2, 3) + 1,
+                                                                     torch.zeros(2, 3)],
+             [torch.arange(8.0).reshape(2, 4), torch.zeros(2, 4)]]
+    out: dict = {"got": [], "posted": [], "messages": []}
+    for batch in steps:
+        links.begin(forwards, lambda a: None)
+        if ctx.rank == 1:
+            out["posted"].append(links.recvs[(ACTIVATION, 0, 0)].payload_work is not None)
+        dist.barrier()  # the sender sends only now: no header can have come above
+        if ctx.rank == 0:
+            for a, t in zip(forwards, batch, strict=True):
+                links.send(a, ACTIVATION, t, 1, None)
+            links.end()
+            out["messages"].append(links.messages)
+        else:
+            out["got"].append([links.recv(a, ACTIVATION, 0, None).tolist() for a in forwards])
+            links.end()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_steps_first_activation_is_posted_at_the_last_steps_shape():
+    sender, receiver = run_ranks(_first_activation_guessed_from_the_last_step, 2, timeout_s=40)
+    assert receiver["posted"] == [False, True, True], receiver  # nothing to guess from in the first step
+    assert receiver["got"] == [[torch.arange(6.0).reshape(2, 3).tolist(), torch.ones(2, 3).tolist()],
+                               [(torch.arange(6.0).reshape(2, 3) + 1).tolist(), torch.zeros(2, 3).tolist()],
+                               [torch.arange(8.0).reshape(2, 4).tolist(), torch.zeros(2, 4).tolist()]], receiver
+    assert sender["messages"] == [4, 4, 5], "the third step's first activation changed shape: moved, one byte more"

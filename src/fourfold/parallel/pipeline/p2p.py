@@ -20,8 +20,9 @@ trip and two thread wake-ups (milliseconds on busy cores) on the critical path. 
 shape, and gloo reports a point-to-point receive complete only when it is waited on, so a header's arrival
 cannot be seen between actions; after every send and receive the payload receives are posted at a shape known
 ahead (:meth:`Links._guess`): a gradient's is its forward's output's, exact; an activation's is the last one's
-from the same stage this step. The sender knows that guess too: an activation whose shape differs from the last
-one's is *moved* (its header says so) one tag on, and one byte fills the receive the guess may have posted. So
+from the same stage (the micro-batch before, or for a step's first the last step's last). The sender knows that
+guess too: an activation whose shape differs from the last one's is *moved* (its header says so) one tag on, and
+one byte fills the receive the guess may have posted. So
 a posted receive is never smaller than what arrives: gloo aborts the process on a message longer than its
 buffer. Where the backend does report an arrived header (NCCL), it is checked and its payload posted exactly.
 """
@@ -87,21 +88,26 @@ class Links:
         self.schedule, self.group, self.ranks = schedule, group, list(ranks)
         self.rank, self.device, self.timeout_s, self.tracer = dist.get_rank(), device, timeout_s, tracer
         self._expect_fn: Expect = lambda a: None
+        self.sent: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # this step's, by message
+        self.seen: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # headers come this step
         self._reset()
 
     def _reset(self) -> None:
         self.sends: dict[tuple[int, int, int], tuple[list[Any], list[torch.Tensor], str, int]] = {}
-        self.sent: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # this step's, by message
-        self.seen: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # headers come this step
+        # the last step's shapes: a step's first activation from a stage is guessed, and moved, against them
+        self.sent_before, self.seen_before = self.sent, self.seen
+        self.sent, self.seen = {}, {}
         self.mailbox: dict[tuple[int, int, int], torch.Tensor] = {}  # messages from this rank to itself
         self.recvs: dict[tuple[int, int, int], _Recv] = {}  # posted, not yet used
         self.sent_bytes = self.messages = self.wait_ns = 0
 
     def begin(self, actions: Sequence[Action], expect: Expect) -> None:
-        """Start a step: forget the last one's counters, post this step's header receives."""
+        """Start a step: forget the last one's counters, post this step's header receives, and the payload
+        receives whose shapes are known or guessed already."""
         self._reset()
         self._expect_fn = expect
         self._post_recvs(actions)
+        self.prefetch()
 
     def end(self) -> None:
         """Wait for every send still in flight (gloo reports a send complete only when waited on)."""
@@ -148,7 +154,8 @@ class Links:
         if kind == ACTIVATION and i > 0 and (kind, a.stage, i - 1) not in self.sent:
             raise PipelineError(f"rank {self.rank}: {a}: activations must leave a stage in micro-batch order; "
                                 f"{i - 1} has not been sent (the receiver guesses each one's shape from the last).")
-        moved = kind == ACTIVATION and i > 0 and self.sent[(kind, a.stage, i - 1)] != shape
+        last = self._last(self.sent, self.sent_before, (kind, a.stage, i))
+        moved = kind == ACTIVATION and last is not None and last != shape
         header = torch.tensor([_MAGIC, kind, a.stage, i, _DTYPES.index(tensor.dtype), int(moved), tensor.dim(),
                                *tensor.shape, *[0] * (_MAX_DIMS - tensor.dim())], dtype=torch.int64,
                               device=tensor.device)
@@ -215,15 +222,23 @@ class Links:
     def _guess(self, key: tuple[int, int, int], expect: TensorSpec | None) -> tuple[tuple[int, ...], torch.dtype] | None:
         """The payload's shape before its header comes, or None. A gradient's is exact: its forward's output's (the
         sender checks its gradient against the very activation this rank sent it, and sends no payload if they
-        differ). An activation's is the last one's from the same stage this step; the sender knows that guess
+        differ). An activation's is the last one's from the same stage (:meth:`_last`); the sender knows that guess
         too, and moves a payload that differs from it (:meth:`send`). Either way a receive posted ahead is never
         too small: gloo aborts the process on a message longer than its buffer."""
         kind, from_stage, i = key
         if kind == GRADIENT:
             exact = [d for d in expect.shape if d is not None] if expect is not None else []
             return (tuple(exact), expect.dtype) if expect is not None and len(exact) == len(expect.shape) else None
-        last = self.seen.get((kind, from_stage, i - 1))
+        last = self._last(self.seen, self.seen_before, key)
         return last if last is not None and math.prod(last[0]) > 0 else None
+
+    def _last(self, now: dict[tuple[int, int, int], Any], before: dict[tuple[int, int, int], Any],
+              key: tuple[int, int, int]) -> Any:
+        """The activation before ``key``'s from the same stage: this step's micro-batch i - 1, or for the first
+        one the last step's last (None if none). Sender and receiver look it up alike, in what they sent and
+        what they saw: a receiver saw only what was sent, so it never guesses where the sender would not move."""
+        kind, stage, i = key
+        return now.get((kind, stage, i - 1)) if i > 0 else before.get((kind, stage, self.schedule.microbatches - 1))
 
     def _post(self, key: tuple[int, int, int], r: _Recv, shape: tuple[int, ...], dtype: torch.dtype, *,
               moved: bool) -> None:
