@@ -16,7 +16,15 @@ from fourfold.models import shard_plan
 from fourfold.models.gpt import GPTConfig, TinyGPT
 from fourfold.observe.costs import UnitCosts, flop_units, measure_units
 from fourfold.observe.estimate import estimate_memory
-from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, calibrate, predict
+from fourfold.observe.predict import (
+    Layout,
+    Links,
+    Measured,
+    ModelProfile,
+    action_overhead,
+    calibrate,
+    predict,
+)
 from fourfold.parallel.schedule import theory_bubble
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
@@ -142,6 +150,35 @@ def test_calibrate_takes_the_wake_up_time_of_pipeline_messages_from_a_crowded_pi
     assert predict(prof, crowded, links2, batch_size=8).step_s == pytest.approx(before + 0.05, rel=1e-6)
     assert predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links2, batch_size=8).step_s == \
         predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links, batch_size=8).step_s  # 2 ranks: none
+
+
+def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipeline_run():
+    from fourfold.observe.trace import Span
+
+    ms = 1_000_000
+    # waits 2 ms, F 3 ms, a 1 ms send and bookkeeping, B 4 ms, then the optimizer (not an action): 0.5 ms an action
+    row = [Span(0, "wait", "wait", 0, 2 * ms, microbatch=0), Span(0, "comm", "recv", 0, 2 * ms, microbatch=0),
+           Span(0, "compute", "F", 2 * ms, 5 * ms, microbatch=0), Span(0, "comm", "send", 5 * ms, 6 * ms, microbatch=0),
+           Span(0, "compute", "B", 6 * ms, 10 * ms, microbatch=0), Span(0, "compute", "optimizer", 11 * ms, 12 * ms)]
+    spans = {0: row, 1: [replace(s, rank=1) for s in row]}
+    assert action_overhead(spans) == pytest.approx(0.5e-3)
+    assert action_overhead({0: [Span(0, "compute", "forward", 0, ms)]}) == 0.0  # no pipeline actions
+
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    links = Links(LINK, LINK, ranks_per_node=8, cores=2)
+    pp2 = Layout(pp=2, schedule="1f1b", microbatches=2)
+    before = predict(prof, pp2, links, batch_size=8).step_s
+    _, links2, fitted = calibrate(prof, links, 8, {pp2: Measured(before + 0.02, spans)})
+    assert links2.action_s == fitted["action_s"] == pytest.approx(0.5e-3)
+    assert links2.p2p_alpha_s == fitted["p2p_alpha_s"] > LINK.alpha_s
+    assert predict(prof, pp2, links2, batch_size=8).step_s == pytest.approx(before + 0.02, rel=1e-6)
+    # twice the actions and more hops a step: interleaved pays more of both than the 1F1B run they were fitted on
+    interleaved = Layout(pp=2, schedule="interleaved", microbatches=2, virtual=2)
+    grown = predict(prof, interleaved, links2, batch_size=8).step_s - predict(prof, interleaved, links, 8).step_s
+    assert grown > 0.02
+    # with a core per rank missing (4 ranks on 2 cores) the run is a crowded one: it fits wake_s, not these
+    crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
+    assert "p2p_alpha_s" not in calibrate(prof, links, 8, {crowded: Measured(1.0, spans)})[2]
 
 
 def test_the_predicted_step_as_trace_spans():
@@ -274,10 +311,11 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
              "--seq-len", "16", "--top", "3"]
     assert main([*flags, "--calibrate"]) == 0
     out = capsys.readouterr().out
-    assert made == [Layout(dp=2), Layout(tp=2), Layout(dp=2, pp=2, schedule="1f1b", microbatches=1)]
-    assert "calibration run 3/4, dp4 tp1 pp1: skipped (batch 6 does not divide into dp x microbatches)" in out
-    assert "calibration run 4/4, dp2 tp1 pp2 1f1b m1: 800.0 ms per step, 0% of the CPU stolen" in out
-    assert "fitted: " in out and "wake_s" in out and "contention" in out
+    assert made == [Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=1),
+                    Layout(dp=2, pp=2, schedule="1f1b", microbatches=1)]
+    assert "calibration run 4/5, dp4 tp1 pp1: skipped (batch 6 does not divide into dp x microbatches)" in out
+    assert "calibration run 5/5, dp2 tp1 pp2 1f1b m1: 800.0 ms per step, 0% of the CPU stolen" in out
+    assert "fitted: " in out and "wake_s" in out and "contention" in out and "p2p_alpha_s" in out
     assert main(["--gpus", "8", "--calibrate"]) == 2
     assert "with --gpus (on paper) there is nothing to run" in capsys.readouterr().err
 

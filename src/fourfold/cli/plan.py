@@ -331,10 +331,10 @@ on this machine (without --gpus):
   --lab N             plan for `fourfold lab run --nodes N`: --nproc / N ranks per node, nodes joined by --link
                       (default: 1gbit), the lab's fitted model where one was saved (docs/lab.md)
   --tcp NAME          the lab's TCP congestion control, as lab run's --tcp (default: cubic)
-  --calibrate         first fit the simulator to 4 short runs of fourfold train here (dp=2, tp=2, dp=4,
-                      dp=2 pp=2; about a minute for a small model): how ranks sharing the cores slow each other,
-                      the links' real alpha and beta (docs/simulator.md). Without it, 4- and 8-rank figures on a
-                      CPU with fewer cores are optimistic."""
+  --calibrate         first fit the simulator to 5 short runs of fourfold train here (dp=2, tp=2, pp=2,
+                      dp=4, dp=2 pp=2; about a minute for a small model): how ranks sharing the cores slow each
+                      other, the links' real alpha and beta, a pipeline action's overhead (docs/simulator.md).
+                      Without it, 4- and 8-rank figures on a CPU with fewer cores are optimistic."""
 
 
 def _time(s: float) -> str:

@@ -56,7 +56,7 @@ from fourfold.observe.estimate import (
 from fourfold.observe.trace import Span
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
-__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "calibrate", "predict"]
+__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "action_overhead", "calibrate", "predict"]
 
 @dataclass(frozen=True)
 class Links:
@@ -75,6 +75,16 @@ class Links:
     """With more ranks than ``cores``: the time a pipeline message adds, beyond the link's, before the rank it
     wakes runs (the scheduler has given its core to another rank; fitted by :func:`calibrate` on a crowded
     pipeline run; see :meth:`wake`)."""
+
+    action_s: float = 0.0
+    """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions and, on an action
+    that sends, gloo's ``isend``, which copies the message out in the calling thread (~0.2 ms for 128 KB on this
+    VM). It uses a core. Measured on a pipeline run's spans by :func:`calibrate`."""
+
+    p2p_alpha_s: float | None = None
+    """A pipeline message's fixed latency within a node, fitted on a pipeline run so that its step comes out. None:
+    the node link's α (which :func:`calibrate` fits to tensor-parallel collectives, waits for the slower rank
+    included)."""
 
     def wake(self, ranks: int) -> float:
         """What a pipeline message adds when ``ranks`` processes share the cores: ``wake_s`` once more ranks than
@@ -279,13 +289,16 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
 
         def action_time(a: Action) -> tuple[float, float]:
             if a.op == "F":
-                return f[a.stage]
-            computing, waiting = b[a.stage]  # a split backward's collectives are in B (the input gradient)
-            return (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
+                computing, waiting = f[a.stage]
+            else:
+                computing, waiting = b[a.stage]  # a split backward's collectives are in B (the input gradient)
+                computing, waiting = (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
+            return computing + links.action_s, waiting
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
+        alpha = links.p2p_alpha_s if link is links.node and links.p2p_alpha_s is not None else link.alpha_s
         message_bytes = profile.hidden_bytes * micro // (L.tp if sequence_parallel else 1)
-        message = link.alpha_s + link.beta_s_per_byte * message_bytes + links.wake(L.world_size)
+        message = alpha + link.beta_s_per_byte * message_bytes + links.wake(L.world_size)
         timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
         forward, ends = 0.0, [max(t.end for t in row) for row in timeline.ranks]
@@ -334,6 +347,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
       (``contention``: memory, caches, the launcher and gloo's threads);
     * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
       in use (waits for the slower rank included);
+    * a pipeline run with a core per rank gives ``action_s``, each action's time outside its compute and its
+      waits (in its spans), and then ``p2p_alpha_s``, a message's latency in use;
     * a data-parallel run with more ranks than cores gives ``oversubscribed``;
     * a pipeline run with more ranks than cores gives ``wake_s``, the time a stage's message waits for a core on
       the rank it wakes.
@@ -373,6 +388,15 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) / steps)
         links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
                                             source=f"{link.source}; alpha fitted on {L}"))
+    alone = next(((L, m) for L, m in runs.items() if L.pp > 1 and L.dp == L.tp == 1
+                  and (not links.cores or L.world_size <= links.cores)), None)  # a core per rank
+    if alone is not None and alone[1].spans:
+        fitted["action_s"] = action_overhead(alone[1].spans)
+        links = replace(links, action_s=fitted["action_s"])
+    if alone is not None:  # the step grows with the messages' latency: the one that gives the run's own step
+        fitted["p2p_alpha_s"] = _bisect(lambda a: predict(profile, alone[0], replace(links, p2p_alpha_s=a),
+                                                          batch_size).step_s, alone[1].step_s)
+        links = replace(links, p2p_alpha_s=fitted["p2p_alpha_s"])
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
                     and L.tp == L.pp == 1), None)
     if crowded is not None:
@@ -381,15 +405,43 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         fitted["oversubscribed"] = max(1.0, (crowded[1].step_s - tail) / (p.step_s - tail))
         links = replace(links, oversubscribed=fitted["oversubscribed"])
     piped = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores and L.pp > 1
-                  and L.tp == 1), None)
-    if piped is not None:  # the step grows with wake_s: bisect for the one that gives the run's own step
-        low, high = 0.0, piped[1].step_s
-        for _ in range(40):
-            mid = (low + high) / 2
-            if predict(profile, piped[0], replace(links, wake_s=mid), batch_size).step_s < piped[1].step_s:
-                low = mid
-            else:
-                high = mid
-        fitted["wake_s"] = low
-        links = replace(links, wake_s=low)
+                  and L.tp == 1), None)  # the step grows with wake_s: the one that gives the run's own step
+    if piped is not None:
+        fitted["wake_s"] = _bisect(lambda w: predict(profile, piped[0], replace(links, wake_s=w), batch_size).step_s,
+                                   piped[1].step_s)
+        links = replace(links, wake_s=fitted["wake_s"])
     return profile, links, fitted
+
+
+def _bisect(step: Any, measured: float) -> float:
+    """The x in [0, measured] for which ``step(x)`` (non-decreasing) comes out at ``measured``; 0 when even
+    ``step(0)`` is over it."""
+    low, high = 0.0, measured
+    for _ in range(40):
+        mid = (low + high) / 2
+        if step(mid) < measured:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def action_overhead(spans: Mapping[int, list[Span]]) -> float:
+    """A pipeline action's time outside its compute and its waits, from one step's spans: per rank, the span
+    from its first action (or the wait before it) to its last action's end, less its F/B/W spans and its waits,
+    over its actions; the median over ranks (0 without actions)."""
+    per_rank = []
+    for row in spans.values():
+        actions = [s for s in row if s.kind == "compute" and s.name in ("F", "B", "W")]
+        if not actions:
+            continue
+        end = max(s.end_ns for s in actions)
+        start = min(s.start_ns for s in row if s.microbatch is not None and s.start_ns < end)
+        waits = [(max(s.start_ns, start), min(s.end_ns, end)) for s in row if s.kind == "wait"]
+        waited, reach = 0, start  # the waits' union (they do not overlap, but be sure)
+        for a, b in sorted(waits):
+            waited += max(0, b - max(a, reach))
+            reach = max(reach, b)
+        busy = sum(s.end_ns - s.start_ns for s in actions)
+        per_rank.append(max(0, end - start - busy - waited) / len(actions) / 1e9)
+    return statistics.median(per_rank) if per_rank else 0.0

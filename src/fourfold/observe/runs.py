@@ -32,9 +32,9 @@ __all__ = ["LabShape", "best_runs", "calibration_layouts", "cpu_times", "measure
 
 
 def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
-    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data- and tensor-parallel at 2 ranks, and
-    with more ranks than a 2-core machine's cores, data-parallel and pipelined."""
-    return (Layout(dp=2), Layout(tp=2), Layout(dp=4),
+    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data-, tensor- and pipeline-parallel at 2
+    ranks, and with more ranks than a 2-core machine's cores, data-parallel and pipelined."""
+    return (Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=microbatches), Layout(dp=4),
             Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
 
 
