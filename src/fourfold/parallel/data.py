@@ -122,6 +122,7 @@ class DataParallel(nn.Module):
         # each parameter's slice of its bucket, shaped as the parameter: made once, not per gradient per step
         self._slots = {id(p): b.flat[o:o + p.numel()].view_as(p) for b in self.buckets
                        for p, o in zip(b.params, b.offsets, strict=True)}
+        self._hot = {k: (self._where[k][0], slot) for k, slot in self._slots.items()}  # the hook's one lookup
         self._names = {id(p): n for n, p in named}
         self._sync = True
         self.auto_finish = auto_finish
@@ -171,9 +172,14 @@ class DataParallel(nn.Module):
             self._gate.update(id(p) for p in params)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync or self._finished or (self._gate is not None and id(p) not in self._gate):
+        """After ``p``'s gradient is accumulated: pack it; launch the buckets it completes. It runs once per
+        parameter per backward, in Python, so it does no more than that (DDP does the same in C++)."""
+        key = id(p)
+        if not self._sync or self._finished or (self._gate is not None and key not in self._gate):
             return
-        self._pack(p)
+        bucket = self._pack(p)
+        if len(bucket.ready) < len(bucket.params):
+            return
         self._launch_in_order()
         if self._launched == len(self.buckets) and self.auto_finish:
             self.finish()  # the last gradient of this backward: wait here, as backward ends
@@ -181,15 +187,15 @@ class DataParallel(nn.Module):
     def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
         return [_bucket(i, members) for i, members in enumerate(_group(named, cap_bytes))]
 
-    def _pack(self, p: torch.Tensor) -> None:
-        """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation)."""
-        bucket, _ = self._where[id(p)]
-        assert p.grad is not None
+    def _pack(self, p: torch.Tensor) -> Bucket:
+        """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation); its bucket."""
+        bucket, slot = self._hot[id(p)]
         # Scale while packing (grad_scale: 1/G, or 1 when the loss is already the global batch's), so finish()
-        # has no separate pass over the buckets on the critical path.
-        # A gradient that is already its bucket slice (last step's, zeroed in place) is scaled where it lies.
-        torch.mul(p.grad, self.grad_scale, out=self._slots[id(p)])
+        # has no separate pass over the buckets on the critical path. A gradient that is already its bucket
+        # slice (last step's, zeroed in place) is scaled where it lies.
+        torch.mul(p.grad, self.grad_scale, out=slot)  # type: ignore[arg-type]
         bucket.ready.add(id(p))
+        return bucket
 
     def _launch_in_order(self) -> None:
         while self._launched < len(self.buckets):

@@ -223,7 +223,7 @@ class ShardedDataParallel(DataParallel):
             return  # packed in finish(), once before_late() has made it final
         super()._on_grad(p)
 
-    def _pack(self, p: torch.Tensor) -> None:
+    def _pack(self, p: torch.Tensor) -> Bucket:
         bucket, _ = self._where[id(p)]
         if bucket.flat.untyped_storage().nbytes() == 0:  # stages 2-3: this step's first gradient in it
             _allocate(bucket.flat)
@@ -233,6 +233,7 @@ class ShardedDataParallel(DataParallel):
         if self.zero == 3 and self._gate is None and len(bucket.ready) == len(bucket.params) \
                 and bucket.index in self._units_by_bucket:
             bucket.zero.free()  # its backward is done: the unit's weights are not needed again this step
+        return bucket
 
     def _launch(self, b: Bucket) -> None:
         b.handle = self._submit(reduce_scatter, self._comm, self._wire(b), self.algorithm, tracer=self.tracer,
