@@ -437,8 +437,8 @@ def test_plan_for_a_lab_joins_its_nodes_by_the_labs_link(capsys, monkeypatch, tm
     assert main([*flags, "--lab", "2", "--link", "10mbit"]) == 0
     lab = capsys.readouterr().out
     assert "links: lab 10mbit, not fitted (fit it: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit" in lab
-    assert "run the first in the lab: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit -- fourfold " \
-           "train --dp" in lab and "--nproc" not in lab.splitlines()[-1]
+    assert "run the first in the lab: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit --tcp cubic -- " \
+           "fourfold train --dp" in lab and "--nproc" not in lab.splitlines()[-1]
     assert _first_step_ms(lab) > 1.5 * _first_step_ms(here), (here, lab)  # 10 Mbit/s between the nodes
     path = cost_model_path(2, 2, "10mbit")  # what lab run's bench allreduce saves: the node link, then the network
     path.parent.mkdir(parents=True)

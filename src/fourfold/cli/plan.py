@@ -201,6 +201,7 @@ def _ranking(argv: list[str]) -> int:
     parser.add_argument("--calibrate", action="store_true")
     ns, rest = parser.parse_known_args(argv)
     paper = ns.gpus is not None
+    lab: LabShape | None = None
     try:
         if paper and ns.lab is not None:
             raise ValueError("--lab plans for a lab on this machine and --gpus on paper; drop one of them.")
@@ -229,11 +230,12 @@ def _ranking(argv: list[str]) -> int:
             model = build_model(cfg)
             cost_model = CostModel.load()
             links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
-            if ns.lab is not None:
+            if ns.lab is not None:  # below, too: the first layout's command is the lab's own
                 if ns.lab < 1 or world % ns.lab:
                     raise ValueError(f"--lab must be a number of nodes that divides --nproc, got --lab {ns.lab} for "
                                      f"--nproc {world}.")
-                links = LabShape(world // ns.lab, ns.link or "1gbit", ns.tcp).links(links, nodes=ns.lab)
+                lab = LabShape(world // ns.lab, ns.link or "1gbit", ns.tcp)
+                links = lab.links(links, nodes=ns.lab)
             available, where = _available(cfg, world)
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
@@ -273,9 +275,8 @@ def _ranking(argv: list[str]) -> int:
                   "Try more devices, a smaller batch, or --activation-checkpointing full.")
         return 1
     flags = fits[0].layout.flags()
-    if ns.lab is not None:  # in a lab, --nproc counts a node's ranks: the lab's --gpus-per-node says it
-        print(f"  run the first in the lab: fourfold lab run --nodes {ns.lab} --gpus-per-node {world // ns.lab} "
-              f"--link {ns.link or '1gbit'} -- fourfold train {' '.join(flags[2:])} ...")
+    if lab is not None:  # in a lab, --nproc counts a node's ranks: the lab's --gpus-per-node says it
+        print(f"  run the first in the lab: fourfold {' '.join(lab.command(fits[0].layout) + flags[2:])} ...")
     else:
         print(f"  run the first here: fourfold train {' '.join(flags)} ...")
     return 0
