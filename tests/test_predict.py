@@ -253,10 +253,16 @@ def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
     runs = {Layout(dp=2): Measured(before.dp_exposed_s + 1.5 * work),
             Layout(tp=2): Measured(1.0)}
     prof2, links2, fitted = calibrate(prof, links, 8, runs)
-    assert fitted["contention"] == pytest.approx(1.5)
-    assert predict(prof2, Layout(dp=2), links, batch_size=8).step_s == pytest.approx(
+    assert fitted["contention"] == pytest.approx(1.5) and links2.contention == fitted["contention"]
+    fitted_dp = replace(links, contention=links2.contention)  # the tp fit changed the node link's alpha
+    assert predict(prof2, Layout(dp=2), fitted_dp, batch_size=8).step_s == pytest.approx(
         runs[Layout(dp=2)].step_s, rel=1e-9)
     assert links2.node.alpha_s > LINK.alpha_s and math.isfinite(fitted["tp_alpha_s"])
+    # a pipeline stage computing alone (the other waits in the bubble) goes at its own speed: GPipe pp2 comes out
+    # between no contention and contention over the whole step
+    gpipe = Layout(pp=2, schedule="gpipe", microbatches=2)
+    all_along = predict(replace(prof, costs=prof.costs.scaled(1.5, "all along")), gpipe, links, 8).step_s
+    assert predict(prof, gpipe, links, 8).step_s < predict(prof, gpipe, fitted_dp, 8).step_s < all_along
 
 
 def test_layouts_respect_heads_blocks_batch_and_machines():

@@ -25,7 +25,8 @@ The model (docs/simulator.md):
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
   k processes compute, each goes at ``cores / k`` of its speed (over ``oversubscribed``, fitted), event by event
   in the pipeline's simulation, so a bubble on one stage speeds up the others; with more ranks than cores a
-  pipeline message waits ``wake_s`` (fitted) for the rank it wakes to get a core.
+  pipeline message waits ``wake_s`` (fitted) for the rank it wakes to get a core. Two or more computing at once
+  also go ``contention`` (fitted) times slower than one alone.
 * **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
 * **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
 """
@@ -92,11 +93,18 @@ class Links:
         busy ones, and scaled by ranks/cores - 1 it put 8-rank pipelines at +100..+190 % (docs/simulator.md)."""
         return 0.0 if self.cores is None or ranks <= self.cores else self.wake_s
 
+    contention: float = 1.0
+    """With several ranks computing at once on one machine: how much slower each goes than one alone (memory
+    bandwidth, caches, the launcher and gloo's threads; fitted by :func:`calibrate` on a data-parallel run). One
+    computing alone (a pipeline stage while the other waits in the bubble) goes at its own speed."""
+
     def speed(self, computing: int) -> float:
         """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""
-        if self.cores is None or computing <= self.cores:
+        if computing <= 1:
             return 1.0
-        return self.cores / computing / self.oversubscribed
+        if self.cores is None or computing <= self.cores:
+            return 1.0 / self.contention
+        return self.cores / computing / self.oversubscribed / self.contention
 
 
 @dataclass(frozen=True)
@@ -369,13 +377,12 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
                                                                               - p.dp_exposed_s) / slope)
             links = replace(links, node=replace(link, beta_s_per_byte=fitted["dp_beta_s_per_byte"],
                                                 source=f"{link.source}; beta fitted on {dp_run[0]}"))
-    if dp_run is not None:
-        p = predict(profile, dp_run[0], links, batch_size)
+    if dp_run is not None:  # its ranks compute at once all step: the step is linear in contention
+        p = predict(profile, dp_run[0], replace(links, contention=1.0), batch_size)
         work = p.step_s - p.dp_exposed_s
         # below 1 too: the in-process timing may have run in a slower moment than the run (this VM's speed drifts)
         fitted["contention"] = max(0.05, (dp_run[1].step_s - p.dp_exposed_s) / work)
-        profile = replace(profile, costs=profile.costs.scaled(
-            fitted["contention"], f"for ranks sharing the machine (fitted on {dp_run[0]})"))
+        links = replace(links, contention=fitted["contention"])
     tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
     if tp_run is not None:
         L, m = tp_run
