@@ -619,3 +619,32 @@ def test_a_steps_first_activation_is_posted_at_the_last_steps_shape():
                                [(torch.arange(6.0).reshape(2, 3) + 1).tolist(), torch.zeros(2, 3).tolist()],
                                [torch.arange(8.0).reshape(2, 4).tolist(), torch.zeros(2, 4).tolist()]], receiver
     assert sender["messages"] == [4, 4, 5], "the third step's first activation changed shape: moved, one byte more"
+
+
+def _lengths(steps: list) -> list:
+    """The steps cut to 8, 5 and 8 positions: each step's first activation changes shape, then changes back."""
+    return [(x[:, :t], y[:, :t]) for (x, y), t in zip(steps, (8, 5, 8), strict=True)]
+
+
+def _lengths_change(ctx) -> dict:
+    out = {}
+    for name, virtual in (("1f1b", 1), ("interleaved", 2)):
+        pipe = build_pipeline(TinyGPT(CFG, seed=0, dtype=torch.float64), make_schedule(name, 2, MICRO, virtual),
+                              timeout_s=30)
+        losses, state, _ = _train(pipe, _lengths(_batches()))
+        out[name] = (losses, state if ctx.rank == 0 else None)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_sequence_length_changing_between_steps_trains_like_one_process():
+    """A step whose activations are shorter than the last step's (moved, with the guess posted ahead), and the
+    step after it, longer again: the same losses and weights as one process, float64."""
+    want_losses, want = reference_run(CFG, _lengths(_batches()))
+    ranks = run_ranks(_lengths_change, 2, timeout_s=60)
+    for name in ("1f1b", "interleaved"):
+        for r, got in enumerate(ranks):
+            losses = got[name][0]
+            assert max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)) <= TOL64, (name, r, losses)
+        state = ranks[0][name][1]
+        assert max(_err(state[k], want[k]) for k in want) <= TOL64, name
