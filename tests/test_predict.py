@@ -349,6 +349,19 @@ def test_bench_predict_layout_names():
         parse_layout("dp2:zb2", 4)
 
 
+def test_bench_predict_counts_the_pairs_its_ranking_swaps_and_whether_the_runs_can_tell():
+    from fourfold.bench.predict import swapped_pairs
+
+    def row(name, predicted, measured, spread=1.05):
+        return {"layout": name, "predicted_s": predicted, "measured_s": measured, "spread": spread}
+
+    rows = [row("a", 1.0, 1.0), row("b", 2.0, 3.0), row("c", 3.0, 2.0), row("d", 4.0, 2.9, spread=1.2)]
+    beyond, within = swapped_pairs(rows)
+    assert beyond == [("b", "c")]  # 3.0 vs 2.0 measured: 1.5x apart, beyond either run's 1.05x spread
+    assert within == [("b", "d")]  # 3.0 vs 2.9: closer than d's own runs were to each other
+    assert swapped_pairs([row("a", 1.0, 1.0), row("b", 2.0, 2.0)]) == ([], [])
+
+
 def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one(tmp_path):
     import json
 

@@ -4,14 +4,15 @@
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2
 
 Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
-four short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
-link's beta; tp=2, the time per collective; dp=4 and dp=2 pp=2, more ranks than cores). Every layout, those four
-included, runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, in rotation (all of them once, then
+five short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
+link's beta; tp=2, the time per collective; pp=2, a pipeline action's overhead and a message's latency; dp=4
+and dp=2 pp=2, more ranks than cores). Every layout, those five included, runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, in rotation (all of them once, then
 again in reverse order: a machine whose speed drifts weighs on the calibration and the checked runs alike); the
 figure is the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
 slowest over it is printed as the spread). Then it puts the prediction
 (:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
-time matches the measured one, ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
+time matches the measured one (:func:`swapped_pairs`: the pairs of layouts ordered otherwise, and whether
+their measured times differ by more than their runs' own spread), ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
 ``layouts/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step above the predicted one.
 docs/simulator.md has a run.
 """
@@ -33,7 +34,7 @@ from fourfold.observe.predict import Layout, Measured, Prediction
 from fourfold.observe.runs import LabShape, best_runs, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
 
-__all__ = ["LAYOUTS", "main", "parse_layout"]
+__all__ = ["LAYOUTS", "main", "parse_layout", "swapped_pairs"]
 
 LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
 
@@ -50,6 +51,22 @@ def parse_layout(text: str, microbatches: int) -> Layout:
     schedule = match.group(4) or "1f1b"
     return Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
                   virtual=2 if pp > 1 and schedule == "interleaved" else 1)
+
+
+def swapped_pairs(rows: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The pairs of layouts (rows with ``layout``, ``predicted_s``, ``measured_s``, ``spread``) that the
+    prediction orders otherwise than the measurement: those whose measured times differ by more than the larger
+    of their two spreads (the slowest of a layout's runs over its fastest), a swap the runs can tell, and those
+    closer than that, which a rerun may order either way."""
+    beyond: list[tuple[str, str]] = []
+    within: list[tuple[str, str]] = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if (a["predicted_s"] - b["predicted_s"]) * (a["measured_s"] - b["measured_s"]) >= 0:
+                continue
+            apart = max(a["measured_s"], b["measured_s"]) / min(a["measured_s"], b["measured_s"])
+            (beyond if apart > max(a["spread"], b["spread"]) else within).append((a["layout"], b["layout"]))
+    return beyond, within
 
 
 def _side_by_side(layout: Layout, measured: Measured, predicted: Prediction, out: Path) -> None:
@@ -146,10 +163,20 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     by_meas = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
     checked = [r for r in rows if not r["calibration"]]
     worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
+    beyond, within = swapped_pairs(rows)
+    pairs = len(rows) * (len(rows) - 1) // 2
+
+    def listed(swaps: list[tuple[str, str]]) -> str:
+        return "; ".join(f"{a} / {b}" for a, b in swaps)
+
     print(f"\nranking by predicted time: {' < '.join(by_pred)}\nranking by measured time:  {' < '.join(by_meas)}"
+          f"\npairs ordered otherwise: {len(beyond) + len(within)} of {pairs}; {len(beyond)} measured apart by more "
+          f"than their runs' spread{': ' + listed(beyond) if beyond else ''}"
+          + (f"; within it: {listed(within)}" if within else "")
           + (f"\nlargest error outside calibration: {worst['layout']} {worst['error']:+.1%}" if worst else ""))
     return {"command": ns.command or " ".join(sys.argv), "machine": machine(cores), "fitted": fitted,
             "costs": costs.source, "rows": rows, "ranking_predicted": by_pred, "ranking_measured": by_meas,
+            "swapped_beyond_spread": beyond, "swapped_within_spread": within,
             "elapsed_s": time.monotonic() - started}
 
 
