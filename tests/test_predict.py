@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fourfold.comm.auto import CostModel
+from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.models import shard_plan
 from fourfold.models.gpt import GPTConfig, TinyGPT
@@ -179,6 +179,21 @@ def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipel
     # with a core per rank missing (4 ranks on 2 cores) the run is a crowded one: it fits wake_s, not these
     crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
     assert "p2p_alpha_s" not in calibrate(prof, links, 8, {crowded: Measured(1.0, spans)})[2]
+
+
+def test_a_crowded_machines_gradient_sync_shares_the_cores_but_not_its_latency():
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    slow = CostModel(1e-3, 1e-8, 0.0)  # 1 ms per ring step, 10 ns per byte
+    dp4 = Layout(dp=4)
+    alone = predict(prof, dp4, Links(slow, slow, ranks_per_node=4), batch_size=8)
+    crowded = predict(prof, dp4, Links(slow, slow, ranks_per_node=4, cores=2), batch_size=8)
+    latency = cost("ring", 1, 4, 4).steps * 1e-3
+    # 4 ranks on 2 cores: each copies and adds its bytes at half speed; the 6 ring steps' waits do not slow
+    assert crowded.dp_comm_s - latency == pytest.approx(2 * (alone.dp_comm_s - latency), rel=1e-6)
+    # across machines the wire, not the cores, carries the bytes
+    net = Links(slow, slow, ranks_per_node=2, cores=1)
+    assert predict(prof, dp4, net, 8).dp_comm_s == pytest.approx(predict(prof, dp4, replace(net, cores=None), 8)
+                                                                 .dp_comm_s, rel=1e-9)
 
 
 def test_the_predicted_step_as_trace_spans():

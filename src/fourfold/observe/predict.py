@@ -100,11 +100,13 @@ class Links:
 
     def speed(self, computing: int) -> float:
         """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""
-        if computing <= 1:
+        return 1.0 if computing <= 1 else self.crowding(computing) / self.contention
+
+    def crowding(self, busy: int) -> float:
+        """The share of a core each of ``busy`` processes gets: 1 while every one has a core."""
+        if self.cores is None or busy <= self.cores:
             return 1.0
-        if self.cores is None or computing <= self.cores:
-            return 1.0 / self.contention
-        return self.cores / computing / self.oversubscribed / self.contention
+        return self.cores / busy / self.oversubscribed
 
 
 @dataclass(frozen=True)
@@ -316,11 +318,21 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     dp_link, dp_node = _dp_links(links, L)
     idle_core = links.cores is None or L.world_size < links.cores
     tails, dp_times = [], []
+    # Within a machine a bucket's ring is CPU work (bytes copied and added) beside its latency; every rank syncs at
+    # about the same time, so with more ranks than cores each gets its share of them (contention, fitted on a run
+    # with a core per rank, is in the link's fitted beta). Between machines the wire decides.
+    share = links.crowding(L.world_size) if dp_node is None else 1.0
+
+    def ring(size: int) -> float:
+        whole = _ring(dp_link, size, itemsize, L.dp, dp_node)
+        wait = min(whole, cost("ring", max(1, size // itemsize), itemsize, L.dp).steps * dp_link.alpha_s)
+        return wait + (whole - wait) / share
+
     for r, elems in enumerate(held):
         nbytes = elems * itemsize
         buckets = [bucket_bytes] * (nbytes // bucket_bytes) + ([nbytes % bucket_bytes] if nbytes % bucket_bytes else [])
-        sync = sum(_ring(dp_link, size, itemsize, L.dp, dp_node) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
-        last = _ring(dp_link, buckets[-1], itemsize, L.dp, dp_node) if buckets else 0.0
+        sync = sum(ring(size) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
+        last = ring(buckets[-1]) if buckets else 0.0
         exposed = sync if not idle_core else max(last, sync - last_backward[r]) if sync else 0.0
         optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
         dp_times.append((sync, exposed))
@@ -406,10 +418,9 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         links = replace(links, p2p_alpha_s=fitted["p2p_alpha_s"])
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
                     and L.tp == L.pp == 1), None)
-    if crowded is not None:
-        p = predict(profile, crowded[0], replace(links, oversubscribed=1.0), batch_size)
-        tail = p.dp_exposed_s + p.optimizer_s
-        fitted["oversubscribed"] = max(1.0, (crowded[1].step_s - tail) / (p.step_s - tail))
+    if crowded is not None:  # the step grows with it (compute, optimizer and the sync's bytes all share the cores)
+        fitted["oversubscribed"] = 1.0 + _bisect(lambda x: predict(profile, crowded[0], replace(
+            links, oversubscribed=1.0 + x), batch_size).step_s, crowded[1].step_s, high=50.0)
         links = replace(links, oversubscribed=fitted["oversubscribed"])
     piped = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores and L.pp > 1
                   and L.tp == 1), None)  # the step grows with wake_s: the one that gives the run's own step
@@ -420,11 +431,11 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     return profile, links, fitted
 
 
-def _bisect(step: Any, measured: float) -> float:
-    """The x in [0, measured] for which ``step(x)`` (non-decreasing) comes out at ``measured``; 0 when even
-    ``step(0)`` is over it."""
-    low, high = 0.0, measured
-    for _ in range(40):
+def _bisect(step: Any, measured: float, high: float | None = None) -> float:
+    """The x in [0, ``high``] (default ``measured``) for which ``step(x)`` (non-decreasing) comes out at
+    ``measured``; 0 when even ``step(0)`` is over it."""
+    low, high = 0.0, measured if high is None else high
+    for _ in range(60):
         mid = (low + high) / 2
         if step(mid) < measured:
             low = mid
