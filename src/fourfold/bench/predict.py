@@ -1,7 +1,7 @@
 """``fourfold bench predict``: the simulator's predicted step time beside the measured one, layout by layout.
 
     fourfold bench predict                                 # every layout runnable on this machine
-    fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2
+    fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2     # quicker, noisier
 
 Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
 five short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fourfold bench predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default=LAYOUTS, help=f"comma-separated layouts (default: {LAYOUTS})")
     parser.add_argument("--steps", type=int, default=8, help="steps per run; the first is not timed (default: 8)")
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=3,
                         help="runs per layout; the fastest counts, and the slowest over it is shown as the spread "
-                             "(default: 2)")
+                             "(default: 3: with 2, one slow calibration run moved every pp2 prediction by 15-26 %% "
+                             "on a 2-core VM)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
     parser.add_argument("--microbatches", type=int, default=4, help="with pp: micro-batches (default: 4)")
     parser.add_argument("--n-layer", type=int, default=4, help="TinyGPT blocks (default: 4)")
