@@ -282,25 +282,36 @@ def _ranking(argv: list[str]) -> int:
     return 0
 
 
+CALIBRATION_REPEATS = 2
+"""Runs per calibration layout; the fastest counts (one slow run moved every pp2 prediction of ``bench predict``
+by 15-26 %, docs/simulator.md)."""
+
+
 def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: int, blocks: int,
                 tensor_plan: bool, heads: int | None) -> tuple[Any, Any]:
     """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
     with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so."""
-    from fourfold.observe.predict import calibrate
-    from fourfold.observe.runs import calibration_layouts, measure_run
+    from fourfold.observe.predict import Layout, Measured, calibrate
+    from fourfold.observe.runs import best_runs, calibration_layouts
 
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
-    runs = {}
-    todo = calibration_layouts(microbatches)
-    for i, layout in enumerate(todo, start=1):
+    runnable = []
+    for layout in calibration_layouts(microbatches):
         why = _cannot_run(layout, batch_size, blocks, tensor_plan, heads)
         if why:
-            print(f"  calibration run {i}/{len(todo)}, {layout}: skipped ({why})", flush=True)
-            continue
-        measured = measure_run(layout, steps=8, train_flags=train_flags, timeout=120.0)
-        runs[layout] = measured
+            print(f"  calibration layout {layout}: skipped ({why})", flush=True)
+        else:
+            runnable.append(layout)
+    made = iter(range(1, CALIBRATION_REPEATS * len(runnable) + 1))
+
+    def progress(layout: Layout, measured: Measured) -> None:
         stolen = "" if measured.stolen is None else f", {measured.stolen:.0%} of the CPU stolen"
-        print(f"  calibration run {i}/{len(todo)}, {layout}: {_time(measured.step_s)} per step{stolen}", flush=True)
+        print(f"  calibration run {next(made)}/{CALIBRATION_REPEATS * len(runnable)}, {layout}: "
+              f"{_time(measured.step_s)} per step{stolen}", flush=True)
+
+    best = best_runs(runnable, CALIBRATION_REPEATS, steps=8, train_flags=train_flags, timeout=120.0,
+                     progress=progress)
+    runs = {layout: measured for layout, (measured, _) in best.items()}
     profile, links, fitted = calibrate(profile, links, batch_size, runs)
     print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))
     return profile, links
@@ -332,9 +343,10 @@ on this machine (without --gpus):
   --lab N             plan for `fourfold lab run --nodes N`: --nproc / N ranks per node, nodes joined by --link
                       (default: 1gbit), the lab's fitted model where one was saved (docs/lab.md)
   --tcp NAME          the lab's TCP congestion control, as lab run's --tcp (default: cubic)
-  --calibrate         first fit the simulator to 5 short runs of fourfold train here (dp=2, tp=2, pp=2,
-                      dp=4, dp=2 pp=2; about a minute for a small model): how ranks sharing the cores slow each
-                      other, the links' real alpha and beta, a pipeline action's overhead (docs/simulator.md).
+  --calibrate         first fit the simulator to short runs of fourfold train here, the fastest of 2 of each
+                      of dp=2, tp=2, pp=2, dp=4, dp=2 pp=2 (about two minutes for a small model): how ranks
+                      sharing the cores slow each other, the links' real alpha and beta, a pipeline action's
+                      overhead (docs/simulator.md).
                       Without it, 4- and 8-rank figures on a CPU with fewer cores are optimistic."""
 
 
