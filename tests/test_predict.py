@@ -398,6 +398,42 @@ def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one
     assert (tmp_path / "dp2-tp1-pp2-1f1b-m4.png").stat().st_size > 0
 
 
+def test_bench_predict_replays_saved_measurements_without_running_anything(tmp_path, monkeypatch, capsys):
+    import json
+
+    from fourfold.bench.predict import _measurements, _replayed, main
+    from fourfold.observe import runs
+    from fourfold.observe.runs import calibration_layouts
+    from fourfold.observe.trace import Span
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a replay runs nothing")
+
+    monkeypatch.setattr(runs, "measure_run", no_run)
+    costs = block_costs(CONFIG.n_layer, opt=1e-9)
+    links = Links(LINK, LINK, ranks_per_node=64, cores=2)
+    checked = [Layout(pp=2, schedule="gpipe", microbatches=2), Layout(dp=2, tp=2)]
+    spans = {0: [Span(0, "compute", "F", 0, 10**6, microbatch=0, step=3)]}
+    measured = {L: (Measured(0.05 * L.world_size, spans, 0.0), 1.1) for L in [*calibration_layouts(2), *checked]}
+    saved = _measurements(costs, links, measured)
+    assert _replayed(json.loads(json.dumps(saved))) == (costs, links, measured)  # through JSON and back, equal
+    saved["settings"] = {"n_layer": CONFIG.n_layer, "d_model": 32, "seq_len": 16, "batch_size": 8,
+                         "microbatches": 2, "layouts": [{"dp": 1, "tp": 1, "pp": 2, "schedule": "gpipe",
+                                                         "microbatches": 2, "virtual": 1, "zero": 0},
+                                                        {"dp": 2, "tp": 2, "pp": 1, "schedule": "1f1b",
+                                                         "microbatches": 1, "virtual": 1, "zero": 0}]}
+    (tmp_path / "old.json").write_text(json.dumps({"measurements": saved}))
+    assert main(["--replay", str(tmp_path / "old.json"), "--out", str(tmp_path / "new")]) == 0
+    report = json.loads((tmp_path / "new" / "bench.json").read_text())
+    assert [r["layout"] for r in report["rows"]] == [str(L) for L in checked]
+    assert [r["measured_s"] for r in report["rows"]] == [0.1, 0.2] and "contention" in report["fitted"]
+    assert report["measurements"]["runs"] == saved["runs"]  # replayable again
+    with pytest.raises(SystemExit):  # a bench.json without measurements is refused by name
+        (tmp_path / "bare.json").write_text(json.dumps({"rows": []}))
+        main(["--replay", str(tmp_path / "bare.json"), "--out", str(tmp_path / "x")])
+    assert "--replay must name the bench.json of a `fourfold bench predict` run" in capsys.readouterr().err
+
+
 def test_a_split_backward_costs_what_the_units_say():
     # zero-bubble's B and W as measured shares of the fused backward: each rank's busy time follows them
     layout = Layout(pp=2, schedule="zb", microbatches=4)

@@ -2,6 +2,7 @@
 
     fourfold bench predict                                 # every layout runnable on this machine
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2     # quicker, noisier
+    fourfold bench predict --replay runs/bench-predict/bench.json --out runs/again  # the same runs, refitted
 
 Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
 five short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
@@ -124,12 +125,13 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     model = TinyGPT(config, seed=0, dtype=torch.float32)
     blocks = model_blocks(model, None)
     micro = ns.batch_size // 2 // ns.microbatches
-    costs = measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
+    replayed = _replayed(ns.replay_data) if ns.replay_data is not None else None  # the model alone changes
+    costs = replayed[0] if replayed else measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
     profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     cores = os.cpu_count() or 1
     fit_on = calibration_layouts(ns.microbatches)
     link = CostModel.load()
-    links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
+    links = replayed[1] if replayed else Links(node=link, network=link, ranks_per_node=64, cores=cores)
     if ns.lab is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
         links = ns.lab.links(links)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
@@ -140,7 +142,15 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     def progress(L: Layout, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
-    measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab)
+    if replayed:
+        measured = replayed[2]
+        print(f"  replaying the runs saved in {ns.replay}", flush=True)
+    else:
+        measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab)
+    saved = _measurements(costs, links, measured)
+    saved["settings"] = {"n_layer": ns.n_layer, "d_model": ns.d_model, "seq_len": ns.seq_len,
+                         "batch_size": ns.batch_size, "microbatches": ns.microbatches,
+                         "layouts": [_layout_dict(L) for L in ns.layouts]}
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: measured[L][0] for L in fit_on})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -176,8 +186,60 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
           + (f"\nlargest error outside calibration: {worst['layout']} {worst['error']:+.1%}" if worst else ""))
     return {"command": ns.command or " ".join(sys.argv), "machine": machine(cores), "fitted": fitted,
             "costs": costs.source, "rows": rows, "ranking_predicted": by_pred, "ranking_measured": by_meas,
-            "swapped_beyond_spread": beyond, "swapped_within_spread": within,
+            "swapped_beyond_spread": beyond, "swapped_within_spread": within, "measurements": saved,
             "elapsed_s": time.monotonic() - started}
+
+
+def _replay_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """Read ``--replay``'s bench.json; its model, batch and layouts replace the flags'. Refused with the reason if it
+    holds no measurements."""
+    import json
+
+    try:
+        report = json.loads(Path(ns.replay).read_text(encoding="utf-8"))
+        data = report["measurements"]
+        settings = data["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--replay must name the bench.json of a `fourfold bench predict` run that saved its "
+                         f"measurements (since 2026-11-23), got {ns.replay}: {type(e).__name__}: {e}.") from None
+    for key in ("n_layer", "d_model", "seq_len", "batch_size", "microbatches"):
+        setattr(ns, key, settings[key])
+    ns.layouts = [Layout(**d) for d in settings["layouts"]]
+    ns.lab = None
+    return dict(data)
+
+
+def _layout_dict(layout: Layout) -> dict[str, Any]:
+    return {k: getattr(layout, k) for k in ("dp", "tp", "pp", "schedule", "microbatches", "virtual", "zero")}
+
+
+def _measurements(costs: Any, links: Any, measured: dict[Layout, tuple[Measured, float]]) -> dict[str, Any]:
+    """What the prediction is fitted to and checked against, for ``--replay``: the units' times, the links before
+    calibration, and every layout's fastest run (its median step's spans included) and spread."""
+    from dataclasses import asdict
+
+    return {"costs": asdict(costs), "links": asdict(links),
+            "runs": [{"layout": _layout_dict(L), "step_s": m.step_s, "spread": spread, "stolen": m.stolen,
+                      "spans": {str(r): [s.to_dict() for s in row] for r, row in m.spans.items()}}
+                     for L, (m, spread) in measured.items()]}
+
+
+def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Layout, tuple[Measured, float]]]:
+    """:func:`_measurements` read back: the units' times, the links, the runs."""
+    from fourfold.comm.auto import CostModel
+    from fourfold.observe.costs import UnitCosts
+    from fourfold.observe.predict import Links
+    from fourfold.observe.trace import Span
+
+    c = data["costs"]
+    costs = UnitCosts(tuple(map(tuple, c["forward"])), tuple(map(tuple, c["backward"])),
+                      c["optimizer_s_per_element"], c["source"], tuple(c["split"]))
+    raw = dict(data["links"])
+    links = Links(**{**raw, "node": CostModel(**raw["node"]), "network": CostModel(**raw["network"])})
+    runs = {Layout(**r["layout"]): (Measured(r["step_s"], {int(k): [Span.from_dict(s) for s in row]
+                                                          for k, row in r["spans"].items()}, r["stolen"]),
+                                    r["spread"]) for r in data["runs"]}
+    return costs, links, runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--lab-ranks-per-node ranks a node, the nodes joined by this link, e.g. 250mbit (root; "
                         "docs/lab.md); the prediction joins them by the lab's fitted model or this rate")
     parser.add_argument("--lab-ranks-per-node", type=int, default=2, help="with --lab-link (default: 2)")
+    parser.add_argument("--replay", default=None, metavar="BENCH_JSON",
+                        help="run nothing: fit and predict anew from the measurements an earlier run saved in its "
+                             "bench.json (its model, batch and layouts), so that two versions of the simulator are "
+                             "compared on the same runs")
     add_output_flags(parser, "predict", "bench.json, bench.png and layouts/ (each layout's measured and "
                      "predicted step)")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -207,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--repeats must be >= 1, got {ns.repeats}.")
         ns.layouts = [parse_layout(t, ns.microbatches) for t in ns.layouts.split(",")]
         ns.lab = None if ns.lab_link is None else LabShape(ns.lab_ranks_per_node, ns.lab_link)
+        ns.replay_data = None if ns.replay is None else _replay_settings(ns)  # its links include any lab's
         if ns.lab is not None:
             for L in [*calibration_layouts(ns.microbatches), *ns.layouts]:
                 ns.lab.command(L)  # refuses a layout whose ranks do not fill whole nodes
