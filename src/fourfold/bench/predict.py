@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +130,11 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     cores = os.cpu_count() or 1
     fit_on = calibration_layouts(ns.microbatches)
-    link = CostModel.load()
-    links = replayed[1] if replayed else Links(node=link, network=link, ranks_per_node=64, cores=cores)
+    if replayed:
+        links = replayed[1]
+    else:
+        link = CostModel.load()
+        links = Links(node=link, network=link, ranks_per_node=64, cores=cores)
     if ns.lab is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
         links = ns.lab.links(links)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
@@ -150,7 +153,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     saved = _measurements(costs, links, measured)
     saved["settings"] = {"n_layer": ns.n_layer, "d_model": ns.d_model, "seq_len": ns.seq_len,
                          "batch_size": ns.batch_size, "microbatches": ns.microbatches,
-                         "layouts": [_layout_dict(L) for L in ns.layouts]}
+                         "layouts": [asdict(L) for L in ns.layouts]}
     profile, links, fitted = calibrate(profile, links, ns.batch_size, {L: measured[L][0] for L in fit_on})
     print("  fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -209,17 +212,11 @@ def _replay_settings(ns: argparse.Namespace) -> dict[str, Any]:
     return dict(data)
 
 
-def _layout_dict(layout: Layout) -> dict[str, Any]:
-    return {k: getattr(layout, k) for k in ("dp", "tp", "pp", "schedule", "microbatches", "virtual", "zero")}
-
-
 def _measurements(costs: Any, links: Any, measured: dict[Layout, tuple[Measured, float]]) -> dict[str, Any]:
     """What the prediction is fitted to and checked against, for ``--replay``: the units' times, the links before
     calibration, and every layout's fastest run (its median step's spans included) and spread."""
-    from dataclasses import asdict
-
     return {"costs": asdict(costs), "links": asdict(links),
-            "runs": [{"layout": _layout_dict(L), "step_s": m.step_s, "spread": spread, "stolen": m.stolen,
+            "runs": [{"layout": asdict(L), "step_s": m.step_s, "spread": spread, "stolen": m.stolen,
                       "spans": {str(r): [s.to_dict() for s in row] for r, row in m.spans.items()}}
                      for L, (m, spread) in measured.items()]}
 

@@ -54,7 +54,7 @@ from fourfold.observe.estimate import (
     probe_activations,
     shard_elements,
 )
-from fourfold.observe.trace import Span
+from fourfold.observe.trace import Span, _overlap
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
 __all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "action_overhead", "calibrate", "predict"]
@@ -77,6 +77,11 @@ class Links:
     wakes runs (the scheduler has given its core to another rank; fitted by :func:`calibrate` on a crowded
     pipeline run; see :meth:`wake`)."""
 
+    contention: float = 1.0
+    """With several ranks computing at once on one machine: how much slower each goes than one alone (memory
+    bandwidth, caches, the launcher and gloo's threads; fitted by :func:`calibrate` on a data-parallel run). One
+    computing alone (a pipeline stage while the other waits in the bubble) goes at its own speed."""
+
     action_s: float = 0.0
     """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions and, on an action
     that sends, gloo's ``isend``, which copies the message out in the calling thread (~0.2 ms for 128 KB on this
@@ -92,11 +97,6 @@ class Links:
         cores run (0 while every rank has a core). Not scaled with the crowd: a woken process is run ahead of the
         busy ones, and scaled by ranks/cores - 1 it put 8-rank pipelines at +100..+190 % (docs/simulator.md)."""
         return 0.0 if self.cores is None or ranks <= self.cores else self.wake_s
-
-    contention: float = 1.0
-    """With several ranks computing at once on one machine: how much slower each goes than one alone (memory
-    bandwidth, caches, the launcher and gloo's threads; fitted by :func:`calibrate` on a data-parallel run). One
-    computing alone (a pipeline stage while the other waits in the bubble) goes at its own speed."""
 
     def speed(self, computing: int) -> float:
         """The fraction of its own speed each of ``computing`` processes gets on this machine's cores."""
@@ -455,11 +455,7 @@ def action_overhead(spans: Mapping[int, list[Span]]) -> float:
             continue
         end = max(s.end_ns for s in actions)
         start = min(s.start_ns for s in row if s.microbatch is not None and s.start_ns < end)
-        waits = [(max(s.start_ns, start), min(s.end_ns, end)) for s in row if s.kind == "wait"]
-        waited, reach = 0, start  # the waits' union (they do not overlap, but be sure)
-        for a, b in sorted(waits):
-            waited += max(0, b - max(a, reach))
-            reach = max(reach, b)
+        waited = _overlap((start, end), [(s.start_ns, s.end_ns) for s in row if s.kind == "wait"])
         busy = sum(s.end_ns - s.start_ns for s in actions)
         per_rank.append(max(0, end - start - busy - waited) / len(actions) / 1e9)
     return statistics.median(per_rank) if per_rank else 0.0

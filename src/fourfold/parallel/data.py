@@ -118,11 +118,9 @@ class DataParallel(nn.Module):
         _check_same_layout(named, self._comm)
         _broadcast_state(module, self._comm)
         self.buckets = self._make_buckets(named, int(bucket_mb * 2**20))
-        self._where = {id(p): (b, b.offsets[i]) for b in self.buckets for i, p in enumerate(b.params)}
-        # each parameter's slice of its bucket, shaped as the parameter: made once, not per gradient per step
-        self._slots = {id(p): b.flat[o:o + p.numel()].view_as(p) for b in self.buckets
+        # each parameter's bucket, and its slice of it shaped as the parameter: made once, not per gradient per step
+        self._where = {id(p): (b, b.flat[o:o + p.numel()].view_as(p)) for b in self.buckets
                        for p, o in zip(b.params, b.offsets, strict=True)}
-        self._hot = {k: (self._where[k][0], slot) for k, slot in self._slots.items()}  # the hook's one lookup
         self._names = {id(p): n for n, p in named}
         self._sync = True
         self.auto_finish = auto_finish
@@ -189,7 +187,7 @@ class DataParallel(nn.Module):
 
     def _pack(self, p: torch.Tensor) -> Bucket:
         """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation); its bucket."""
-        bucket, slot = self._hot[id(p)]
+        bucket, slot = self._where[id(p)]
         # Scale while packing (grad_scale: 1/G, or 1 when the loss is already the global batch's), so finish()
         # has no separate pass over the buckets on the critical path. A gradient that is already its bucket
         # slice (last step's, zeroed in place) is scaled where it lies.
@@ -255,8 +253,7 @@ class DataParallel(nn.Module):
                 "rank must use every parameter in each step; pass find_unused_parameters=True to treat their "
                 "gradient as zero, or freeze them (requires_grad=False).")
         for b, p in missing:  # unused this step: contributes zero, so every rank still reduces every bucket
-            offset = self._where[id(p)][1]  # not b.params.index(p): == on tensors compares elementwise
-            b.flat[offset:offset + p.numel()].zero_()
+            self._where[id(p)][1].zero_()
             b.ready.add(id(p))
         self._launch_in_order()
         waiting = self.tracer.span("wait", "grad_sync") if self.tracer is not None else contextlib.nullcontext()
@@ -271,7 +268,7 @@ class DataParallel(nn.Module):
         copy back, and the gradient autograd produced is freed. ``zero_grad()`` then zeroes the bucket in place
         (or drops the view), and the next backward accumulates into it; the hook packs it again either way."""
         for p in b.params:
-            p.grad = self._slots[id(p)]
+            p.grad = self._where[id(p)][1]
 
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
