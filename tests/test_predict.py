@@ -152,17 +152,32 @@ def test_calibrate_takes_the_wake_up_time_of_pipeline_messages_from_a_crowded_pi
         predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links, batch_size=8).step_s  # 2 ranks: none
 
 
+def test_a_send_costs_the_actions_that_send_to_another_rank_only():
+    # pp2, 2 micro-batches: 1F1B and ZB-H1 send after 2 actions a rank (ZB's W sends nothing); interleaved v2 after 6
+    prof, links = profile(), Links(TINY, TINY, ranks_per_node=2)
+    sending = replace(links, send_s=1e-3)
+    for schedule, virtual, sends in (("1f1b", 1, 2), ("zb", 1, 2), ("interleaved", 2, 6)):
+        L = Layout(pp=2, schedule=schedule, microbatches=2, virtual=virtual)
+        grown = predict(prof, L, sending, batch_size=8).compute_s - predict(prof, L, links, batch_size=8).compute_s
+        assert grown == pytest.approx(sends * 1e-3, rel=1e-6), schedule
+
+
 def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipeline_run():
     from fourfold.observe.trace import Span
 
     ms = 1_000_000
-    # waits 2 ms, F 3 ms, a 1 ms send and bookkeeping, B 4 ms, then the optimizer (not an action): 0.5 ms an action
-    row = [Span(0, "wait", "wait", 0, 2 * ms, microbatch=0), Span(0, "comm", "recv", 0, 2 * ms, microbatch=0),
-           Span(0, "compute", "F", 2 * ms, 5 * ms, microbatch=0), Span(0, "comm", "send", 5 * ms, 6 * ms, microbatch=0),
-           Span(0, "compute", "B", 6 * ms, 10 * ms, microbatch=0), Span(0, "compute", "optimizer", 11 * ms, 12 * ms)]
+
+    def span(kind: str, name: str, start: float, end: float, mb: int | None = 0) -> Span:
+        return Span(0, kind, name, int(start * ms), int(end * ms), microbatch=mb)
+
+    # a wait, F0 and its send, B0, F1 and its send, a wait, B1, the optimizer (not an action): 1.5 ms after each
+    # sending action (a wait left out), 0.5 ms after the one that sends nothing
+    row = [span("wait", "wait", 0, 2), span("comm", "recv", 0, 2), span("compute", "F", 2, 5), span("comm", "send", 5, 6),
+           span("compute", "B", 6.5, 10.5), span("compute", "F", 11, 14, 1), span("comm", "send", 14, 15, 1),
+           span("wait", "wait", 15, 17, 1), span("compute", "B", 17.5, 20, 1), span("compute", "optimizer", 21, 22, None)]
     spans = {0: row, 1: [replace(s, rank=1) for s in row]}
-    assert action_overhead(spans) == pytest.approx(0.5e-3)
-    assert action_overhead({0: [Span(0, "compute", "forward", 0, ms)]}) == 0.0  # no pipeline actions
+    assert action_overhead(spans) == pytest.approx((0.5e-3, 1e-3))  # bookkeeping an action, and a send beyond it
+    assert action_overhead({0: [Span(0, "compute", "forward", 0, ms)]}) == (0.0, 0.0)  # no pipeline actions
 
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=8, cores=2)
@@ -170,6 +185,7 @@ def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipel
     before = predict(prof, pp2, links, batch_size=8).step_s
     _, links2, fitted = calibrate(prof, links, 8, {pp2: Measured(before + 0.02, spans)})
     assert links2.action_s == fitted["action_s"] == pytest.approx(0.5e-3)
+    assert links2.send_s == fitted["send_s"] == pytest.approx(1e-3)
     assert links2.p2p_alpha_s == fitted["p2p_alpha_s"] > LINK.alpha_s
     assert predict(prof, pp2, links2, batch_size=8).step_s == pytest.approx(before + 0.02, rel=1e-6)
     # twice the actions and more hops a step: interleaved pays more of both than the 1F1B run they were fitted on
@@ -410,13 +426,17 @@ def test_bench_predict_replays_saved_measurements_without_running_anything(tmp_p
         raise AssertionError("a replay runs nothing")
 
     monkeypatch.setattr(runs, "measure_run", no_run)
-    costs = block_costs(CONFIG.n_layer, opt=1e-9)
+    costs = replace(block_costs(CONFIG.n_layer, opt=1e-9), split_fit=((1e-3, 2e-3), (1e-3, 1e-3), (5e-4, 1e-3)))
     links = Links(LINK, LINK, ranks_per_node=64, cores=2)
     checked = [Layout(pp=2, schedule="gpipe", microbatches=2), Layout(dp=2, tp=2)]
     spans = {0: [Span(0, "compute", "F", 0, 10**6, microbatch=0, step=3)]}
     measured = {L: (Measured(0.05 * L.world_size, spans, 0.0), 1.1) for L in [*calibration_layouts(2), *checked]}
     saved = _measurements(costs, links, measured)
     assert _replayed(json.loads(json.dumps(saved))) == (costs, links, measured)  # through JSON and back, equal
+    older = json.loads(json.dumps(saved))  # a figure the model has since dropped, one it has since gained
+    older["links"]["retired_s"] = 1.0
+    del older["links"]["send_s"], older["costs"]["split_fit"]
+    assert _replayed(older)[:2] == (replace(costs, split_fit=None), links)
     saved["settings"] = {"n_layer": CONFIG.n_layer, "d_model": 32, "seq_len": 16, "batch_size": 8,
                          "microbatches": 2, "layouts": [{"dp": 1, "tp": 1, "pp": 2, "schedule": "gpipe",
                                                          "microbatches": 2, "virtual": 1, "zero": 0},
@@ -448,6 +468,23 @@ def test_a_split_backward_costs_what_the_units_say():
     m = model()
     measured = measure_units(m, list(m.blocks), CONFIG.seq_len, samples=(1, 2), steps=1)
     assert all(0 < share for share in measured.split) and "split backward" in measured.source
+    assert measured.split_fit is not None and measured.split_at(2) == pytest.approx(measured.split, rel=1e-9)
+
+
+def test_a_split_backwards_overhead_is_per_call_so_its_share_shrinks_as_micro_batches_grow():
+    # fused 1 ms + 2 ms a sample; B and W 1 ms + 1 ms a sample each: 4/3 of fused at one sample, towards 1 at many
+    costs = replace(block_costs(CONFIG.n_layer), split=(0.5, 0.5),
+                    split_fit=((1e-3, 2e-3), (1e-3, 1e-3), (1e-3, 1e-3)))
+    assert costs.split_at(1) == pytest.approx((2 / 3, 2 / 3))
+    assert costs.split_at(1000) == pytest.approx((0.5, 0.5), rel=1e-3)
+    assert costs.split_at(4, tp=2) == pytest.approx(costs.split_at(2))  # a tensor-parallel rank's share of samples
+    assert replace(costs, split_fit=None).split_at(1) == (0.5, 0.5)  # flop_units, or one sample count timed
+    layout, links = Layout(pp=2, schedule="zb", microbatches=2), Links(TINY, TINY, ranks_per_node=2)
+    small, large = (predict(profile(costs), layout, links, batch_size=b) for b in (2, 64))
+    fused = (predict(profile(costs), replace(layout, schedule="1f1b"), links, batch_size=b) for b in (2, 64))
+    # B + W over the fused backward: 4/3 at one sample a micro-batch, close to 1 at 32
+    assert [z.compute_s / f.compute_s for z, f in zip((small, large), fused, strict=True)] == pytest.approx(
+        [(1 + 4 / 3 * 2) / 3, 1.0], rel=0.02)
 
 
 def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():

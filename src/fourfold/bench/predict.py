@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +224,17 @@ def _measurements(costs: Any, links: Any, measured: dict[Layout, tuple[Measured,
 def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Layout, tuple[Measured, float]]]:
     """:func:`_measurements` read back: the units' times, the links, the runs."""
     from fourfold.comm.auto import CostModel
-    from fourfold.observe.costs import UnitCosts
+    from fourfold.observe.costs import UnitCosts, split_fit
     from fourfold.observe.predict import Links
     from fourfold.observe.trace import Span
 
     c = data["costs"]
+    fit = c.get("split_fit")  # saved since 2026-11-24
     costs = UnitCosts(tuple(map(tuple, c["forward"])), tuple(map(tuple, c["backward"])),
-                      c["optimizer_s_per_element"], c["source"], tuple(c["split"]))
-    raw = dict(data["links"])
+                      c["optimizer_s_per_element"], c["source"], tuple(c["split"]),
+                      split_fit(fit) if fit is not None else None)
+    known = {f.name for f in fields(Links)}  # a figure a later model no longer has is left out
+    raw = {k: v for k, v in data["links"].items() if k in known}
     links = Links(**{**raw, "node": CostModel(**raw["node"]), "network": CostModel(**raw["network"])})
     runs = {Layout(**r["layout"]): (Measured(r["step_s"], {int(k): [Span.from_dict(s) for s in row]
                                                           for k, row in r["spans"].items()}, r["stolen"]),

@@ -29,6 +29,16 @@ W_SHARE = 0.5
 forward, one for the input's gradient (B) and one for the weight's (W)."""
 
 
+SplitFit = tuple[tuple[float, float], tuple[float, float], tuple[float, float]]
+"""The fused backward's, B's and W's (fixed s, s per sample)."""
+
+
+def split_fit(rows: Any) -> SplitFit:
+    """Three (fixed, per sample) pairs (a list read back from JSON, say) as a :data:`SplitFit`."""
+    fused, b, w = ((float(fixed), float(per)) for fixed, per in rows)
+    return fused, b, w
+
+
 @dataclass(frozen=True)
 class UnitCosts:
     """Per unit ``[before, *blocks, after]``: (fixed s, s per sample) forward and backward; the optimiser's
@@ -39,18 +49,30 @@ class UnitCosts:
     optimizer_s_per_element: float
     source: str
     split: tuple[float, float] = (1 - W_SHARE, W_SHARE)
-    """A split backward's B and W, each over the fused backward (zero-bubble schedules): measured on the blocks by
-    :func:`measure_units`, else a linear layer's half and half."""
+    """A split backward's B and W, each over the fused backward (zero-bubble schedules), at the larger sample count
+    timed: measured on the blocks by :func:`measure_units`, else a linear layer's half and half."""
+    split_fit: SplitFit | None = None
+    """The blocks' fused backward, B and W: (fixed s, s per sample) each, when timed at two sample counts. The
+    split's own overhead is per call, so B + W over fused shrinks as micro-batches grow (1.43 at one sample of
+    TinyGPT 4 x 128, 1.12 at eight): :meth:`split_at` reads the shares off it at the micro-batch's size."""
 
     def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
         fixed, per = (self.forward if op == "F" else self.backward)[unit]
         return fixed + per * samples / tp
 
+    def split_at(self, samples: float, tp: int = 1) -> tuple[float, float]:
+        """A split backward's B and W over the fused one for micro-batches of ``samples`` (split ``tp`` ways)."""
+        if self.split_fit is None:
+            return self.split
+        fused, b, w = (fixed + per * samples / tp for fixed, per in self.split_fit)
+        return (b / fused, w / fused) if fused > 0 else self.split
+
     def scaled(self, factor: float, why: str) -> UnitCosts:
         """Every time ``factor`` times longer; ``why`` joins the source."""
         return UnitCosts(tuple((a * factor, b * factor) for a, b in self.forward),
                          tuple((a * factor, b * factor) for a, b in self.backward),
-                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}", self.split)
+                         self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}", self.split,
+                         self.split_fit)  # shares: the factor cancels
 
 
 def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
@@ -112,8 +134,11 @@ def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, sa
             for u in range(n):
                 fwd[u].setdefault(b, []).append(f_at[u + 1] - f_at[u])
                 bwd[n - 1 - u].setdefault(b, []).append(b_at[u + 1] - b_at[u])
-        split = _split_shares(model, blocks, torch.zeros(samples[-1], seq_len, dtype=torch.long, device=device),
-                              loss_fn or lm_loss, steps)
+        timed = {b: _split_times(model, blocks, torch.zeros(b, seq_len, dtype=torch.long, device=device),
+                                 loss_fn or lm_loss, steps) for b in dict.fromkeys(samples)}
+        fits = split_fit(_fit({b: [t[k]] for b, t in timed.items()}) for k in range(3)) if len(timed) > 1 else None
+        fused, b_s, w_s = timed[samples[-1]]
+        split = (b_s / fused, w_s / fused)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -131,14 +156,15 @@ def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, sa
     elements = sum(p.numel() for p in model.parameters())
     return UnitCosts(tuple(_fit(t) for t in fwd), tuple(_fit(t) for t in bwd), opt_s / elements,
                      f"measured: {steps} steps at {samples[0]} and {samples[1]} samples, {threads} thread(s), "
-                     f"{device.type}; split backward B {split[0]:.2f} + W {split[1]:.2f} of fused", split)
+                     f"{device.type}; split backward B {split[0]:.2f} + W {split[1]:.2f} of fused at {samples[-1]}",
+                     split, fits)
 
 
-def _split_shares(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, loss_fn: Any,
-                  steps: int) -> tuple[float, float]:
-    """The zero-bubble runtime's B and W over the blocks (its own :func:`activation_grads` and
-    :func:`weight_grads`), each over the fused backward of the same blocks on the same graph: medians of ``steps``
-    after a warm-up. Per-call autograd overhead makes B + W more than the fused backward on small layers."""
+def _split_times(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, loss_fn: Any,
+                 steps: int) -> tuple[float, float, float]:
+    """The blocks' fused backward, and the zero-bubble runtime's B and W over them (its own
+    :func:`activation_grads` and :func:`weight_grads`) on the same graph, seconds: medians of ``steps`` after a
+    warm-up. Per-call autograd overhead makes B + W more than the fused backward on small layers."""
     from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads
     from fourfold.parallel.pipeline.blocks import output_tensor
 
@@ -172,8 +198,7 @@ def _split_shares(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, lo
     finally:
         for h in hooks:
             h.remove()
-    whole = statistics.median(fused[1:])
-    return statistics.median(b[1:]) / whole, statistics.median(w[1:]) / whole
+    return statistics.median(fused[1:]), statistics.median(b[1:]), statistics.median(w[1:])
 
 
 def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_per_s: float,

@@ -83,9 +83,13 @@ class Links:
     computing alone (a pipeline stage while the other waits in the bubble) goes at its own speed."""
 
     action_s: float = 0.0
-    """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions and, on an action
-    that sends, gloo's ``isend``, which copies the message out in the calling thread (~0.2 ms for 128 KB on this
-    VM). It uses a core. Measured on a pipeline run's spans by :func:`calibrate`."""
+    """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions. It uses a core.
+    Measured on a pipeline run's spans by :func:`calibrate` (:func:`action_overhead`)."""
+
+    send_s: float = 0.0
+    """What an action that sends to another rank spends on it beyond ``action_s``: gloo's ``isend`` copies the
+    message out in the calling thread (~0.2 ms for 128 KB on this VM). It uses a core. A zero-bubble W sends
+    nothing; an interleaved schedule sends after every F and B. Measured with ``action_s``."""
 
     p2p_alpha_s: float | None = None
     """A pipeline message's fixed latency within a node, fitted on a pipeline run so that its step comes out. None:
@@ -295,7 +299,12 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         stages = cut_units(per_unit, sched.stages)
         f = [total("F", us) for us in stages]
         b = [total("B", us) for us in stages]
-        b_share, w_share = costs.split if sched.split_backward else (1.0, 0.0)
+        b_share, w_share = costs.split_at(micro, L.tp) if sched.split_backward else (1.0, 0.0)
+
+        def sends(a: Action) -> bool:
+            """F hands its activation to the next stage, B its input's gradient to the one before; W nothing."""
+            to = a.stage + 1 if a.op == "F" else a.stage - 1 if a.op == "B" else -1
+            return 0 <= to < sched.stages and sched.owner(to) != sched.owner(a.stage)
 
         def action_time(a: Action) -> tuple[float, float]:
             if a.op == "F":
@@ -303,7 +312,7 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
             else:
                 computing, waiting = b[a.stage]  # a split backward's collectives are in B (the input gradient)
                 computing, waiting = (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
-            return computing + links.action_s, waiting
+            return computing + links.action_s + (links.send_s if sends(a) else 0.0), waiting
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         alpha = links.p2p_alpha_s if link is links.node and links.p2p_alpha_s is not None else link.alpha_s
@@ -367,8 +376,9 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
       (``contention``: memory, caches, the launcher and gloo's threads);
     * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
       in use (waits for the slower rank included);
-    * a pipeline run with a core per rank gives ``action_s``, each action's time outside its compute and its
-      waits (in its spans), and then ``p2p_alpha_s``, a message's latency in use;
+    * a pipeline run with a core per rank gives ``action_s`` and ``send_s``, an action's time outside its compute
+      and its waits and what a send adds to it (in its spans), and then ``p2p_alpha_s``, a message's latency in
+      use;
     * a data-parallel run with more ranks than cores gives ``oversubscribed``;
     * a pipeline run with more ranks than cores gives ``wake_s``, the time a stage's message waits for a core on
       the rank it wakes.
@@ -410,8 +420,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     alone = next(((L, m) for L, m in runs.items() if L.pp > 1 and L.dp == L.tp == 1
                   and (not links.cores or L.world_size <= links.cores)), None)  # a core per rank
     if alone is not None and alone[1].spans:
-        fitted["action_s"] = action_overhead(alone[1].spans)
-        links = replace(links, action_s=fitted["action_s"])
+        fitted["action_s"], fitted["send_s"] = action_overhead(alone[1].spans)
+        links = replace(links, action_s=fitted["action_s"], send_s=fitted["send_s"])
     if alone is not None:  # the step grows with the messages' latency: the one that gives the run's own step
         fitted["p2p_alpha_s"] = _bisect(lambda a: predict(profile, alone[0], replace(links, p2p_alpha_s=a),
                                                           batch_size).step_s, alone[1].step_s)
@@ -444,18 +454,20 @@ def _bisect(step: Any, measured: float, high: float | None = None) -> float:
     return low
 
 
-def action_overhead(spans: Mapping[int, list[Span]]) -> float:
-    """A pipeline action's time outside its compute and its waits, from one step's spans: per rank, the span
-    from its first action (or the wait before it) to its last action's end, less its F/B/W spans and its waits,
-    over its actions; the median over ranks (0 without actions)."""
-    per_rank = []
+def action_overhead(spans: Mapping[int, list[Span]]) -> tuple[float, float]:
+    """A pipeline action's time outside its compute and its waits, and what sending adds to it, from one step's
+    spans: the gap after each F/B/W to the rank's next, less the waits in it; the median gap after the actions
+    that send nothing, and the median after those that send (a ``send`` span in the gap) over it. Medians: one
+    slow gap (a first message, the scheduler) does not set every action's cost. (0, 0) without actions."""
+    quiet: list[float] = []
+    sending: list[float] = []
     for row in spans.values():
-        actions = [s for s in row if s.kind == "compute" and s.name in ("F", "B", "W")]
-        if not actions:
-            continue
-        end = max(s.end_ns for s in actions)
-        start = min(s.start_ns for s in row if s.microbatch is not None and s.start_ns < end)
-        waited = _overlap((start, end), [(s.start_ns, s.end_ns) for s in row if s.kind == "wait"])
-        busy = sum(s.end_ns - s.start_ns for s in actions)
-        per_rank.append(max(0, end - start - busy - waited) / len(actions) / 1e9)
-    return statistics.median(per_rank) if per_rank else 0.0
+        actions = sorted((s for s in row if s.kind == "compute" and s.name in ("F", "B", "W")),
+                         key=lambda s: s.start_ns)
+        waits = [(s.start_ns, s.end_ns) for s in row if s.kind == "wait"]
+        sent = [s.start_ns for s in row if s.kind == "comm" and s.name == "send"]
+        for a, after in zip(actions, actions[1:], strict=False):
+            gap = max(0, after.start_ns - a.end_ns - _overlap((a.end_ns, after.start_ns), waits)) / 1e9
+            (sending if any(a.end_ns <= t < after.start_ns for t in sent) else quiet).append(gap)
+    base = statistics.median(quiet) if quiet else 0.0
+    return base, max(0.0, statistics.median(sending) - base) if sending else 0.0
