@@ -14,17 +14,10 @@ from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.models import shard_plan
 from fourfold.models.gpt import GPTConfig, TinyGPT
+from fourfold.observe.calibrate import action_overhead, calibrate
 from fourfold.observe.costs import UnitCosts, flop_units, measure_units
 from fourfold.observe.estimate import estimate_memory
-from fourfold.observe.predict import (
-    Layout,
-    Links,
-    Measured,
-    ModelProfile,
-    action_overhead,
-    calibrate,
-    predict,
-)
+from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, predict
 from fourfold.parallel.schedule import theory_bubble
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)

@@ -115,8 +115,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     from fourfold.engine import model_blocks
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
+    from fourfold.observe.calibrate import calibrate
     from fourfold.observe.costs import measure_units
-    from fourfold.observe.predict import Links, ModelProfile, calibrate, predict
+    from fourfold.observe.predict import Links, ModelProfile, predict
 
     started = time.monotonic()
     config = GPTConfig(vocab_size=256, seq_len=ns.seq_len, n_layer=ns.n_layer, n_head=4, d_model=ns.d_model)

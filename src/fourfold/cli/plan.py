@@ -291,7 +291,8 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
                 tensor_plan: bool, heads: int | None) -> tuple[Any, Any]:
     """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
     with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so."""
-    from fourfold.observe.predict import Layout, Measured, calibrate
+    from fourfold.observe.calibrate import calibrate
+    from fourfold.observe.predict import Layout, Measured
     from fourfold.observe.runs import best_runs, calibration_layouts
 
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)

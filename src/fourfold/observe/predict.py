@@ -33,7 +33,6 @@ The model (docs/simulator.md):
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,10 +53,10 @@ from fourfold.observe.estimate import (
     probe_activations,
     shard_elements,
 )
-from fourfold.observe.trace import Span, _overlap
+from fourfold.observe.trace import Span
 from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
-__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "action_overhead", "calibrate", "predict"]
+__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "predict"]
 
 @dataclass(frozen=True)
 class Links:
@@ -70,21 +69,22 @@ class Links:
     cores: int | None = None
     oversubscribed: float = 1.0
     """With more ranks computing than ``cores``: how much slower than the cores' fair share each goes (switches,
-    and ranks waiting for a peer the scheduler has set aside; fitted by :func:`calibrate`)."""
+    and ranks waiting for a peer the scheduler has set aside; fitted by :mod:`~fourfold.observe.calibrate`)."""
 
     wake_s: float = 0.0
     """With more ranks than ``cores``: the time a pipeline message adds, beyond the link's, before the rank it
-    wakes runs (the scheduler has given its core to another rank; fitted by :func:`calibrate` on a crowded
-    pipeline run; see :meth:`wake`)."""
+    wakes runs (the scheduler has given its core to another rank; fitted by :mod:`~fourfold.observe.calibrate`
+    on a crowded pipeline run; see :meth:`wake`)."""
 
     contention: float = 1.0
     """With several ranks computing at once on one machine: how much slower each goes than one alone (memory
-    bandwidth, caches, the launcher and gloo's threads; fitted by :func:`calibrate` on a data-parallel run). One
-    computing alone (a pipeline stage while the other waits in the bubble) goes at its own speed."""
+    bandwidth, caches, the launcher and gloo's threads; fitted by :mod:`~fourfold.observe.calibrate` on a
+    data-parallel run). One computing alone (a pipeline stage while the other waits in the bubble) goes at its own
+    speed."""
 
     action_s: float = 0.0
     """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions. It uses a core.
-    Measured on a pipeline run's spans by :func:`calibrate` (:func:`action_overhead`)."""
+    Measured on a pipeline run's spans by :mod:`~fourfold.observe.calibrate` (its ``action_overhead``)."""
 
     send_s: float = 0.0
     """What an action that sends to another rank spends on it beyond ``action_s``: gloo's ``isend`` copies the
@@ -93,8 +93,8 @@ class Links:
 
     p2p_alpha_s: float | None = None
     """A pipeline message's fixed latency within a node, fitted on a pipeline run so that its step comes out. None:
-    the node link's α (which :func:`calibrate` fits to tensor-parallel collectives, waits for the slower rank
-    included)."""
+    the node link's α (which :mod:`~fourfold.observe.calibrate` fits to tensor-parallel collectives, waits for
+    the slower rank included)."""
 
     def wake(self, ranks: int) -> float:
         """What a pipeline message adds when ``ranks`` processes share the cores: ``wake_s`` once more ranks than
@@ -364,110 +364,3 @@ class Measured:
     """The median step's spans per rank, from t=0 (when the run was traced)."""
     stolen: float | None = None
     """The share of the machine's CPU time its hypervisor took during the run (``/proc/stat``), when known."""
-
-
-def calibrate(profile: ModelProfile, links: Links, batch_size: int,
-              runs: Mapping[Layout, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
-    """Fit what one process cannot measure from 2-3 real steps of short runs (:mod:`fourfold.observe.runs`),
-    each figure so that its run's own step comes out:
-
-    * a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is the node
-      link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
-      (``contention``: memory, caches, the launcher and gloo's threads);
-    * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
-      in use (waits for the slower rank included);
-    * a pipeline run with a core per rank gives ``action_s`` and ``send_s``, an action's time outside its compute
-      and its waits and what a send adds to it (in its spans), and then ``p2p_alpha_s``, a message's latency in
-      use;
-    * a data-parallel run with more ranks than cores gives ``oversubscribed``;
-    * a pipeline run with more ranks than cores gives ``wake_s``, the time a stage's message waits for a core on
-      the rank it wakes.
-
-    Returns the profile and links with these applied, and the figures."""
-    from dataclasses import replace
-
-    fitted: dict[str, float] = {}
-    dp_run = next(((L, m) for L, m in runs.items() if L.dp > 1 and L.tp == L.pp == 1), None)
-    if dp_run is not None and dp_run[1].spans:  # the sync is linear in beta: the beta that gives the run's own wait
-        waits = [sum(s.duration_s for s in row if s.name == "grad_sync") for row in dp_run[1].spans.values()]
-        link = links.node
-        p = predict(profile, dp_run[0], links, batch_size)
-        doubled = replace(links, node=replace(link, beta_s_per_byte=2 * link.beta_s_per_byte))
-        slope = (predict(profile, dp_run[0], doubled, batch_size).dp_exposed_s - p.dp_exposed_s) / link.beta_s_per_byte
-        if slope > 0:
-            fitted["dp_beta_s_per_byte"] = max(1e-13, link.beta_s_per_byte + (statistics.median(waits)
-                                                                              - p.dp_exposed_s) / slope)
-            links = replace(links, node=replace(link, beta_s_per_byte=fitted["dp_beta_s_per_byte"],
-                                                source=f"{link.source}; beta fitted on {dp_run[0]}"))
-    if dp_run is not None:  # its ranks compute at once all step: the step is linear in contention
-        p = predict(profile, dp_run[0], replace(links, contention=1.0), batch_size)
-        work = p.step_s - p.dp_exposed_s
-        # below 1 too: the in-process timing may have run in a slower moment than the run (this VM's speed drifts)
-        fitted["contention"] = max(0.05, (dp_run[1].step_s - p.dp_exposed_s) / work)
-        links = replace(links, contention=fitted["contention"])
-    tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
-    if tp_run is not None:
-        L, m = tp_run
-        p = predict(profile, L, links, batch_size)
-        collectives = sum(profile.forward_collectives) + sum(profile.backward_collectives)
-        itemsize = next(profile.model.parameters()).element_size()
-        steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
-        link = links.node
-        # the step is linear in alpha (one batch, no pipeline): the alpha that makes the run's own step come out
-        fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) / steps)
-        links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
-                                            source=f"{link.source}; alpha fitted on {L}"))
-    alone = next(((L, m) for L, m in runs.items() if L.pp > 1 and L.dp == L.tp == 1
-                  and (not links.cores or L.world_size <= links.cores)), None)  # a core per rank
-    if alone is not None and alone[1].spans:
-        fitted["action_s"], fitted["send_s"] = action_overhead(alone[1].spans)
-        links = replace(links, action_s=fitted["action_s"], send_s=fitted["send_s"])
-    if alone is not None:  # the step grows with the messages' latency: the one that gives the run's own step
-        fitted["p2p_alpha_s"] = _bisect(lambda a: predict(profile, alone[0], replace(links, p2p_alpha_s=a),
-                                                          batch_size).step_s, alone[1].step_s)
-        links = replace(links, p2p_alpha_s=fitted["p2p_alpha_s"])
-    crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
-                    and L.tp == L.pp == 1), None)
-    if crowded is not None:  # the step grows with it (compute, optimizer and the sync's bytes all share the cores)
-        fitted["oversubscribed"] = 1.0 + _bisect(lambda x: predict(profile, crowded[0], replace(
-            links, oversubscribed=1.0 + x), batch_size).step_s, crowded[1].step_s, high=50.0)
-        links = replace(links, oversubscribed=fitted["oversubscribed"])
-    piped = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores and L.pp > 1
-                  and L.tp == 1), None)  # the step grows with wake_s: the one that gives the run's own step
-    if piped is not None:
-        fitted["wake_s"] = _bisect(lambda w: predict(profile, piped[0], replace(links, wake_s=w), batch_size).step_s,
-                                   piped[1].step_s)
-        links = replace(links, wake_s=fitted["wake_s"])
-    return profile, links, fitted
-
-
-def _bisect(step: Any, measured: float, high: float | None = None) -> float:
-    """The x in [0, ``high``] (default ``measured``) for which ``step(x)`` (non-decreasing) comes out at
-    ``measured``; 0 when even ``step(0)`` is over it."""
-    low, high = 0.0, measured if high is None else high
-    for _ in range(60):
-        mid = (low + high) / 2
-        if step(mid) < measured:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def action_overhead(spans: Mapping[int, list[Span]]) -> tuple[float, float]:
-    """A pipeline action's time outside its compute and its waits, and what sending adds to it, from one step's
-    spans: the gap after each F/B/W to the rank's next, less the waits in it; the median gap after the actions
-    that send nothing, and the median after those that send (a ``send`` span in the gap) over it. Medians: one
-    slow gap (a first message, the scheduler) does not set every action's cost. (0, 0) without actions."""
-    quiet: list[float] = []
-    sending: list[float] = []
-    for row in spans.values():
-        actions = sorted((s for s in row if s.kind == "compute" and s.name in ("F", "B", "W")),
-                         key=lambda s: s.start_ns)
-        waits = [(s.start_ns, s.end_ns) for s in row if s.kind == "wait"]
-        sent = [s.start_ns for s in row if s.kind == "comm" and s.name == "send"]
-        for a, after in zip(actions, actions[1:], strict=False):
-            gap = max(0, after.start_ns - a.end_ns - _overlap((a.end_ns, after.start_ns), waits)) / 1e9
-            (sending if any(a.end_ns <= t < after.start_ns for t in sent) else quiet).append(gap)
-    base = statistics.median(quiet) if quiet else 0.0
-    return base, max(0.0, statistics.median(sending) - base) if sending else 0.0

@@ -4,7 +4,7 @@
 
     runs = {L: m for L, (m, _) in best_runs(calibration_layouts(microbatches=4), repeats=2, steps=8,
                                            train_flags=["--batch-size", "16"]).items()}
-    profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.observe.predict
+    profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.observe.calibrate
 
 Each run is ``fourfold train`` in a subprocess with the user's model and batch flags, then the layout's own
 flags (which win), for a few steps without checkpoints: its median step after the first, that step's spans on
@@ -32,7 +32,7 @@ __all__ = ["LabShape", "best_runs", "calibration_layouts", "cpu_times", "measure
 
 
 def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
-    """The runs :func:`~fourfold.observe.predict.calibrate` fits on: data-, tensor- and pipeline-parallel at 2
+    """The runs :func:`~fourfold.observe.calibrate.calibrate` fits on: data-, tensor- and pipeline-parallel at 2
     ranks, and with more ranks than a 2-core machine's cores, data-parallel and pipelined."""
     return (Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=microbatches), Layout(dp=4),
             Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
