@@ -230,7 +230,7 @@ def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Layout, tuple[Measur
     from fourfold.observe.trace import Span
 
     c = data["costs"]
-    fit = c.get("split_fit")  # saved since 2026-11-24
+    fit = c.get("split_fit")  # saved since 2026-11-23 (late)
     costs = UnitCosts(tuple(map(tuple, c["forward"])), tuple(map(tuple, c["backward"])),
                       c["optimizer_s_per_element"], c["source"], tuple(c["split"]),
                       split_fit(fit) if fit is not None else None)
