@@ -53,8 +53,8 @@ class UnitCosts:
     timed: measured on the blocks by :func:`measure_units`, else a linear layer's half and half."""
     split_fit: SplitFit | None = None
     """The blocks' fused backward, B and W: (fixed s, s per sample) each, when timed at two sample counts. The
-    split's own overhead is per call, so B + W over fused shrinks as micro-batches grow (1.43 at one sample of
-    TinyGPT 4 x 128, 1.12 at eight): :meth:`split_at` reads the shares off it at the micro-batch's size."""
+    split's own overhead is per call, so B + W over fused shrinks as micro-batches grow (1.40-1.44 at one sample of
+    TinyGPT 4 x 128, 1.12-1.13 at eight): :meth:`split_at` reads the shares off it at the micro-batch's size."""
 
     def time(self, op: str, unit: int, samples: float, tp: int = 1) -> float:
         fixed, per = (self.forward if op == "F" else self.backward)[unit]
