@@ -348,6 +348,7 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
     assert "calibration run 4/8, dp2 tp1 pp2 1f1b m1: 840.0 ms per step, 0% of the CPU stolen" in out
     assert "calibration run 8/8, dp2 tp1 pp1: 480.0 ms per step" in out
     assert "fitted: " in out and "wake_s" in out and "contention" in out and "p2p_alpha_s" in out
+    assert "the fastest of 2 timings" in out  # the units timed again between the rounds of runs
     assert main(["--gpus", "8", "--calibrate"]) == 2
     assert "with --gpus (on paper) there is nothing to run" in capsys.readouterr().err
 
@@ -502,6 +503,18 @@ def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
     assert now is None or (len(now) == 8 and all(v >= 0 for v in now))
 
 
+def test_the_fastest_timing_of_the_units_is_the_one_set_beside_the_fastest_runs():
+    from fourfold.observe.costs import fastest
+
+    quick, slow = block_costs(CONFIG.n_layer, per_sample=1e-3), block_costs(CONFIG.n_layer, per_sample=1.5e-3)
+    assert fastest([quick], 2) is quick
+    chosen = fastest([slow, quick, slow], 2)
+    assert chosen.forward == quick.forward and chosen.backward == quick.backward
+    assert "the fastest of 3 timings (the slowest 1.50x)" in chosen.source
+    with pytest.raises(ValueError, match="at least one timing"):
+        fastest([], 2)
+
+
 def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
     from fourfold.observe import runs
 
@@ -514,8 +527,9 @@ def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
     monkeypatch.setattr(runs, "measure_run", fake_run)
     a, b, c = Layout(dp=2), Layout(tp=2), Layout(dp=4)
     seen = []
-    got = runs.best_runs([a, b, c], repeats=2, steps=3, train_flags=[], progress=lambda L, m: seen.append(L))
-    assert order == seen == [a, b, c, c, b, a]
+    got = runs.best_runs([a, b, c], repeats=2, steps=3, train_flags=[], progress=lambda L, m: seen.append(L),
+                         before_round=lambda k: order.append(f"round {k}"))
+    assert order == ["round 0", a, b, c, "round 1", c, b, a] and seen == [a, b, c, c, b, a]
     assert {L: round(m.step_s, 3) for L, (m, _) in got.items()} == {a: 0.1, b: 0.2, c: 0.3}
     assert {L: round(spread, 3) for L, (_, spread) in got.items()} == {a: 6.0, b: 2.5, c: 1.333}
 

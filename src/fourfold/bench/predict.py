@@ -4,7 +4,9 @@
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2     # quicker, noisier
     fourfold bench predict --replay runs/bench-predict/bench.json --out runs/again  # the same runs, refitted
 
-Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`), calibrates on
+Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`) before each round of
+runs and keeps the fastest timing (:func:`~fourfold.observe.costs.fastest`, as the runs are the fastest of
+theirs), calibrates on
 five short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
 link's beta; tp=2, the time per collective; pp=2, a pipeline action's overhead and a message's latency; dp=4
 and dp=2 pp=2, more ranks than cores). Every layout, those five included, runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, in rotation (all of them once, then
@@ -116,7 +118,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
     from fourfold.observe.calibrate import calibrate
-    from fourfold.observe.costs import measure_units
+    from fourfold.observe.costs import fastest, measure_units
     from fourfold.observe.predict import Links, ModelProfile, predict
 
     started = time.monotonic()
@@ -127,8 +129,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     blocks = model_blocks(model, None)
     micro = ns.batch_size // 2 // ns.microbatches
     replayed = _replayed(ns.replay_data) if ns.replay_data is not None else None  # the model alone changes
-    costs = replayed[0] if replayed else measure_units(model, blocks, ns.seq_len, samples=(1, max(2, micro)))
-    profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
+    samples = (1, max(2, micro))
     cores = os.cpu_count() or 1
     fit_on = calibration_layouts(ns.microbatches)
     if replayed:
@@ -139,18 +140,28 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.lab is not None:  # every run in a lab: the nodes joined by its link, each node's ranks by this machine's
         links = ns.lab.links(links)
     print(f"fourfold bench predict: TinyGPT {ns.n_layer} x {ns.d_model}, batch {ns.batch_size} x {ns.seq_len}; "
-          f"units timed ({costs.source}); calibrating on {', '.join(map(str, fit_on))} ...", flush=True)
+          f"the units timed before each round of runs; calibrating on {', '.join(map(str, fit_on))} ...",
+          flush=True)
     todo = list(dict.fromkeys([*fit_on, *ns.layouts]))
     done = iter(range(1, len(todo) * ns.repeats + 1))
 
     def progress(L: Layout, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
+    timings: list[Any] = []
+
+    def time_units(k: int) -> None:  # in this process, between the runs: the fastest sits beside the fastest runs
+        timings.append(measure_units(model, blocks, ns.seq_len, samples=samples))
+
     if replayed:
-        measured = replayed[2]
+        costs, measured = replayed[0], replayed[2]
         print(f"  replaying the runs saved in {ns.replay}", flush=True)
     else:
-        measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab)
+        measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab,
+                             before_round=time_units)
+        costs = fastest(timings, samples[-1])
+    print(f"  units: {costs.source}", flush=True)
+    profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     saved = _measurements(costs, links, measured)
     saved["settings"] = {"n_layer": ns.n_layer, "d_model": ns.d_model, "seq_len": ns.seq_len,
                          "batch_size": ns.batch_size, "microbatches": ns.microbatches,

@@ -240,8 +240,9 @@ def _ranking(argv: list[str]) -> int:
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
         seq = cfg.model.seq_len
+        samples = (1, max(2, t.batch_size // max(1, world)))
         costs = (flop_units(model, blocks, seq, ns.gpu_flops * ns.mfu) if paper else
-                 measure_units(model, blocks, seq, samples=(1, max(2, t.batch_size // max(1, world)))))
+                 measure_units(model, blocks, seq, samples=samples))
         shards = shard_plan(model)
         profile = ModelProfile.of(model, blocks, seq, shards, costs)
         candidates = layouts(world, len(blocks), t.batch_size, heads=_heads(model), tensor_plan=bool(shards),
@@ -252,7 +253,7 @@ def _ranking(argv: list[str]) -> int:
     if ns.calibrate:
         try:
             profile, links = _calibrated(profile, links, rest, t.batch_size, len(blocks), bool(shards),
-                                         _heads(model))
+                                         _heads(model), samples)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"fourfold plan: error: a calibration run failed: {e}", file=sys.stderr)
             return 1
@@ -288,10 +289,14 @@ by 15-26 %, docs/simulator.md)."""
 
 
 def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: int, blocks: int,
-                tensor_plan: bool, heads: int | None) -> tuple[Any, Any]:
+                tensor_plan: bool, heads: int | None, samples: tuple[int, int]) -> tuple[Any, Any]:
     """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
-    with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so."""
+    with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so.
+    The units are timed again between rounds of runs (at ``samples``), and the fastest timing kept."""
+    from dataclasses import replace
+
     from fourfold.observe.calibrate import calibrate
+    from fourfold.observe.costs import fastest, measure_units
     from fourfold.observe.predict import Layout, Measured
     from fourfold.observe.runs import best_runs, calibration_layouts
 
@@ -310,8 +315,16 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
         print(f"  calibration run {next(made)}/{CALIBRATION_REPEATS * len(runnable)}, {layout}: "
               f"{_time(measured.step_s)} per step{stolen}", flush=True)
 
+    timings = [profile.costs]
+
+    def time_units(k: int) -> None:  # again between the runs: the fastest timing sits beside the fastest runs
+        if k:
+            timings.append(measure_units(profile.model, profile.blocks, profile.seq_len, samples=samples))
+
     best = best_runs(runnable, CALIBRATION_REPEATS, steps=8, train_flags=train_flags, timeout=120.0,
-                     progress=progress)
+                     progress=progress, before_round=time_units)
+    profile = replace(profile, costs=fastest(timings, samples[-1]))
+    print(f"  units: {profile.costs.source}", flush=True)
     runs = {layout: measured for layout, (measured, _) in best.items()}
     profile, links, fitted = calibrate(profile, links, batch_size, runs)
     print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["W_SHARE", "UnitCosts", "flop_units", "measure_units"]
+__all__ = ["W_SHARE", "UnitCosts", "fastest", "flop_units", "measure_units"]
 
 W_SHARE = 0.5
 """The weight-gradient part of a split backward: a linear layer's backward is two matmuls the size of its
@@ -73,6 +73,23 @@ class UnitCosts:
                          tuple((a * factor, b * factor) for a, b in self.backward),
                          self.optimizer_s_per_element * factor, f"{self.source}; x{factor:.2f} {why}", self.split,
                          self.split_fit)  # shares: the factor cancels
+
+
+def fastest(timings: Sequence[UnitCosts], samples: float) -> UnitCosts:
+    """Of several timings of the same units, the one whose forward and backward at ``samples`` add up to least:
+    the machine at its best, as the runs it is set beside are each the fastest of several (a shared machine's
+    noise only ever adds time). Its source says how many it was chosen from."""
+    if not timings:
+        raise ValueError("fastest needs at least one timing of the units.")
+
+    def step(c: UnitCosts) -> float:
+        return sum(c.time("F", u, samples) + c.time("B", u, samples) for u in range(len(c.forward)))
+
+    best = min(timings, key=step)
+    if len(timings) == 1:
+        return best
+    slowest = max(step(c) for c in timings) / step(best)
+    return replace(best, source=f"{best.source}; the fastest of {len(timings)} timings (the slowest {slowest:.2f}x)")
 
 
 def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:

@@ -120,13 +120,18 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
 
 def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
               timeout: float = 120.0, *, progress: Callable[[Layout, Measured], None] | None = None,
-              lab: LabShape | None = None) -> dict[Layout, tuple[Measured, float]]:
+              lab: LabShape | None = None,
+              before_round: Callable[[int], None] | None = None) -> dict[Layout, tuple[Measured, float]]:
     """Each layout's fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and its slowest
     over it. The runs rotate, every layout once and then again in reverse order, so a machine whose speed
     drifts over minutes (this VM's did by 20 %) weighs on the calibration runs and on the runs checked against
-    them alike. ``progress(layout, run)`` is called after each run; ``lab``: every run in such a lab."""
+    them alike. ``progress(layout, run)`` is called after each run; ``before_round(k)`` before each round (time
+    the units there, and the fastest timing sits beside the fastest runs: :func:`~fourfold.observe.costs.fastest`);
+    ``lab``: every run in such a lab."""
     runs: dict[Layout, list[Measured]] = {L: [] for L in layouts}
     for k in range(repeats):
+        if before_round is not None:
+            before_round(k)
         for L in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
             runs[L].append(measure_run(L, steps, train_flags, timeout, lab))
             if progress is not None:
