@@ -190,6 +190,34 @@ def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipel
     assert "p2p_alpha_s" not in calibrate(prof, links, 8, {crowded: Measured(1.0, spans)})[2]
 
 
+def test_a_messages_latency_is_read_off_the_run_from_its_send_to_the_receive_that_waited_for_it():
+    from fourfold.observe.calibrate import message_latency
+    from fourfold.observe.trace import Span
+
+    ms = 1_000_000
+
+    def comm(rank: int, name: str, start: float, end: float, mb: int, stage: int, what: str) -> Span:
+        return Span(rank, "comm", name, int(start * ms), int(end * ms), bytes=1000 if name == "send" else 0,
+                    microbatch=mb, args={"stage": stage, "what": what})
+
+    # activations 0 and 1 go 0 -> 1, waited for from 2 and 6.5 ms; their sends end at 3 and 7 ms: 0.4 and 0.2 ms
+    # on the way; activation 2's receive came after its send (nothing waited): no figure. Gradient 0 goes back.
+    spans = {0: [comm(0, "send", 2.9, 3.0, 0, 0, "activation"), comm(0, "send", 6.8, 7.0, 1, 0, "activation"),
+                 comm(0, "send", 8.0, 8.1, 2, 0, "activation"), comm(0, "recv", 9.0, 12.0, 0, 0, "gradient")],
+             1: [comm(1, "recv", 2.0, 3.4, 0, 1, "activation"), comm(1, "recv", 6.5, 7.2, 1, 1, "activation"),
+                 comm(1, "recv", 9.0, 9.1, 2, 1, "activation"), comm(1, "send", 11.5, 11.7, 0, 1, "gradient")]}
+    latency, nbytes = message_latency(spans)
+    assert latency == pytest.approx(0.3e-3) and nbytes == 1000  # the median of 0.4, 0.2 and the gradient's 0.3
+    assert message_latency({0: [comm(0, "send", 1, 2, 0, 0, "activation")]}) is None
+
+    prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
+    link = CostModel(1e-3, 1e-8, 0.0)  # 10 ns a byte: 1000 bytes take 0.01 ms of it
+    pp2 = Layout(pp=2, schedule="1f1b", microbatches=2)
+    _, links, fitted = calibrate(prof, Links(link, link, ranks_per_node=8, cores=2), 8, {pp2: Measured(1.0, spans)})
+    # read off, not fitted to the run's step: a run slow for any other reason (1 s here) leaves it alone
+    assert links.p2p_alpha_s == fitted["p2p_alpha_s"] == pytest.approx(0.3e-3 - 1e-5)
+
+
 def test_a_crowded_machines_gradient_sync_shares_the_cores_but_not_its_latency():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     slow = CostModel(1e-3, 1e-8, 0.0)  # 1 ms per ring step, 10 ns per byte

@@ -19,7 +19,7 @@ from fourfold.comm.auto import cost
 from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, predict
 from fourfold.observe.trace import Span, _overlap
 
-__all__ = ["action_overhead", "calibrate"]
+__all__ = ["action_overhead", "calibrate", "message_latency"]
 
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,
@@ -33,8 +33,9 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
       in use (waits for the slower rank included);
     * a pipeline run with a core per rank gives ``action_s`` and ``send_s``, an action's time outside its compute
-      and its waits and what a send adds to it (in its spans), and then ``p2p_alpha_s``, a message's latency in
-      use;
+      and its waits and what a send adds to it, and ``p2p_alpha_s``, a message's latency in use: from a send's
+      end to the end of the receive waiting for it (:func:`message_latency`; all read off its spans; without a
+      receive that waited, the latency that makes its step come out);
     * a data-parallel run with more ranks than cores gives ``oversubscribed``;
     * a pipeline run with more ranks than cores gives ``wake_s``, the time a stage's message waits for a core on
       the rank it wakes.
@@ -76,9 +77,13 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     if alone is not None and alone[1].spans:
         fitted["action_s"], fitted["send_s"] = action_overhead(alone[1].spans)
         links = replace(links, action_s=fitted["action_s"], send_s=fitted["send_s"])
-    if alone is not None:  # the step grows with the messages' latency: the one that gives the run's own step
+    seen = message_latency(alone[1].spans) if alone is not None else None
+    if seen is not None:  # read off the run: its step's noise (a slow moment's compute) stays out of it
+        fitted["p2p_alpha_s"] = max(0.0, seen[0] - links.node.beta_s_per_byte * seen[1])
+    elif alone is not None:  # no message waited for: the latency that gives the run's own step
         fitted["p2p_alpha_s"] = _bisect(lambda a: predict(profile, alone[0], replace(links, p2p_alpha_s=a),
                                                           batch_size).step_s, alone[1].step_s)
+    if "p2p_alpha_s" in fitted:
         links = replace(links, p2p_alpha_s=fitted["p2p_alpha_s"])
     crowded = next(((L, m) for L, m in runs.items() if links.cores and L.world_size > links.cores
                     and L.tp == L.pp == 1), None)
@@ -125,3 +130,24 @@ def action_overhead(spans: Mapping[int, list[Span]]) -> tuple[float, float]:
             (sending if any(a.end_ns <= t < after.start_ns for t in sent) else quiet).append(gap)
     base = statistics.median(quiet) if quiet else 0.0
     return base, max(0.0, statistics.median(sending) - base) if sending else 0.0
+
+
+def message_latency(spans: Mapping[int, list[Span]]) -> tuple[float, int] | None:
+    """A pipeline message's time in flight, from one step's spans on one clock: for each receive that waited
+    and whose message's send ended meanwhile, from the send's end (the sender's ``isend`` has copied it out) to
+    the receive's end. The median seconds and the median message's bytes; None when no receive waited so."""
+    sends = {(s.args.get("what"), s.args.get("stage"), s.microbatch): s for row in spans.values() for s in row
+             if s.kind == "comm" and s.name == "send"}
+    seen: list[tuple[float, int]] = []
+    for row in spans.values():
+        for r in row:
+            if r.kind != "comm" or r.name != "recv" or r.args.get("stage") is None:
+                continue
+            what, stage = r.args.get("what"), r.args["stage"]
+            sent = sends.get((what, stage - 1 if what == "activation" else stage + 1, r.microbatch))
+            if sent is not None and r.start_ns <= sent.end_ns <= r.end_ns:
+                seen.append(((r.end_ns - sent.end_ns) / 1e9, sent.bytes))
+    if not seen:
+        return None
+    seen.sort()
+    return seen[len(seen) // 2]
