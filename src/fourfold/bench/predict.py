@@ -127,7 +127,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                    "--batch-size", str(ns.batch_size)]
     model = TinyGPT(config, seed=0, dtype=torch.float32)
     blocks = model_blocks(model, None)
-    micro = ns.batch_size // 2 // ns.microbatches
+    # timed at 1 and at a pipeline's micro-batch without dp (4 by default): the zero-bubble split is timed at the
+    # size ZB-H1 runs at, and dp2 pp2's micro-batches lie between the two (interpolated, not extrapolated)
+    micro = ns.batch_size // ns.microbatches
     replayed = _replayed(ns.replay_data) if ns.replay_data is not None else None  # the model alone changes
     samples = (1, max(2, micro))
     cores = os.cpu_count() or 1
