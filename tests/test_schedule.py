@@ -402,3 +402,14 @@ def test_schedule_command_refuses_huge_sizes_at_once(capsys):
         main(["--schedule", "all", "--pp", "64", "--microbatches", "4096"])
     assert "makes 1,572,864 actions to place and draw" in capsys.readouterr().err
     assert time.perf_counter() - start < 5  # refused before building them (building takes minutes)
+
+
+@pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_an_action_sends_exactly_the_messages_other_ranks_wait_for(name, virtual):
+    from fourfold.parallel.schedule import _inputs
+
+    s = make_schedule(name, 2, 4, virtual)
+    sent = {(a.stage, a.op, a.microbatch) for row in s.ranks for a in row if s.sends(a)}
+    awaited = {key for row in s.ranks for a in row for key, message in _inputs(a, s.stages)
+               if message and s.owner(key[0]) != s.owner(a.stage)}
+    assert sent == awaited and all(not s.sends(a) for row in s.ranks for a in row if a.op == "W")

@@ -301,18 +301,13 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         b = [total("B", us) for us in stages]
         b_share, w_share = costs.split_at(micro, L.tp) if sched.split_backward else (1.0, 0.0)
 
-        def sends(a: Action) -> bool:
-            """F hands its activation to the next stage, B its input's gradient to the one before; W nothing."""
-            to = a.stage + 1 if a.op == "F" else a.stage - 1 if a.op == "B" else -1
-            return 0 <= to < sched.stages and sched.owner(to) != sched.owner(a.stage)
-
         def action_time(a: Action) -> tuple[float, float]:
             if a.op == "F":
                 computing, waiting = f[a.stage]
             else:
                 computing, waiting = b[a.stage]  # a split backward's collectives are in B (the input gradient)
                 computing, waiting = (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
-            return computing + links.action_s + (links.send_s if sends(a) else 0.0), waiting
+            return computing + links.action_s + (links.send_s if sched.sends(a) else 0.0), waiting
 
         link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
         alpha = links.p2p_alpha_s if link is links.node and links.p2p_alpha_s is not None else link.alpha_s

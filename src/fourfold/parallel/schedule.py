@@ -105,6 +105,12 @@ class Schedule:
         """The rank that holds ``stage``."""
         return stage % self.pp
 
+    def sends(self, a: Action) -> bool:
+        """Whether ``a`` hands a tensor to another rank: an F its activation to the next stage, a B its input's
+        gradient to the one before (the messages :func:`_inputs` waits for); a W nothing."""
+        to = a.stage + 1 if a.op == "F" else a.stage - 1 if a.op == "B" else -1
+        return 0 <= to < self.stages and self.owner(to) != self.owner(a.stage)
+
     def __str__(self) -> str:
         return format_grid(self)
 
