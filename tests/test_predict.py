@@ -543,6 +543,29 @@ def test_the_fastest_timing_of_the_units_is_the_one_set_beside_the_fastest_runs(
         fastest([], 2)
 
 
+def test_the_units_are_timed_before_each_round_of_runs_and_the_fastest_kept(monkeypatch):
+    from fourfold.observe import runs
+
+    order = []
+    monkeypatch.setattr(runs, "measure_run", lambda L, *a, **k: order.append(L) or Measured(0.1, stolen=0.0))
+    speeds = iter([1.5e-3, 1e-3, 2e-3])
+
+    def time_units():
+        order.append("units")
+        return block_costs(CONFIG.n_layer, per_sample=next(speeds))
+
+    a, b = Layout(dp=2), Layout(tp=2)
+    best, costs = runs.best_runs_and_units([a, b], 3, 3, [], time_units, 2)
+    assert order == ["units", a, b, "units", b, a, "units", a, b] and set(best) == {a, b}
+    assert costs.forward == block_costs(CONFIG.n_layer, per_sample=1e-3).forward
+    assert "the fastest of 3 timings" in costs.source
+    order.clear()  # a timing already made stands for the first round's
+    _, costs = runs.best_runs_and_units([a], 2, 3, [], lambda: block_costs(CONFIG.n_layer, per_sample=5e-3), 2,
+                                        timed=[block_costs(CONFIG.n_layer, per_sample=4e-3)])
+    assert order == [a, a] and costs.forward == block_costs(CONFIG.n_layer, per_sample=4e-3).forward
+    assert "the fastest of 2 timings" in costs.source  # the given one and the second round's
+
+
 def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
     from fourfold.observe import runs
 

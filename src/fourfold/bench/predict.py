@@ -34,7 +34,7 @@ from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_re
 from fourfold.mesh import Mesh
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.predict import Layout, Measured, Prediction
-from fourfold.observe.runs import LabShape, best_runs, calibration_layouts
+from fourfold.observe.runs import LabShape, best_runs_and_units, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
 
 __all__ = ["LAYOUTS", "main", "parse_layout", "swapped_pairs"]
@@ -118,7 +118,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
     from fourfold.observe.calibrate import calibrate
-    from fourfold.observe.costs import fastest, measure_units
+    from fourfold.observe.costs import measure_units
     from fourfold.observe.predict import Links, ModelProfile, predict
 
     started = time.monotonic()
@@ -127,11 +127,10 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                    "--batch-size", str(ns.batch_size)]
     model = TinyGPT(config, seed=0, dtype=torch.float32)
     blocks = model_blocks(model, None)
+    replayed = _replayed(ns.replay_data) if ns.replay_data is not None else None  # the model alone changes
     # timed at 1 and at a pipeline's micro-batch without dp (4 by default): the zero-bubble split is timed at the
     # size ZB-H1 runs at, and dp2 pp2's micro-batches lie between the two (interpolated, not extrapolated)
-    micro = ns.batch_size // ns.microbatches
-    replayed = _replayed(ns.replay_data) if ns.replay_data is not None else None  # the model alone changes
-    samples = (1, max(2, micro))
+    samples = (1, max(2, ns.batch_size // ns.microbatches))
     cores = os.cpu_count() or 1
     fit_on = calibration_layouts(ns.microbatches)
     if replayed:
@@ -150,18 +149,13 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     def progress(L: Layout, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
-    timings: list[Any] = []
-
-    def time_units(k: int) -> None:  # in this process, between the runs: the fastest sits beside the fastest runs
-        timings.append(measure_units(model, blocks, ns.seq_len, samples=samples))
-
     if replayed:
         costs, measured = replayed[0], replayed[2]
         print(f"  replaying the runs saved in {ns.replay}", flush=True)
     else:
-        measured = best_runs(todo, ns.repeats, ns.steps, model_flags, ns.timeout, progress=progress, lab=ns.lab,
-                             before_round=time_units)
-        costs = fastest(timings, samples[-1])
+        measured, costs = best_runs_and_units(
+            todo, ns.repeats, ns.steps, model_flags, lambda: measure_units(model, blocks, ns.seq_len, samples=samples),
+            samples[-1], ns.timeout, progress=progress, lab=ns.lab)
     print(f"  units: {costs.source}", flush=True)
     profile = ModelProfile.of(model, blocks, ns.seq_len, shard_plan(model), costs)
     saved = _measurements(costs, links, measured)

@@ -296,9 +296,9 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     from dataclasses import replace
 
     from fourfold.observe.calibrate import calibrate
-    from fourfold.observe.costs import fastest, measure_units
+    from fourfold.observe.costs import measure_units
     from fourfold.observe.predict import Layout, Measured
-    from fourfold.observe.runs import best_runs, calibration_layouts
+    from fourfold.observe.runs import best_runs_and_units, calibration_layouts
 
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
     runnable = []
@@ -315,15 +315,11 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
         print(f"  calibration run {next(made)}/{CALIBRATION_REPEATS * len(runnable)}, {layout}: "
               f"{_time(measured.step_s)} per step{stolen}", flush=True)
 
-    timings = [profile.costs]
-
-    def time_units(k: int) -> None:  # again between the runs: the fastest timing sits beside the fastest runs
-        if k:
-            timings.append(measure_units(profile.model, profile.blocks, profile.seq_len, samples=samples))
-
-    best = best_runs(runnable, CALIBRATION_REPEATS, steps=8, train_flags=train_flags, timeout=120.0,
-                     progress=progress, before_round=time_units)
-    profile = replace(profile, costs=fastest(timings, samples[-1]))
+    best, costs = best_runs_and_units(
+        runnable, CALIBRATION_REPEATS, 8, train_flags,
+        lambda: measure_units(profile.model, profile.blocks, profile.seq_len, samples=samples), samples[-1],
+        timed=[profile.costs], progress=progress)  # the timing made for the ranking stands for the first round's
+    profile = replace(profile, costs=costs)
     print(f"  units: {profile.costs.source}", flush=True)
     runs = {layout: measured for layout, (measured, _) in best.items()}
     profile, links, fitted = calibrate(profile, links, batch_size, runs)

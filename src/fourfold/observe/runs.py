@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fourfold.files import median_step
+from fourfold.observe.costs import UnitCosts, fastest
 from fourfold.observe.predict import Layout, Links, Measured
 from fourfold.observe.trace import load_jsonl
 
-__all__ = ["LabShape", "best_runs", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
+__all__ = ["LabShape", "best_runs", "best_runs_and_units", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
 
 
 def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
@@ -118,6 +119,24 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
     return Measured(statistics.median(r["step_time_s"] for r in rows[1:] or rows), spans, stolen(cpu, cpu_times()))
 
 
+def best_runs_and_units(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
+                        time_units: Callable[[], UnitCosts], samples: float, timeout: float = 120.0, *,
+                        timed: Sequence[UnitCosts] = (), progress: Callable[[Layout, Measured], None] | None = None,
+                        lab: LabShape | None = None) -> tuple[dict[Layout, tuple[Measured, float]], UnitCosts]:
+    """:func:`best_runs`, with the units timed in this process (``time_units()``) before each round of runs, and
+    the fastest timing at ``samples`` (:func:`~fourfold.observe.costs.fastest`): it sits beside the fastest runs.
+    ``timed``: timings already taken, which stand for the first round's."""
+    timings = list(timed)
+
+    def before_round(k: int) -> None:
+        if k or not timings:
+            timings.append(time_units())
+
+    best = best_runs(layouts, repeats, steps, train_flags, timeout, progress=progress, lab=lab,
+                     before_round=before_round)
+    return best, fastest(timings, samples)
+
+
 def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
               timeout: float = 120.0, *, progress: Callable[[Layout, Measured], None] | None = None,
               lab: LabShape | None = None,
@@ -125,9 +144,8 @@ def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: 
     """Each layout's fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and its slowest
     over it. The runs rotate, every layout once and then again in reverse order, so a machine whose speed
     drifts over minutes (this VM's did by 20 %) weighs on the calibration runs and on the runs checked against
-    them alike. ``progress(layout, run)`` is called after each run; ``before_round(k)`` before each round (time
-    the units there, and the fastest timing sits beside the fastest runs: :func:`~fourfold.observe.costs.fastest`);
-    ``lab``: every run in such a lab."""
+    them alike. ``progress(layout, run)`` is called after each run; ``before_round(k)`` before each round (the
+    units are timed there: :func:`best_runs_and_units`); ``lab``: every run in such a lab."""
     runs: dict[Layout, list[Measured]] = {L: [] for L in layouts}
     for k in range(repeats):
         if before_round is not None:
