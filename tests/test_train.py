@@ -310,3 +310,16 @@ def test_the_timeline_draws_the_median_step_not_the_last():
     rows = [{"step": s, "step_time_s": t} for s, t in [(1, 9.0), (2, 0.3), (3, 0.1), (4, 0.2), (5, 0.5)]]
     assert median_step(rows) == 4  # of steps 2-5 (the first warms up): 0.1, 0.2, 0.3, 0.5 -> 0.2
     assert median_step(rows[:1]) == 1 and median_step([]) is None
+
+
+def test_the_summary_says_a_native_all_reduce_is_not_counted_rather_than_zero():
+    from fourfold.mesh import Mesh
+
+    def row(dp: int, tp: int) -> dict:
+        return {"tokens_per_s": 1000.0, "step_time_s": 0.05, "bytes_by_axis": {"dp": dp, "tp": tp, "pp": 0}}
+
+    native = train_mod.TrainResult(0, Mesh(dp=2, tp=2), losses=[2.0, 1.0], metrics=[row(0, 4096)] * 2)
+    text = native.summary()
+    assert "rank 0 sent per step: dp not counted (--allreduce native" in text and "tp 4.0 KB" in text, text
+    ring = train_mod.TrainResult(0, Mesh(dp=2), losses=[2.0, 1.0], metrics=[row(2048, 0)] * 2)
+    assert "rank 0 sent per step: dp 2.0 KB\n" in ring.summary()
