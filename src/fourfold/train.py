@@ -114,7 +114,7 @@ class TrainResult:
         by_axis = {a: statistics.median(r["bytes_by_axis"][a] for r in self.metrics) for a in ("dp", "tp", "pp")}
         # a dp group that sent nothing counted used the backend's own all-reduce, whose bytes it does not report
         axes = [f"{axis} {by_axis[axis] / 1024:,.1f} KB" if by_axis[axis] or axis != "dp" else
-                "dp not counted (--allreduce native: the backend's own; --allreduce ring counts its bytes)"
+                "dp not counted (--allreduce native)"
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
         picture = ", timeline.png" if self.out is not None and (self.out / "timeline.png").exists() else ""
