@@ -13,10 +13,11 @@ from fourfold import __version__
 __all__ = ["main"]
 
 COMMANDS = {
-    "train": ("fourfold.train", "train TinyGPT on the built-in corpus, on one process or --nproc N"),
+    "train": ("fourfold.train", "train a model (TinyGPT, GPT-2, Llama or your own: --model) on one process or --nproc N"),
     "demo": ("fourfold.cli.demo", "a short run that trains, then prints and draws what happened"),
     "explain": ("fourfold.cli.explain", "draw an all-reduce step by step from a real run: fourfold explain ring"),
-    "bench": ("fourfold.bench", "time the all-reduce algorithms side by side: fourfold bench allreduce --nproc 2"),
+    "bench": ("fourfold.bench", "benchmarks beside PyTorch's own (allreduce, dp, tp, pp, packing, zero, predict): "
+              "fourfold bench dp --nproc 2"),
     "schedule": ("fourfold.cli.schedule", "print and draw a pipeline schedule, its bubble and memory: "
                  "fourfold schedule --schedule 1f1b"),
     "lab": ("fourfold.cli.lab", "an emulated cluster (namespaces, shaped links; root): fourfold lab run --nodes 2 "
