@@ -42,3 +42,26 @@ def test_explain_refuses_native_and_bad_world(capsys):
     with pytest.raises(SystemExit):
         main(["ring", "--world", "1"])
     assert "--world must be in 2..16, got 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_explain_draws_a_non_power_of_two_world_whose_folded_ranks_sit_out(tmp_path):
+    # the module's own example: rank 4 folds into rank 0 and records fewer states than the exchanges drawn
+    png = tmp_path / "tree.png"
+    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", "tree", "--world", "5", "--out", str(png)],
+                         capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    # the exchanges numbered alike on every rank: the fold first, the unfold last, each in its own step
+    assert "step 0 (fold):\n  rank 4 -> rank 0: the whole tensor = e\n" in text, text
+    assert "step 3 (unfold):\n  rank 0 -> rank 4: the whole tensor = a+b+c+d+e\n" in text, text
+    assert "10 messages in 4 steps" in text
+    assert png.stat().st_size > 10_000
+
+
+def test_the_ranks_exchanges_merge_into_one_order():
+    from fourfold.cli.explain import _global_order
+
+    fold, d0, d1, unfold = ("fold", 0), ("doubling", 0), ("doubling", 1), ("unfold", 0)
+    # rank 0 takes part in all; rank 1 in the doubling only; rank 4 in the fold and the unfold
+    assert _global_order([[d0, d1], [fold, unfold], [fold, d0, d1, unfold]]) == [fold, d0, d1, unfold]

@@ -63,6 +63,7 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
         bounds = segments(flat.numel(), g)
         sent: list[Sent] = []
         states: list[list[int]] = []  # per-segment masks as each exchange starts, then at the end
+        keys: list[tuple[str, int]] = []  # each exchange's (phase, step): the same exchange on every rank
 
         class Recorder(comm.Communicator):
             """Records what each exchange carried and the tensor's state after it."""
@@ -75,6 +76,7 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
                 recvs = [*recvs, *((r.peer, r.tensor) for r in posted)]
                 index = len(states)
                 states.append([int(flat[o]) for o, _ in bounds])  # after the previous step's additions
+                keys.append((phase, step))
                 for k, (peer, t) in enumerate(sends):
                     offset = offsets[0][k] if offsets else 0
                     segs = _segment_of(offset, t.numel(), bounds) if t.numel() < flat.numel() else \
@@ -90,15 +92,44 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
         if not bool((flat == expected).all()):
             raise RuntimeError(f"{algorithm} left rank {ctx.rank} with {flat.tolist()}, expected all {expected}.")
         gathered: list[Any] = [None] * g if ctx.rank == 0 else []
-        dist.gather_object((sent, states), gathered if ctx.rank == 0 else None, dst=0)
+        dist.gather_object((sent, states, keys), gathered if ctx.rank == 0 else None, dst=0)
         if ctx.rank == 0:
             _report(algorithm, g, gathered)
     return 0
 
 
+def _global_order(keys: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
+    """Every rank's exchanges, ``(phase, step)`` in its own order, merged into one order that keeps each rank's
+    (a topological sort): a rank that sits out some, as a non-power-of-two world's folded rank does, has a
+    shorter list than the others."""
+    after: dict[tuple[str, int], set[tuple[str, int]]] = {}
+    for mine in keys:
+        for i, key in enumerate(mine):
+            after.setdefault(key, set()).update(mine[:i])
+    order: list[tuple[str, int]] = []
+    while len(order) < len(after):
+        ready = [k for k in after if k not in order and after[k] <= set(order)]
+        if not ready:
+            raise RuntimeError(f"the ranks ran their exchanges in different orders: {keys}")
+        order.append(ready[0])
+    return order
+
+
+def _aligned(gathered: list[Any]) -> tuple[list[Sent], list[list[list[int]]]]:
+    """The messages numbered by the global exchange, and ``states[rank][k]``: its segments as global exchange
+    ``k`` starts (``k`` = the number of exchanges: at the end), whether or not the rank takes part in it."""
+    order = _global_order([keys for _, _, keys in gathered])
+    messages, states = [], []
+    for sent, mine, keys in gathered:
+        at = [order.index(key) for key in keys]
+        messages += [m._replace(exchange=at[m.exchange]) for m in sent]
+        # before global exchange k: the state before this rank's first own exchange at or after k
+        states.append([mine[next((i for i, a in enumerate(at) if a >= k), len(at))] for k in range(len(order) + 1)])
+    return sorted(messages, key=lambda m: (m.exchange, m.src)), states
+
+
 def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
-    messages: list[Sent] = sorted((m for sent, _ in gathered for m in sent), key=lambda m: (m.exchange, m.src))
-    states = [states for _, states in gathered]  # states[rank][i] = per-segment masks before exchange i
+    messages, states = _aligned(gathered)  # states[rank][i] = per-segment masks before exchange i
     steps = sorted({m.exchange for m in messages})
     print(f"{algorithm} all-reduce on {g} ranks (rank 0 = a, rank 1 = b, ...), the tensor cut into {g} "
           f"segments; a2+b2 = the sum of ranks 0 and 1's segment 2, S2 = segment 2 summed over every rank\n")
@@ -127,10 +158,15 @@ def _label(mask: int, segment: int, g: int) -> str:
     return f"S{segment}" if mask == (1 << g) - 1 else masks_label(mask, segment)
 
 
+def _state_at(states: list[list[list[int]]], r: int, i: int | None) -> list[int]:
+    """Rank ``r``'s segments as exchange ``i`` starts (None: at the end)."""
+    return states[r][-1 if i is None else i]
+
+
 def _print_state(states: list[list[list[int]]], i: int, g: int) -> None:
     print("  then:" if i else "start:")
     for r in range(g):
-        row = states[r][min(i, len(states[r]) - 1)]
+        row = _state_at(states, r, i)
         print(f"    rank {r}: " + " | ".join(f"{_label(m, j, g):<{4 * g}}" for j, m in enumerate(row)))
 
 
@@ -151,7 +187,7 @@ def _draw(algorithm: str, g: int, messages: list[Sent], states: list[list[list[i
     for y, step in enumerate(rows):
         batch = [m for m in messages if m.exchange == step]
         for r in range(g):
-            masks = states[r][len(states[r]) - 1 if step is None else step]
+            masks = _state_at(states, r, step)
             for j, mask in enumerate(masks):
                 x = r * (g + 1) + j
                 n = bin(mask).count("1")
