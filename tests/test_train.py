@@ -290,14 +290,25 @@ def test_3d_run_through_torchrun_equals_one_process_draws_its_stages_and_verifie
 def test_verify_names_the_step_and_parameter_that_differ():
     from fourfold.verify import compare, report
 
-    want = {"a": torch.zeros(2), "b": torch.zeros(3)}
-    got = {"a": torch.zeros(2), "b": torch.tensor([0.0, 1e-3, 0.0])}
-    rows = compare([1.0, 2.0], [want, got], [1.0, 2.0], [want, want], "float64", lr=1e-3)
+    start = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    want = {"a": torch.full((2,), 1e-3), "b": torch.full((3,), 1e-3)}  # one step of lr 1e-3 from start
+    got = {"a": want["a"], "b": torch.tensor([1e-3, 2e-3, 1e-3])}
+    rows = compare([1.0, 2.0], [want, got], [1.0, 2.0], [start, want, want], "float64")
     assert [r.ok for r in rows] == [True, False] and rows[1].worst == "b" and rows[1].param_diff == pytest.approx(1e-3)
     text = report(rows, "float64")
     assert "MISMATCH at step(s) [2]" in text and "b   <-- beyond tolerance" in text
-    rows = compare([1.0], [got], [1.0], [want], "float32", lr=1e-3)  # within Adam's 2*lr*step in float32
-    assert rows[0].ok and "2 * lr * step" in report(rows, "float32")
+    # float32: judged against the update. One weight of five a whole lr off is 0.45 of this tiny update, beyond
+    # 1e-3; across a real model's millions of weights the few that Adam moves on rounding noise weigh little
+    rows = compare([1.0], [got], [1.0], [start, want], "float32")
+    assert not rows[0].ok and rows[0].relative == pytest.approx((1e-6 / 5e-6) ** 0.5)
+    near = {"a": want["a"], "b": want["b"] * (1 + 1e-4)}  # rounding-sized differences everywhere
+    rows = compare([1.0], [near], [1.0 + 1e-6], [start, want], "float32")
+    assert rows[0].ok and rows[0].relative < 1e-3, rows[0]
+    assert "diff/update 1e-3 (float32 rounding)" in report(rows, "float32")
+    # bf16: a quarter of the update; compressed gradients: lossy by design, parameters shown and not judged
+    assert not compare([1.0], [got], [1.0], [start, want], "bf16")[0].ok
+    rows = compare([1.0], [got], [1.0 + 5e-3], [start, want], "compressed")
+    assert rows[0].ok and "parameters shown, not judged" in report(rows, "compressed")
     from fourfold.config import TrainConfig
 
     with pytest.raises(ValueError, match="verify must be between 0 and steps"):
