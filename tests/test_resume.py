@@ -116,13 +116,23 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_pa
 @pytest.mark.timeout(120)
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     out = tmp_path / "interrupted"
-    with launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--out", str(out)]) as proc:
+    with launched([*SMALL, "--steps", "100000", "--nproc", "2", "--no-trace", "--checkpoint-every", "1", "--out",
+                   str(out)]) as proc:
         wait_for_rows(out, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert "Traceback" not in output, output
     assert output.count("interrupted (Ctrl-C)") == 1, output
+    assert "the newest complete checkpoint is step " in output and f"--resume {out}" in output, output
+
+
+def test_an_interrupted_run_without_checkpoints_says_there_is_none(tmp_path):
+    from fourfold.config import parse_args
+
+    cfg = parse_args([*SMALL, "--out", str(tmp_path / "none")])
+    note = train_mod._interrupted_note(cfg)
+    assert note.startswith(f"no checkpoint to resume from in {tmp_path / 'none'}") and "--checkpoint-every N" in note
 
 
 @pytest.mark.timeout(240)

@@ -334,3 +334,13 @@ def test_the_summary_says_a_native_all_reduce_is_not_counted_rather_than_zero():
     assert "rank 0 sent per step: dp not counted (--allreduce native" in text and "tp 4.0 KB" in text, text
     ring = train_mod.TrainResult(0, Mesh(dp=2), losses=[2.0, 1.0], metrics=[row(2048, 0)] * 2)
     assert "rank 0 sent per step: dp 2.0 KB\n" in ring.summary()
+
+
+def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
+    for name in ("metrics.jsonl", "run.json"):  # --no-save --no-trace: no model.pt, no trace
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "checkpoints").mkdir()
+    from fourfold.mesh import Mesh
+
+    result = train_mod.TrainResult(0, Mesh(), out=tmp_path)
+    assert result.outputs() == f"outputs in {tmp_path}: metrics.jsonl, checkpoints/ (resume with --resume), run.json"

@@ -117,12 +117,19 @@ class TrainResult:
                 "dp not counted (--allreduce native)"
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
-        picture = ", timeline.png" if self.out is not None and (self.out / "timeline.png").exists() else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
-                f"{self.losses[-1]:.4f}, {speed}, {ms:.1f} ms/step\n{sent}"
-                f"outputs in {self.out}: metrics.jsonl, trace.json (open in https://ui.perfetto.dev){picture}, "
-                "model.pt")
+                f"{self.losses[-1]:.4f}, {speed}, {ms:.1f} ms/step\n{sent}{self.outputs()}")
+
+    def outputs(self) -> str:
+        """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
+        if self.out is None:
+            return ""
+        notes = {"trace.json": "trace.json (open in https://ui.perfetto.dev)",
+                 "checkpoints": "checkpoints/ (resume with --resume)"}
+        names = [notes.get(n, n) for n in ("metrics.jsonl", "trace.json", "timeline.png", "model.pt", "checkpoints",
+                                           "run.json") if (self.out / n).exists()]
+        return f"outputs in {self.out}: {', '.join(names)}"
 
 
 def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
@@ -406,6 +413,23 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
               file=sys.stderr, flush=True)
 
 
+def _interrupted_note(cfg: Config) -> str:
+    """What an interrupted run left to resume from: its newest complete checkpoint, or that there is none."""
+    from fourfold.checkpoint.store import CheckpointError, read_manifest
+
+    out = cfg.train.out
+    try:
+        manifest = read_manifest(out)
+    except CheckpointError:
+        every = cfg.train.checkpoint_every
+        why = (f"--checkpoint-every {every}: none reached yet" if every else
+               "--checkpoint-every 0, the default, writes none until the run ends")
+        return (f"no checkpoint to resume from in {out} ({why}). Pass --checkpoint-every N to keep one every N "
+                "steps.")
+    return (f"the newest complete checkpoint is step {manifest['step']} ({manifest['dir']}): continue with the "
+            f"same flags and --resume {out}.")
+
+
 def _memory_line(cfg: Config, world_size: int) -> None:
     """Before launch: each rank's memory, estimated; a layout that would not fit is refused (ValueError)."""
     if cfg.train.memory_check:
@@ -449,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         if main_rank and not worker:
-            print(f"fourfold train: interrupted (Ctrl-C); the newest complete checkpoint in {cfg.train.out} "
-                  "can be resumed with --resume.", file=sys.stderr, flush=True)
+            print(f"fourfold train: interrupted (Ctrl-C); {_interrupted_note(cfg)}", file=sys.stderr, flush=True)
         return 130
     finally:
         if not worker:
