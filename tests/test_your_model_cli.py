@@ -237,3 +237,15 @@ def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_every_model_config_the_docs_pass_is_in_the_repository():
+    import re
+
+    root = EXAMPLES.parent
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(EXAMPLES.glob("*.py"))]
+    named = {m for t in texts for m in re.findall(r"--model-config ([\w./-]+\.json)", t.read_text())}
+    assert {"examples/gpt2-tiny.json", "examples/llama-tiny.json", "my_model.json"} <= named, named
+    for name in named:  # from the repository's root, or (after `cd examples`) from examples/
+        path = root / name if (root / name).exists() else EXAMPLES / name
+        assert isinstance(json.loads(path.read_text()), dict), name
