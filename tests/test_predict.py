@@ -338,7 +338,8 @@ def test_plan_ranks_layouts_of_a_model_this_machine_cannot_hold(capsys):
     out = capsys.readouterr().out
     assert "(1,825.3 M parameters)" in out  # built on the meta device: nothing allocated
     rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit() and " ms " in line]
-    assert len(rows) == 5 and "fourfold train --nproc 16" in out
+    assert len(rows) == 5  # 16 GPUs at 8 a machine: the command for each of the 2 machines
+    assert "fourfold train --nnodes 2 --node-rank K --rdzv-endpoint HOST:PORT --nproc 8 --dp " in out, out
     steps = [float(r[r.index("ms") - 1]) for r in rows]
     assert steps == sorted(steps)  # fastest first
     assert main([*flags[:2], "--gpu-mem", "1GB", *flags[4:]]) == 1
@@ -352,6 +353,21 @@ def test_plan_refuses_bad_flags(capsys):
     assert "--gpus" in capsys.readouterr().err
     assert main(["--gpus", "8", "--link", "fast"]) == 2
     assert "link must be a rate" in capsys.readouterr().err
+    assert main(["--memory", "--gpus", "64", "--nproc", "2"]) == 2  # two modes: one layout's memory, or the ranking
+    assert "error: --memory prints one layout's memory on --nproc ranks here, and --gpus belongs to ranking" in \
+        capsys.readouterr().err
+
+
+def test_plan_says_uncalibrated_figures_for_more_ranks_than_cores_are_optimistic(capsys, monkeypatch):
+    from fourfold.cli import plan
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    small = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--top", "2"]
+    assert plan.main([*small, "--nproc", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(0.03 M parameters)" in out and "note: 4 ranks share this machine's 2 CPU cores" in out, out
+    assert plan.main([*small, "--nproc", "2"]) == 0
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monkeypatch):

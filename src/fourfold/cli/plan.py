@@ -187,18 +187,8 @@ def _ranking(argv: list[str]) -> int:
     from fourfold.units import format_bytes, parse_bytes
 
     parser = argparse.ArgumentParser(prog="fourfold plan", add_help=False)
-    parser.add_argument("--gpus", type=int)
-    parser.add_argument("--gpu-mem", default=None)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--link", default=None)
-    parser.add_argument("--lab", type=int, default=None)
-    parser.add_argument("--tcp", default="cubic")
-    parser.add_argument("--node-link", default=None)
-    parser.add_argument("--latency", type=float, default=10e-6)
-    parser.add_argument("--gpu-flops", type=float, default=989e12)
-    parser.add_argument("--mfu", type=float, default=0.4)
-    parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--calibrate", action="store_true")
+    for flag, options in RANKING_FLAGS.items():
+        parser.add_argument(flag, **options)
     ns, rest = parser.parse_known_args(argv)
     paper = ns.gpus is not None
     lab: LabShape | None = None
@@ -260,7 +250,7 @@ def _ranking(argv: list[str]) -> int:
     ranked = rank_layouts(profile, candidates, links, t.batch_size, available)
     fits = [p for p, ok in ranked if ok]
     params = sum(p.numel() for p in model.parameters())
-    print(f"fourfold plan: {t.model} ({params / 1e6:,.1f} M parameters), batch {t.batch_size} x {seq}, on {world} "
+    print(f"fourfold plan: {t.model} ({params / 1e6:,.{1 if params >= 1e7 else 2}f} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
           f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}")
     print(f"{len(candidates)} layouts considered, {len(fits)} fit. Fastest first:")
@@ -278,8 +268,18 @@ def _ranking(argv: list[str]) -> int:
     flags = fits[0].layout.flags()
     if lab is not None:  # in a lab, --nproc counts a node's ranks: the lab's --gpus-per-node says it
         print(f"  run the first in the lab: fourfold {' '.join(lab.command(fits[0].layout) + flags[2:])} ...")
+    elif paper and world > ns.gpus_per_node:  # --nproc counts one machine's processes
+        nodes = -(-world // ns.gpus_per_node)
+        print(f"  run the first on {nodes} machines of {ns.gpus_per_node} GPUs, on machine K of 0..{nodes - 1}: "
+              f"fourfold train --nnodes {nodes} --node-rank K --rdzv-endpoint HOST:PORT --nproc {ns.gpus_per_node} "
+              f"{' '.join(flags[2:])} ...")
     else:
         print(f"  run the first here: fourfold train {' '.join(flags)} ...")
+    cores = links.cores
+    if not paper and not ns.calibrate and lab is None and cores and world > cores:
+        print(f"  note: {world} ranks share this machine's {cores} CPU cores. Uncalibrated, the figures share the "
+              "cores fairly at no cost for switching ranks or waking one, so they are optimistic and may be ordered "
+              "otherwise than runs measure; --calibrate fits them to short runs here first (a minute or two).")
     return 0
 
 
@@ -364,6 +364,16 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
 
 
+RANKING_FLAGS: dict[str, dict[str, Any]] = {
+    "--gpus": {"type": int}, "--gpu-mem": {"default": None}, "--gpus-per-node": {"type": int, "default": 8},
+    "--link": {"default": None}, "--lab": {"type": int, "default": None}, "--tcp": {"default": "cubic"},
+    "--node-link": {"default": None}, "--latency": {"type": float, "default": 10e-6},
+    "--gpu-flops": {"type": float, "default": 989e12}, "--mfu": {"type": float, "default": 0.4},
+    "--top": {"type": int, "default": 10}, "--calibrate": {"action": "store_true"},
+}
+"""The flags of the ranking (``fourfold plan`` without ``--memory``), beside train's model and batch flags."""
+
+
 def main(argv: list[str] | None = None) -> int:
     from fourfold.observe.estimate import format_estimate
     from fourfold.train import parse_args
@@ -375,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--memory" not in argv:
         return _ranking(argv)
+    mixed = [a for a in dict.fromkeys(x.split("=")[0] for x in argv) if a in RANKING_FLAGS]
+    if mixed:
+        print(f"fourfold plan: error: --memory prints one layout's memory on --nproc ranks here, and {mixed[0]} "
+              f"belongs to ranking layouts (on paper with --gpus), got both. Drop --memory to rank the layouts, or "
+              f"{', '.join(mixed)} to see one layout's memory.", file=sys.stderr)
+        return 2
     argv = [a for a in argv if a != "--memory"]
     try:
         cfg = parse_args(argv)
