@@ -218,6 +218,9 @@ def test_a_split_on_your_model_must_be_a_split():
      "stages must be at most the model's blocks (embedding, 2 layers, head), got pp*virtual=6 > 4"),
     ("gpt2", ["--nproc", "2", "--tp", "2", "--sequence-parallel"], "sequence_parallel is TinyGPT's"),
     ("my_model:build", ["--vocab-size", "100"], "got vocab_size=100 in my_model:build. Set vocab_size to 256"),
+    ("my_model:build", ["--seq-len", "32"], "model 'my_model:build': its forward on one sequence of --seq-len 32 "
+     "tokens failed: IndexError"),  # its 16 positions: refused before launch, not a traceback on every rank
+    ("my_model:build", ["--layerz", "2"], "building it with --model-config"),  # a keyword the factory lacks
     ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a gpt2, llama or MODULE:FACTORY model"),
@@ -225,10 +228,10 @@ def test_a_split_on_your_model_must_be_a_split():
 ])
 def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model, flags, message):
     config = ["--model-config", configs[model]] if model in configs else []
-    if model == "my_model:build" and "--vocab-size" in flags:  # a factory keyword, read from its JSON
+    if model == "my_model:build" and flags[0] in ("--vocab-size", "--layerz"):  # factory keywords, from its JSON
         path = tmp_path / "small.json"
-        path.write_text(json.dumps({**MINE, "vocab_size": 100}))
-        config, flags = ["--model-config", str(path)], []
+        path.write_text(json.dumps({**MINE, flags[0][2:].replace("-", "_"): int(flags[1])}))
+        config, flags = ["--model-config", str(path)], ["--seq-len", "16"]
     argv = ["--model", model, *config, *flags, "--out", str(tmp_path / "run")]
     try:
         code = train_mod.main(argv)

@@ -37,7 +37,7 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     from fourfold.engine import model_blocks
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
-    from fourfold.models.build import build_model
+    from fourfold.models.build import build_model, check_forward
     from fourfold.observe.estimate import estimate_memory, probe_activations
     from fourfold.parallel.checkpointing import parse_policy
 
@@ -51,7 +51,12 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     except ValueError:
         blocks = []  # a model without a blocks list: one unit (it cannot be pipelined or checkpointed anyway)
     shards = shard_plan(model)
-    probe = probe_activations(model, blocks, cfg.model.seq_len, shards)
+    try:
+        probe = probe_activations(model, blocks, cfg.model.seq_len, shards)
+    except Exception:
+        check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
+        raise  # the estimate's own failure
+
     options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size,
                "microbatches": t.microbatches if mesh.pp > 1 else 1, "schedule": t.schedule, "virtual": t.virtual,
                "strategy": t.strategy, "zero": t.zero if mesh.dp > 1 else 0,
@@ -92,10 +97,13 @@ def _overflow(rows: list[Any], available: int, options: dict[str, Any],
 def check_memory(cfg: Any, world_size: int) -> str:
     """Estimate every rank's memory for ``cfg``; refuse (ValueError: the largest term, the cheapest change that
     fits) a layout that would not fit. Returns the one line a run prints first."""
+    from fourfold.models.build import ModelError
     from fourfold.units import format_bytes
 
     try:
         rows, options, estimate = layout_memory(cfg, world_size)
+    except ModelError:
+        raise  # the model itself cannot be built or run as configured: the ranks would fail the same way
     except Exception as e:  # the estimate must never stop a run it cannot read: say so and go on
         return f"memory estimate skipped: {type(e).__name__}: {e}"
     available, where = _available(cfg, world_size)

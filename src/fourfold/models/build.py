@@ -24,8 +24,13 @@ from torch import nn
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES
 
-__all__ = ["ModelInfo", "build_model", "built_info", "check_model", "check_vocab", "model_info", "num_parameters",
-           "read_model_config"]
+__all__ = ["ModelError", "ModelInfo", "build_model", "built_info", "check_forward", "check_model", "check_vocab",
+           "model_info", "num_parameters", "read_model_config"]
+
+
+class ModelError(ValueError):
+    """The user's model cannot be built or run as the flags configure it (a bad factory keyword, sequences longer
+    than its context): the run is refused before any process starts."""
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -62,13 +67,13 @@ def _factory(name: str) -> Any:
     try:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise ValueError(f"model {name!r}: cannot import {module!r} ({e}). Run from the directory holding it, "
+        raise ModelError(f"model {name!r}: cannot import {module!r} ({e}). Run from the directory holding it, "
                          "or install its package") from None
     except AttributeError:
-        raise ValueError(f"model {name!r}: {module!r} has no {attr!r}. Name a function that returns an "
+        raise ModelError(f"model {name!r}: {module!r} has no {attr!r}. Name a function that returns an "
                          "nn.Module") from None
     if not callable(fn):
-        raise ValueError(f"model {name!r}: {attr} must be a function returning an nn.Module, got "
+        raise ModelError(f"model {name!r}: {attr} must be a function returning an nn.Module, got "
                          f"{type(fn).__name__}.")
     return fn
 
@@ -136,10 +141,30 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
 
         return build_hf(t.model, t.model_config, seed=t.seed, dtype=dtype).to(device)
     torch.manual_seed(t.seed)
-    model = _factory(t.model)(**read_model_config(t.model_config))
+    factory, kwargs = _factory(t.model), read_model_config(t.model_config)
+    try:
+        model = factory(**kwargs)
+    except Exception as e:
+        given = f" with --model-config {t.model_config}'s {kwargs}" if t.model_config else " with no arguments"
+        raise ModelError(f"model {t.model!r}: building it{given} failed: {type(e).__name__}: {e}. Fix the factory's "
+                         "arguments (--model-config is a JSON object of its keyword arguments).") from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {t.model!r} must return an nn.Module, got {type(model).__name__}.")
     return model.to(device=device, dtype=dtype)
+
+
+def check_forward(model: nn.Module, cfg: Any) -> None:
+    """Run ``model`` on one sequence of ``--seq-len`` tokens (id 0); a failure is the model's or its flags' (the
+    sequence longer than its positions, a forward that needs other inputs): :class:`ModelError`."""
+    n = cfg.model.seq_len
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, n, dtype=torch.long, device=next(model.parameters()).device))
+    except Exception as e:
+        raise ModelError(f"model {cfg.train.model!r}: its forward on one sequence of --seq-len {n} tokens failed: "
+                         f"{type(e).__name__}: {e}. Is --seq-len longer than the model's context (its positions)? "
+                         "Pass a --seq-len it can take; fourfold calls model(ids) with ids of shape (batch, "
+                         "seq_len).") from e
 
 
 def num_parameters(model: nn.Module) -> int:
