@@ -344,3 +344,19 @@ def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
 
     result = train_mod.TrainResult(0, Mesh(), out=tmp_path)
     assert result.outputs() == f"outputs in {tmp_path}: metrics.jsonl, checkpoints/ (resume with --resume), run.json"
+
+
+def test_flags_the_layout_does_not_read_are_named_before_launch():
+    from fourfold.config import parse_args
+    from fourfold.mesh import Mesh
+
+    def unused(*flags: str, **mesh: int) -> list[str]:
+        return train_mod.unused_flags(parse_args(list(flags)), Mesh(**mesh))
+
+    assert unused("--schedule", "interleaved", "--zero", "1", "--allreduce", "ring") == [
+        "--schedule interleaved", "--allreduce ring", "--zero 1"]  # one process: no pipeline, no data parallelism
+    assert unused("--strategy", "model", "--microbatches", "8", pp=2) == ["--microbatches 8"]
+    assert unused("--schedule", "zb", "--virtual", "3", pp=2) == ["--virtual 3"]
+    assert unused("--schedule", "interleaved", "--virtual", "3", "--powersgd-rank", "2", pp=2, dp=2) == [
+        "--powersgd-rank 2"]
+    assert unused("--n-layer", "2", "--allreduce", "ring", dp=2) == []

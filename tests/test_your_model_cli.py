@@ -221,6 +221,8 @@ def test_a_split_on_your_model_must_be_a_split():
     ("my_model:build", ["--seq-len", "32"], "model 'my_model:build': its forward on one sequence of --seq-len 32 "
      "tokens failed: IndexError"),  # its 16 positions: refused before launch, not a traceback on every rank
     ("my_model:build", ["--layerz", "2"], "building it with --model-config"),  # a keyword the factory lacks
+    ("gpt2", ["--n-layer", "2", "--d-model", "32"], "--n-layer, --d-model size TinyGPT only, got n_layer=2, "
+     "d_model=32 with model='gpt2'"),  # ignored, they trained a 124 M GPT-2 where a tiny model was asked for
     ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a gpt2, llama or MODULE:FACTORY model"),

@@ -308,8 +308,24 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def __post_init__(self) -> None:
+        if self.train.model == "tinygpt":
+            return
+        default = GPTConfig()
+        sized = [f for f in TINYGPT_ONLY if getattr(self.model, f) != getattr(default, f)]
+        if sized:  # they would be ignored: a 124 M-parameter GPT-2 trained where the flags asked for a tiny model
+            given = ", ".join(f"{f}={getattr(self.model, f)!r}" for f in sized)
+            flags = ", ".join("--" + f.replace("_", "-") for f in sized)
+            raise ValueError(f"{flags} size TinyGPT only, got {given} with model={self.train.model!r}, whose size "
+                             "comes from --model-config (a JSON object of its config's keys, e.g. "
+                             "examples/gpt2-tiny.json). Drop them, or put the sizes in --model-config.")
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
+
+
+TINYGPT_ONLY = ("n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")
+"""The [model] fields only TinyGPT reads (seq_len and vocab_size are every model's: the data's)."""
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]

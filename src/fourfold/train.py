@@ -24,6 +24,7 @@ layout; that is what makes "the same numbers as one process" testable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -413,6 +414,41 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
               file=sys.stderr, flush=True)
 
 
+UNUSED_WITHOUT = {  # an axis of size 1 (or a strategy) leaves these flags nothing to do
+    "pipeline": ("schedule", "microbatches", "virtual", "strategy"),
+    "data": ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_rank", "powersgd_warmup", "zero",
+             "sync_batchnorm"),
+}
+
+
+def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
+    """The flags set away from their defaults that this layout does not read (pp=1: the schedule's; dp=1: the
+    gradient sync's; strategy model: micro-batches; a schedule other than interleaved: --virtual)."""
+    t = cfg.train
+    defaults = {f.name: f.default for f in dataclasses.fields(t)}
+    unused = []
+    if mesh.pp == 1:
+        unused += [n for n in UNUSED_WITHOUT["pipeline"] if n != "strategy"]  # strategy model is refused at pp=1
+    elif t.strategy == "model":
+        unused += ["schedule", "microbatches", "virtual"]  # one micro-batch, layer by layer
+    elif t.schedule != "interleaved":
+        unused.append("virtual")
+    if mesh.dp == 1:
+        unused += UNUSED_WITHOUT["data"]
+    elif t.compress != "powersgd":
+        unused += ["powersgd_rank", "powersgd_warmup"]
+    return [f"--{n.replace('_', '-')} {getattr(t, n)}" for n in unused if getattr(t, n) != defaults[n]]
+
+
+def _unused_note(cfg: Config, mesh: Mesh) -> None:
+    """Say, before launch, which flags this layout ignores (so a sweep's shared flags still run)."""
+    unused = unused_flags(cfg, mesh)
+    if unused:
+        print(f"fourfold train: note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
+              f"{' (strategy model: one micro-batch)' if mesh.pp > 1 and cfg.train.strategy == 'model' else ''}; "
+              "run.json records them as given.", file=sys.stderr, flush=True)
+
+
 def _interrupted_note(cfg: Config) -> str:
     """What an interrupted run left to resume from: its newest complete checkpoint, or that there is none."""
     from fourfold.checkpoint.store import CheckpointError, read_manifest
@@ -453,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             mesh = preflight(cfg, cfg.launch.world_size)
             _memory_line(cfg, cfg.launch.world_size)
             _resume_note(cfg, mesh, cfg.launch.world_size)
+            _unused_note(cfg, mesh)
         if not worker and cfg.launch.world_size > 1:
             from fourfold.elastic import launch_workers
 
