@@ -31,7 +31,7 @@ The bubble of a fourfold variant comes from its :class:`~fourfold.observe.trace.
 step's window runs from the first span on any rank to the last compute span on any rank (one clock: the
 ranks share a machine and ``perf_counter``); rank r's bubble is 1 - (its F and B time) / window, the
 definition of :func:`~fourfold.parallel.schedule.simulate`'s. Beside it: the runtime's own
-``StepResult.bubble_by_rank`` (time blocked in receives / the rank's own step, which leaves out a rank's idle
+``StepResult.wait_by_rank`` (time blocked in receives / the rank's own step, which leaves out a rank's idle
 tail once its last action is done), the textbook (p-1)/(m+p-1), and ``simulate`` with the measured median F
 and B times (mean over ranks) and ``comm`` = the one-way time of one activation message (header + payload,
 ping-pong between ranks 0 and 1 before the rounds, both idle), then again with ``comm`` = the mean time a
@@ -359,9 +359,9 @@ def _bubble(v: _Variant, timed: range, p: int, m: int, comm_s: float) -> dict[st
             "measured_by_rank": [statistics.median(row) for row in by_round],
             # ranks computing at once, on average: at os.cpu_count() < pp the cores, not the schedule, set this
             "concurrency": statistics.median(sum(busy[r][k] for r in range(p)) / window[k] for k in range(len(timed))),
-            "runtime_wait_by_rank": [statistics.median(v.results[it].bubble_by_rank[r] for it in timed)
+            "runtime_wait_by_rank": [statistics.median(v.results[it].wait_by_rank[r] for it in timed)
                                      for r in range(p)],
-            "runtime_wait": statistics.median(statistics.mean(v.results[it].bubble_by_rank) for it in timed),
+            "runtime_wait": statistics.median(statistics.mean(v.results[it].wait_by_rank) for it in timed),
             "simulated": sim.bubble, "simulated_by_rank": list(sim.bubble_by_rank),
             "simulated_makespan_s": sim.makespan, "comm_in_situ_s": in_situ,
             "comm_in_situ_median_s": statistics.median(latency) / 1e9 if latency else 0.0,

@@ -185,7 +185,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
         theory = theory_bubble("naive" if name == "model" else name, 2, m)
         mem = " / ".join(f"{b / 2**20:.1f}" for b in rows[-1]["peak_activation_bytes_by_rank"])
         print(f"  {text:<58} {ms:8.1f} {100 * bubble:6.0f}% {100 * theory:6.0f}% {mem:>17} MiB")
-    print("\n  bubble: the share of each rank's step spent waiting for the other (measured from the trace),")
+    print("\n  bubble: the share of the step each rank is not computing (waiting for the other, its idle tail too),")
     print("  beside the schedule's theory with equal costs, (p-1)/(m+p-1) for GPipe and 1F1B. On 2 shared cores")
     print("  the measured figure also holds each message's latency and time waiting for a core (the theory")
     print("  counts neither: `fourfold schedule --comm X` adds it). activations: the most bytes saved for")

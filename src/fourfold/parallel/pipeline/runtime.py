@@ -69,8 +69,8 @@ class StepResult:
     """One step, measured. ``*_by_rank``: every rank of the pipeline group (gathered at the step's end)."""
 
     loss: float                     # mean loss over the batch (computed on the last stage; every rank has it)
-    bubble: float                   # this rank: time blocked on receives and sends / step time
-    busy: float                     # this rank: time in F, B, W / step time
+    bubble: float                   # this rank: 1 - its F, B, W time / the slowest rank's step (idle, tail too)
+    busy: float                     # this rank: time in F, B, W / its own step time
     step_s: float
     wait_s: float
     compute_s: float
@@ -81,6 +81,7 @@ class StepResult:
     bubble_by_rank: tuple[float, ...] = ()
     peak_activation_bytes_by_rank: tuple[int, ...] = ()
     peak_in_flight_by_rank: tuple[int, ...] = ()
+    wait_by_rank: tuple[float, ...] = ()  # time blocked on receives and sends / the rank's own step
 
 
 @dataclass
@@ -397,19 +398,26 @@ class Pipeline:
         s = self._s
         step_ns = max(end - start, 1)
         mine = torch.tensor([s.loss.item() if s.loss is not None else 0.0, self.links.wait_ns / step_ns, s.peak_bytes,
-                             s.peak_in_flight], dtype=torch.float64, device=self.device)
+                             s.peak_in_flight, s.compute_ns, step_ns], dtype=torch.float64, device=self.device)
         everyone = [torch.empty_like(mine) for _ in self.ranks]
         work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
         bounded_wait(work, self.timeout_s, rank=self.rank, op="step end", awaited="gather the step's loss and "
                      "figures with the pipeline group of", group_ranks=self.ranks)
         rows = [t.tolist() for t in everyone]
         last = self.schedule.owner(self.schedule.stages - 1)
+        # The bubble as the schedule's simulation defines it: the share of the step a rank is not computing, the
+        # step being the slowest rank's (the ranks start together: the last step ended in this gather). A rank's
+        # wait in receives alone leaves out its idle tail, which a model-parallel rank spends waiting for the
+        # others to finish (in the tied weights' sum, or here).
+        window = max(r[5] for r in rows)
+        bubbles = tuple(max(0.0, 1.0 - r[4] / window) for r in rows)
         return StepResult(
-            loss=rows[last][0], bubble=self.links.wait_ns / step_ns, busy=s.compute_ns / step_ns, step_s=step_ns / 1e9,
-            wait_s=self.links.wait_ns / 1e9, compute_s=s.compute_ns / 1e9, peak_activation_bytes=s.peak_bytes,
-            peak_in_flight=s.peak_in_flight, sent_bytes=self.links.sent_bytes, messages=self.links.messages,
-            bubble_by_rank=tuple(r[1] for r in rows), peak_activation_bytes_by_rank=tuple(int(r[2]) for r in rows),
-            peak_in_flight_by_rank=tuple(int(r[3]) for r in rows))
+            loss=rows[last][0], bubble=bubbles[self.pp_rank],
+            busy=s.compute_ns / step_ns, step_s=step_ns / 1e9, wait_s=self.links.wait_ns / 1e9,
+            compute_s=s.compute_ns / 1e9, peak_activation_bytes=s.peak_bytes, peak_in_flight=s.peak_in_flight,
+            sent_bytes=self.links.sent_bytes, messages=self.links.messages, bubble_by_rank=bubbles,
+            peak_activation_bytes_by_rank=tuple(int(r[2]) for r in rows),
+            peak_in_flight_by_rank=tuple(int(r[3]) for r in rows), wait_by_rank=tuple(r[1] for r in rows))
 
 
 def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None
