@@ -321,9 +321,12 @@ REFUSALS = {
     "column_parts": "out_features must be divisible by tp*3, got {parts3} and {p}",
     "row": "in_features must be divisible by tp, got {odd} and {p}",
     "vocab": "vocab_size must be divisible by tp, got 255 and {p}. Pad the vocabulary to 256",
-    "n_head": "n_head must be divisible by tp, got 3 and {p}",
-    "vocab_size": "vocab_size must be divisible by tp, got 255 and {p}. Pad the vocabulary to 256",
-    "seq_len": "seq_len must be divisible by tp, got {seq} and {p}",
+    "n_head": "n_head must be divisible by tp, got n_head=3 and tp={p}. Pass --tp 1 (no tensor parallelism), or "
+              "--n-head {heads}",  # whole heads that still divide d_model 24 (and the vocabulary, by tp)
+    "vocab_size": "vocab_size must be divisible by tp, got vocab_size=255 and tp={p}. Pass --tp 1 (no tensor "
+                  "parallelism), or --vocab-size 256",
+    "seq_len": "seq_len must be divisible by tp, got seq_len={seq} and tp={p}. Pass --tp 1 (no tensor "
+               "parallelism), or --seq-len {seq_up}",
     "T": "sequence length must be divisible by tp with sequence parallelism, got T={seq} and tp={p}",
     "targets": "targets must be token ids in [0, {vocab})",
     "plan_name": "plan names a module the model does not have, got 'fc9'",
@@ -341,7 +344,8 @@ REFUSALS = {
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_bad_sizes_refused_by_name(tp, case):
-    want = REFUSALS[case].format(p=tp, odd=2 * tp + 1, parts3=3 * (tp + 1), seq=2 * tp - 1, vocab=3 * tp)
+    want = REFUSALS[case].format(p=tp, odd=2 * tp + 1, parts3=3 * (tp + 1), seq=2 * tp - 1, vocab=3 * tp,
+                                 heads={2: 4, 4: 4}[tp], seq_up=2 * tp)
     got = _layer_results(tp)["refusals"][case]
     assert want in got, f"tp={tp} {case}: want a message containing {want!r}, got {got!r}"
 

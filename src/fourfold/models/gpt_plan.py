@@ -7,6 +7,8 @@ vocabulary-parallel loss, and Megatron-style sequence parallelism.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -183,9 +185,32 @@ def check_tinygpt_tp(config: GPTConfig, tp: int, *, sequence_parallel: bool = Fa
         sizes["seq_len"] = config.seq_len
     for what, n in sizes.items():
         if n % tp:
-            fix = "Pad the vocabulary to" if what == "vocab_size" else f"Use {what} ="
-            raise ValueError(f"{what} must be divisible by tp, got {n} and {tp}. {fix} {-(-n // tp) * tp} or a "
-                             f"tp that divides {n}")
+            tps = [t for t in range(2, tp + 1) if all(m % t == 0 for m in sizes.values())]
+            other = f"--tp {' or --tp '.join(map(str, tps))}" if tps else "--tp 1 (no tensor parallelism)"
+            raise ValueError(f"{what} must be divisible by tp, got {what}={n} and tp={tp}. Pass {other}, or "
+                             f"{_shape_fix(config, tp, sequence_parallel)}.")
+
+
+def _shape_fix(config: GPTConfig, tp: int, sequence_parallel: bool) -> str:
+    """The flags that make every size ``tp`` splits divisible by it while the model's own rule still holds
+    (d_model a multiple of n_head): the nearest larger shape."""
+    def up(n: int, k: int) -> int:
+        return -(-n // k) * k
+
+    c = config
+    if c.n_head % tp:  # whole heads per rank, d_model still split into them
+        heads = next((h for h in range(up(c.n_head, tp), c.d_model + 1, tp) if c.d_model % h == 0), None)
+        c = replace(c, n_head=heads) if heads else replace(c, n_head=up(c.n_head, tp), d_model=up(
+            c.d_model, up(c.n_head, tp)))
+    if 4 * c.d_model % tp:  # the MLP's 4C columns, and C still a multiple of n_head
+        step = tp // math.gcd(4, tp)
+        c = replace(c, d_model=up(c.d_model, step * c.n_head // math.gcd(step, c.n_head)))
+    if c.vocab_size % tp:
+        c = replace(c, vocab_size=up(c.vocab_size, tp))  # padded: ids past the data's are never targets
+    if sequence_parallel and c.seq_len % tp:
+        c = replace(c, seq_len=up(c.seq_len, tp))
+    return " ".join(f"--{f.replace('_', '-')} {getattr(c, f)}" for f in ("n_head", "d_model", "vocab_size", "seq_len")
+                    if getattr(c, f) != getattr(config, f))
 
 
 def collective_theory(sequence_parallel: bool) -> dict[str, dict[tuple[str, str], int]]:
