@@ -82,6 +82,10 @@ def test_every_section_round_trips_through_a_dict():
     ("[train]\nout = 5", "out must be text, got 5 (int) in"),
     ("[train]\nlr = inf", "lr must be a finite number, got inf in"),
     ('[train]\nout = ""', "out must name a directory, got an empty string"),
+    ("steps = 3\n[train]\nlr = 1e-3", "steps = 3 in {f} is outside any table; every key sits under [model], [train] "
+     "or [launch]. Put it under [train]."),
+    ("[train\nsteps = 3", "config {f} is not valid TOML: Expected ']' at the end of a table declaration"),
+    ("[train]\nsteps = -1", "--config {f} (or a flag): steps must be >= 1, got steps=-1."),
 ])
 def test_toml_values_are_checked_like_flags(tmp_path, capsys, toml, message):
     f = tmp_path / "run.toml"
@@ -89,7 +93,14 @@ def test_toml_values_are_checked_like_flags(tmp_path, capsys, toml, message):
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", str(f)])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message.format(f=f) in err, err
+
+
+def test_a_missing_config_file_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(tmp_path / "nope.toml")])
+    assert f"config {tmp_path / 'nope.toml'} cannot be read: No such file or directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [

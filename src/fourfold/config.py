@@ -338,18 +338,34 @@ def _nearest(name: str, valid: typing.Iterable[str]) -> str:
 
 def load(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a TOML file into ``{section: {key: value}}``, refusing unknown sections and keys."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"config {path} cannot be read: {e.strerror or e}. Pass --config with a TOML file's "
+                         "path.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path} is not valid TOML: {e}.") from None
     for section, values in data.items():
+        if not isinstance(values, dict):  # a key above every table
+            home = _KEYS.get(section)
+            hint = f" Put it under {home.split()[0]}." if home else _nearest(section, _KEYS)
+            raise ValueError(f"{section} = {values!r} in {path} is outside any table; every key sits under [model], "
+                             f"[train] or [launch].{hint}")
         if section not in SECTIONS:
             raise ValueError(f"unknown section [{section}] in {path}.{_nearest(section, SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ValueError(f"[{section}] in {path} must be a table, got {values!r}.")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key in values:
             if key not in known:
                 raise ValueError(f"unknown key {key!r} in [{section}] of {path}.{_nearest(key, known)}")
     return data
+
+
+def _keys() -> dict[str, str]:
+    return {f.name: f"[{section}] {f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+_KEYS = _keys()  # every key, for a key placed outside its table
 
 
 def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:
@@ -410,9 +426,13 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
             table[key] = check_value(f"{key}", value, hints[key], file)
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
+        return Config(**parts)
     except TypeError as e:  # a wrongly typed value in the file
         raise ValueError(f"bad value in {file or 'flags'}: {e}") from None
-    return Config(**parts)
+    except ValueError as e:  # a value out of range: say where the values came from
+        if file is None:
+            raise
+        raise ValueError(f"--config {file} (or a flag): {e}") from None
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:
