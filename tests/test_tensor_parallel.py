@@ -567,3 +567,20 @@ def test_check_tinygpt_tp_before_any_process(config, tp, sp, want):
         return
     with pytest.raises(ValueError, match=re.escape(want)):
         check_tinygpt_tp(config, tp, sequence_parallel=sp)
+
+
+@pytest.mark.parametrize("shape,tp", [({"d_model": 32, "n_head": 4}, 3), ({"d_model": 32, "n_head": 2}, 3),
+                                      ({"d_model": 30, "n_head": 3, "vocab_size": 257}, 2),
+                                      ({"d_model": 128, "n_head": 4, "seq_len": 63}, 2),
+                                      ({"d_model": 32, "n_head": 4}, 8)])
+def test_a_refused_shapes_suggested_flags_pass_every_check(shape, tp):
+    from dataclasses import replace
+
+    from fourfold.models.gpt_plan import check_tinygpt_tp
+
+    config = GPTConfig(**shape)
+    with pytest.raises(ValueError) as e:
+        check_tinygpt_tp(config, tp, sequence_parallel=True)
+    words = str(e.value).rsplit(", or ", 1)[1].rstrip(".").split()  # "--n-head 6 --d-model 36 ..."
+    fixed = replace(config, **{f[2:].replace("-", "_"): int(v) for f, v in zip(words[::2], words[1::2], strict=True)})
+    check_tinygpt_tp(fixed, tp, sequence_parallel=True)  # GPTConfig's own rule (d_model % n_head) held too
