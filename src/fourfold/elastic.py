@@ -192,7 +192,8 @@ def _last_line(error: ChildFailedError, verdict: Path) -> str:
     except (OSError, ValueError):
         found = None
     if found and any(f.pid == found.get("pid") for f in error.failures.values()):
-        return f"hang: {found['summary']}; its output above has the stack and the ledger."
+        return (f"hang: {found['summary']}; the doctor's line above has each rank's last operation (and its stack "
+                "where it was computing).")
     rank, failure = error.get_first_failure()
     if failure.exitcode < 0:
         return (f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()}); the others were "
