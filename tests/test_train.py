@@ -84,6 +84,16 @@ def test_an_overwrite_run_keeps_the_earlier_run_aside_until_it_finishes(tmp_path
     assert not list(out.glob(".replaced-*")) and (out / "model.pt").exists()
 
 
+def test_overwrite_never_takes_files_of_yours_that_share_an_outputs_name(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "run.json").write_text('{"my": "notes"}')
+    (out / "model.pt").write_bytes(b"my weights")
+    assert train_mod.main(["--steps", "1", "--out", str(out), "--overwrite", "--no-trace", *SMALL]) == 2
+    assert "but no run.json a fourfold run wrote, so they may be files of yours" in capsys.readouterr().err
+    assert (out / "model.pt").read_bytes() == b"my weights" and not list(out.glob(".replaced-*"))
+
+
 def test_an_out_under_a_file_is_refused_before_start(tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
     assert train_mod.main(["--out", str(tmp_path / "file" / "run"), "--steps", "1", *SMALL]) == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "median_step",
-           "move_aside", "open_metrics", "run_lock", "write_text_atomic"]
+           "move_aside", "open_metrics", "run_lock", "write_text_atomic", "written_by_a_run"]
 
 LOCK_NAME = ".fourfold.lock"
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
@@ -32,6 +32,16 @@ def earlier_outputs(out: Path) -> list[Path]:
     """The files and directories of an earlier run in ``out``."""
     return sorted(p for p in out.glob("*") if p.name in OUTPUTS or p.name.startswith("trace-rank")
                   or p.name in ("checkpoints", "timeline.png", "tokenizer.json"))
+
+
+def written_by_a_run(out: Path) -> bool:
+    """Whether ``out``'s run.json is one a fourfold run wrote (its config and mesh), so the files named like a
+    run's outputs beside it are that run's, not a user's own."""
+    try:
+        found = json.loads((out / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and {"config", "mesh", "world_size"} <= set(found)
 
 
 @contextmanager

@@ -65,6 +65,7 @@ from fourfold.files import (
     open_metrics,
     run_lock,
     write_text_atomic,
+    written_by_a_run,
 )
 from fourfold.mesh import Mesh
 from fourfold.models.build import (
@@ -172,6 +173,10 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if existing and not t.overwrite and not continuing:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
                          "replace them, --resume to continue it, or another --out.")
+    if existing and t.overwrite and not continuing and not written_by_a_run(out):
+        raise ValueError(f"out holds {', '.join(existing)} in {out} but no run.json a fourfold run wrote, so they may "
+                         "be files of yours: --overwrite replaces only an earlier run's outputs. Pass another --out, "
+                         "or move them away.")
     return mesh
 
 
