@@ -119,7 +119,8 @@ class TrainResult:
                 "dp not counted (--allreduce native)"
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
-        return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {len(self.losses)} steps on "
+        steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
+        return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}, {speed}, {ms:.1f} ms/step\n{sent}{self.outputs()}")
 

@@ -261,7 +261,8 @@ def _ranking(argv: list[str]) -> int:
     print(f"fourfold plan: {t.model} ({params / 1e6:,.{1 if params >= 1e7 else 2}f} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
           f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}")
-    print(f"{len(candidates)} layouts considered, {len(fits)} fit. Fastest first:")
+    print(f"{len(candidates)} layout{'s' if len(candidates) != 1 else ''} considered, {len(fits)} fit. Fastest "
+          "first:")
     print(f"  {'#':>3} {'layout':<36} {'step':>10} {'tokens/s':>12} {'bubble':>7} {'dp exposed':>11} "
           f"{'memory/rank':>12}")
     for i, p in enumerate(fits[:ns.top], start=1):
