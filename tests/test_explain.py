@@ -16,13 +16,19 @@ def test_masks_label_names_the_contributing_ranks():
     assert masks_label(0b1111) == "a+b+c+d"
 
 
+def _explain(tmp_path, algorithm: str, world: int) -> str:
+    """``fourfold explain ALGORITHM --world G`` in its own process: its text, once its picture is drawn."""
+    png = tmp_path / f"{algorithm}.png"
+    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", algorithm, "--world", str(world), "--out",
+                          str(png)], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert png.stat().st_size > 10_000
+    return out.stdout
+
+
 @pytest.mark.timeout(120)
 def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
-    png = tmp_path / "ring.png"
-    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", "ring", "--world", "3", "--out", str(png)],
-                         capture_output=True, text=True, timeout=110, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
+    text = _explain(tmp_path, "ring", 3)
     # G-1 = 2 reduce-scatter steps then 2 all-gather steps, 3 messages each: 12 messages of 1/3 of the tensor
     assert text.count("(reduce-scatter)") == 2 and text.count("(all-gather)") == 2
     assert "12 messages in 4 steps" in text
@@ -30,7 +36,6 @@ def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
     assert "rank 0 -> rank 1: segment 2 = a2" in text
     # after the reduce-scatter each rank owns one complete segment, which it sends first in the all-gather
     assert "rank 0 -> rank 1: segment 0 = a0+b0+c0" in text
-    assert png.stat().st_size > 10_000
 
 
 def test_explain_refuses_native_and_bad_world(capsys):
@@ -47,16 +52,11 @@ def test_explain_refuses_native_and_bad_world(capsys):
 @pytest.mark.timeout(120)
 def test_explain_draws_a_non_power_of_two_world_whose_folded_ranks_sit_out(tmp_path):
     # the module's own example: rank 4 folds into rank 0 and records fewer states than the exchanges drawn
-    png = tmp_path / "tree.png"
-    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", "tree", "--world", "5", "--out", str(png)],
-                         capture_output=True, text=True, timeout=110, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
+    text = _explain(tmp_path, "tree", 5)
     # the exchanges numbered alike on every rank: the fold first, the unfold last, each in its own step
     assert "step 0 (fold):\n  rank 4 -> rank 0: the whole tensor = e\n" in text, text
     assert "step 3 (unfold):\n  rank 0 -> rank 4: the whole tensor = a+b+c+d+e\n" in text, text
     assert "10 messages in 4 steps" in text
-    assert png.stat().st_size > 10_000
 
 
 def test_the_ranks_exchanges_merge_into_one_order():

@@ -555,10 +555,12 @@ def test_collective_theory_totals():
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("config", "tp", "sp", "want"), [
-    (GPTConfig(n_head=6, d_model=96), 4, False, "n_head must be divisible by tp, got 6 and 4. Use n_head = 8"),
-    (GPTConfig(vocab_size=255), 2, False, "vocab_size must be divisible by tp, got 255 and 2. Pad the vocabulary "
-                                          "to 256"),
-    (GPTConfig(seq_len=30), 4, True, "seq_len must be divisible by tp, got 30 and 4. Use seq_len = 32"),
+    (GPTConfig(n_head=6, d_model=96), 4, False, "n_head must be divisible by tp, got n_head=6 and tp=4. Pass --tp 2, "
+                                                "or --n-head 8."),
+    (GPTConfig(vocab_size=255), 2, False, "vocab_size must be divisible by tp, got vocab_size=255 and tp=2. Pass --tp "
+                                          "1 (no tensor parallelism), or --vocab-size 256."),
+    (GPTConfig(seq_len=30), 4, True, "seq_len must be divisible by tp, got seq_len=30 and tp=4. Pass --tp 2, or "
+                                     "--seq-len 32."),
     (GPTConfig(seq_len=30), 4, False, None),
 ])
 def test_check_tinygpt_tp_before_any_process(config, tp, sp, want):
