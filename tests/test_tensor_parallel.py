@@ -586,3 +586,12 @@ def test_a_refused_shapes_suggested_flags_pass_every_check(shape, tp):
     words = str(e.value).rsplit(", or ", 1)[1].rstrip(".").split()  # "--n-head 6 --d-model 36 ..."
     fixed = replace(config, **{f[2:].replace("-", "_"): int(v) for f, v in zip(words[::2], words[1::2], strict=True)})
     check_tinygpt_tp(fixed, tp, sequence_parallel=True)  # GPTConfig's own rule (d_model % n_head) held too
+
+
+def test_a_refused_tp_suggests_only_tp_sizes_the_launch_can_make():
+    from fourfold.models.gpt_plan import check_tinygpt_tp
+
+    with pytest.raises(ValueError, match=r"tp=3\. Pass --tp 2, or"):  # --nproc 6: groups of 2 fit
+        check_tinygpt_tp(GPTConfig(d_model=32, n_head=4), 3, within=6)
+    with pytest.raises(ValueError, match=r"tp=3\. Pass --tp 1 \(no tensor parallelism\), or"):  # --nproc 3
+        check_tinygpt_tp(GPTConfig(d_model=32, n_head=4), 3, within=3)

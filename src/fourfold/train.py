@@ -147,7 +147,7 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
                          "--sequence-parallel.")
     if t.model == "tinygpt":
-        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel)
+        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
     elif t.sequence_parallel:
         raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
                          f"got model={t.model!r}. Drop --sequence-parallel.")

@@ -174,18 +174,20 @@ def parallelize_tinygpt(model: TinyGPT, group: Group, *, sequence_parallel: bool
     return TensorParallelGPT(model, group, sequence_parallel=sequence_parallel, tracer=tracer)
 
 
-def check_tinygpt_tp(config: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+def check_tinygpt_tp(config: GPTConfig, tp: int, *, sequence_parallel: bool = False, within: int | None = None) -> None:
     """Refuse a TinyGPT shape that ``tp`` ranks cannot split (ValueError naming the values and the fix).
 
     Pure: call it before any process starts. Heads, the MLP's 4C columns and the vocabulary are split p ways;
-    with sequence parallelism the context length too.
+    with sequence parallelism the context length too. ``within``: the ranks a tp group is cut from (world / pp),
+    so the other tp sizes suggested are ones the launch can make.
     """
     sizes = {"n_head": config.n_head, "4*d_model": 4 * config.d_model, "vocab_size": config.vocab_size}
     if sequence_parallel:
         sizes["seq_len"] = config.seq_len
     for what, n in sizes.items():
         if n % tp:
-            tps = [t for t in range(2, tp + 1) if all(m % t == 0 for m in sizes.values())]
+            tps = [t for t in range(2, tp + 1) if all(m % t == 0 for m in sizes.values())
+                   and (within is None or within % t == 0)]
             other = f"--tp {' or --tp '.join(map(str, tps))}" if tps else "--tp 1 (no tensor parallelism)"
             raise ValueError(f"{what} must be divisible by tp, got {what}={n} and tp={tp}. Pass {other}, or "
                              f"{_shape_fix(config, tp, sequence_parallel)}.")
