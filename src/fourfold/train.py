@@ -420,27 +420,26 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
               file=sys.stderr, flush=True)
 
 
-UNUSED_WITHOUT = {  # an axis of size 1 (or a strategy) leaves these flags nothing to do
-    "pipeline": ("schedule", "microbatches", "virtual", "strategy"),
-    "data": ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_rank", "powersgd_warmup", "zero",
-             "sync_batchnorm"),
-}
+PIPELINE_FLAGS = ("schedule", "microbatches", "virtual")
+"""What a schedule reads: nothing to do without a pipeline (pp=1) or under strategy model (one micro-batch)."""
+DATA_FLAGS = ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_rank", "powersgd_warmup", "zero",
+              "sync_batchnorm")
+"""What the gradient sync reads: nothing to do without data parallelism (dp=1)."""
 
 
 def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
-    """The flags set away from their defaults that this layout does not read (pp=1: the schedule's; dp=1: the
-    gradient sync's; strategy model: micro-batches; a schedule other than interleaved: --virtual)."""
+    """The flags set away from their defaults that this layout does not read (pp=1 or strategy model: the
+    schedule's; dp=1: the gradient sync's; a schedule other than interleaved: --virtual; a compression other than
+    PowerSGD: its rank and warm-up)."""
     t = cfg.train
     defaults = {f.name: f.default for f in dataclasses.fields(t)}
-    unused = []
-    if mesh.pp == 1:
-        unused += [n for n in UNUSED_WITHOUT["pipeline"] if n != "strategy"]  # strategy model is refused at pp=1
-    elif t.strategy == "model":
-        unused += ["schedule", "microbatches", "virtual"]  # one micro-batch, layer by layer
+    unused: list[str] = []
+    if mesh.pp == 1 or t.strategy == "model":  # strategy model at pp=1 is refused by preflight
+        unused += PIPELINE_FLAGS
     elif t.schedule != "interleaved":
         unused.append("virtual")
     if mesh.dp == 1:
-        unused += UNUSED_WITHOUT["data"]
+        unused += DATA_FLAGS
     elif t.compress != "powersgd":
         unused += ["powersgd_rank", "powersgd_warmup"]
     return [f"--{n.replace('_', '-')} {getattr(t, n)}" for n in unused if getattr(t, n) != defaults[n]]
@@ -450,9 +449,10 @@ def _unused_note(cfg: Config, mesh: Mesh) -> None:
     """Say, before launch, which flags this layout ignores (so a sweep's shared flags still run)."""
     unused = unused_flags(cfg, mesh)
     if unused:
-        print(f"fourfold train: note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
-              f"{' (strategy model: one micro-batch)' if mesh.pp > 1 and cfg.train.strategy == 'model' else ''}; "
-              "run.json records them as given.", file=sys.stderr, flush=True)
+        model = " (strategy model: one micro-batch)" if mesh.pp > 1 and cfg.train.strategy == "model" else ""
+        print(f"fourfold train: note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
+              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}{model}; run.json records them as given.", file=sys.stderr,
+              flush=True)
 
 
 def _interrupted_note(cfg: Config) -> str:
