@@ -154,6 +154,7 @@ def test_a_compressed_run_resumes_exactly_its_errors_fed_back_restored(tmp_path,
 def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_afresh(tmp_path, capsys):
     from fourfold.config import parse_args
     from fourfold.mesh import Mesh
+    from fourfold.preflight import _resume_note
 
     part = tmp_path / "part"
     assert train_mod.main([*SMALL, "--steps", "1", "--out", str(part)]) == 0  # a checkpoint of 1 rank
@@ -161,9 +162,9 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
     for flags, said in [(["--compress", "int8"], True), (["--compress", "powersgd"], True),
                         (["--compress", "bf16"], False)]:  # stateless
         cfg = parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--resume", str(part), *flags])
-        train_mod._resume_note(cfg, Mesh.for_world(2, dp=2), 2)
+        _resume_note(cfg, Mesh.for_world(2, dp=2), 2)
         err = capsys.readouterr().err
         assert ("restored only under the checkpoint's layout (1 ranks" in err) == said, (flags, err)
-    train_mod._resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--compress", "int8"]),
-                           Mesh.for_world(2, dp=2), 2)
+    _resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--compress", "int8"]),
+                 Mesh.for_world(2, dp=2), 2)
     assert capsys.readouterr().err == ""  # nothing resumed

@@ -359,9 +359,10 @@ def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
 def test_flags_the_layout_does_not_read_are_named_before_launch():
     from fourfold.config import parse_args
     from fourfold.mesh import Mesh
+    from fourfold.preflight import unused_flags
 
     def unused(*flags: str, **mesh: int) -> list[str]:
-        return train_mod.unused_flags(parse_args(list(flags)), Mesh(**mesh))
+        return unused_flags(parse_args(list(flags)), Mesh(**mesh))
 
     assert unused("--schedule", "interleaved", "--zero", "1", "--allreduce", "ring") == [
         "--schedule interleaved", "--allreduce ring", "--zero 1"]  # one process: no pipeline, no data parallelism

@@ -1,0 +1,167 @@
+"""What ``fourfold train`` checks and says before any process starts: bad input fails here, in one paragraph,
+never as a traceback on every rank.
+
+    mesh = preflight(cfg, world_size)        # every check that needs no process group (the ranks run it too)
+    before_launch_notes(cfg, mesh, world_size)   # the memory estimate (refuses what would not fit), notes
+
+:func:`preflight` runs in the launcher and again in every rank (``scan_data=False``), so every rank fails alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
+from fourfold.config import Config
+from fourfold.data import is_token_file, token_range, vocab_of
+from fourfold.files import check_writable, earlier_outputs, written_by_a_run
+from fourfold.mesh import Mesh
+from fourfold.models.build import ModelInfo, check_model, check_vocab
+from fourfold.models.gpt_plan import check_tinygpt_tp
+from fourfold.parallel.schedule import pipeline_schedule
+
+__all__ = ["DATA_FLAGS", "PIPELINE_FLAGS", "before_launch_notes", "check_data_vocab", "preflight", "unused_flags"]
+
+
+def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
+    """Every check that needs no process group, so bad input fails before any process starts. ``scan_data``:
+    read a token file once through for its largest id (the launcher does; its ranks need not)."""
+    t = cfg.train
+    mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
+    stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
+    if mesh.pp == 1 and t.strategy == "model":
+        raise ValueError("strategy 'model' places layers on pipeline ranks, got pp=1. Pass --pp 2 (or more).")
+    if t.sequence_parallel and mesh.tp == 1:
+        raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
+                         "--sequence-parallel.")
+    if t.model == "tinygpt":
+        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
+    elif t.sequence_parallel:
+        raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
+                         f"got model={t.model!r}. Drop --sequence-parallel.")
+    info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
+    if t.pack != "none" and t.data is not None and is_token_file(t.data):
+        raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
+                         "JSON Lines (one document per record), a folder (one per file), or --pack none.")
+    if t.pack == "none" and t.batch_size % mesh.dp:
+        raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
+                         f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
+    if t.data is not None and not (Path(t.data).is_file() or Path(t.data).is_dir()):
+        raise ValueError(f"data must be a readable file or folder, got {t.data!r}. Leave --data out to use the "
+                         "built-in corpus.")
+    out = Path(t.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
+    check_writable(out)
+    check_data_vocab(cfg, info, scan=scan_data)
+    resume = resume_from(cfg)
+    if resume is not None:
+        check_resume(cfg, resume)
+    existing = [p.name for p in earlier_outputs(out)]
+    continuing = restart_count() > 0 or (resume is not None and continues_run(cfg, resume))  # its own files
+    if existing and not t.overwrite and not continuing:
+        raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
+                         "replace them, --resume to continue it, or another --out.")
+    if existing and t.overwrite and not continuing and not written_by_a_run(out):
+        raise ValueError(f"out holds {', '.join(existing)} in {out} but no run.json a fourfold run wrote, so they may "
+                         "be files of yours: --overwrite replaces only an earlier run's outputs. Pass another --out, "
+                         "or move them away.")
+    return mesh
+
+
+def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
+    """The model's vocabulary must cover the data's ids: the tokenizer's, or (``scan``) the largest in a token
+    file, found in one pass over it. The loader checks every batch's ids again as it reads them."""
+    t = cfg.train
+    if t.data is None or not is_token_file(t.data):
+        check_vocab(info, vocab_of(t.tokenizer))
+    elif scan:
+        low, high = token_range(t.data, t.data_dtype)
+        if low < 0:
+            raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
+                             "written with")
+        check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+
+
+def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
+    """The schedule's stages (the model's blocks are checked against them by check_model)."""
+    t = cfg.train
+    # refuses combinations it cannot run, naming both numbers
+    schedule = pipeline_schedule(t.strategy, t.schedule, mesh.pp, t.microbatches, t.virtual)
+    m = schedule.microbatches
+    shard = t.batch_size // mesh.dp
+    if shard % m and t.pack == "none":  # packed rows are padded to a multiple of the micro-batches
+        raise ValueError(f"each data-parallel shard must divide into micro-batches, got {shard} sequences per "
+                         f"shard and microbatches={m}. Pass --microbatches {_divisor_near(shard, m)} or change "
+                         "--batch-size.")
+    return schedule.stages
+
+
+def _divisor_near(n: int, m: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - m), -d))  # ties: more
+
+
+def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
+    """The launcher's lines after :func:`preflight`: the memory estimate (a layout that would not fit is refused,
+    ValueError), then what a resumed or ignored setting means for this run."""
+    _memory_line(cfg, world_size)
+    _resume_note(cfg, mesh, world_size)
+    _unused_note(cfg, mesh)
+
+
+def _memory_line(cfg: Config, world_size: int) -> None:
+    """Before launch: each rank's memory, estimated; a layout that would not fit is refused (ValueError)."""
+    if cfg.train.memory_check:
+        from fourfold.cli.plan import check_memory
+
+        print(f"fourfold train: {check_memory(cfg, world_size)}", flush=True)
+
+
+def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
+    """Say so when a resumed run cannot continue exactly: int8's and PowerSGD's state (errors fed back, factors)
+    is each rank's own, restored only under the checkpoint's layout."""
+    t = cfg.train
+    resume = resume_from(cfg)
+    if mesh.dp > 1 and t.compress in ("int8", "powersgd") and resume is not None and (
+            resume["world_size"] != world_size or resume["mesh"] != {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
+        print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its errors fed back), "
+              f"restored only under the checkpoint's layout ({resume['world_size']} ranks, {resume['mesh']}): "
+              "this run starts it afresh, so its losses follow an uninterrupted run's closely, not exactly.",
+              file=sys.stderr, flush=True)
+
+
+PIPELINE_FLAGS = ("schedule", "microbatches", "virtual")
+"""What a schedule reads: nothing to do without a pipeline (pp=1) or under strategy model (one micro-batch)."""
+DATA_FLAGS = ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_rank", "powersgd_warmup", "zero",
+              "sync_batchnorm")
+"""What the gradient sync reads: nothing to do without data parallelism (dp=1)."""
+
+
+def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
+    """The flags set away from their defaults that this layout does not read (pp=1 or strategy model: the
+    schedule's; dp=1: the gradient sync's; a schedule other than interleaved: --virtual; a compression other than
+    PowerSGD: its rank and warm-up)."""
+    t = cfg.train
+    defaults = {f.name: f.default for f in dataclasses.fields(t)}
+    unused: list[str] = []
+    if mesh.pp == 1 or t.strategy == "model":  # strategy model at pp=1 is refused by preflight
+        unused += PIPELINE_FLAGS
+    elif t.schedule != "interleaved":
+        unused.append("virtual")
+    if mesh.dp == 1:
+        unused += DATA_FLAGS
+    elif t.compress != "powersgd":
+        unused += ["powersgd_rank", "powersgd_warmup"]
+    return [f"--{n.replace('_', '-')} {getattr(t, n)}" for n in unused if getattr(t, n) != defaults[n]]
+
+
+def _unused_note(cfg: Config, mesh: Mesh) -> None:
+    """Say, before launch, which flags this layout ignores (so a sweep's shared flags still run)."""
+    unused = unused_flags(cfg, mesh)
+    if unused:
+        model = " (strategy model: one micro-batch)" if mesh.pp > 1 and cfg.train.strategy == "model" else ""
+        print(f"fourfold train: note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
+              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}{model}; run.json records them as given.", file=sys.stderr,
+              flush=True)
