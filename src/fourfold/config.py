@@ -348,8 +348,8 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"config {path} is not valid TOML: {e}.") from None
     for section, values in data.items():
         if not isinstance(values, dict):  # a key above every table
-            home = _KEYS.get(section)
-            hint = f" Put it under {home.split()[0]}." if home else _nearest(section, _KEYS)
+            home = _SECTION_OF.get(section)
+            hint = f" Put it under [{home}]." if home else _nearest(section, _SECTION_OF)
             raise ValueError(f"{section} = {values!r} in {path} is outside any table; every key sits under [model], "
                              f"[train] or [launch].{hint}")
         if section not in SECTIONS:
@@ -361,11 +361,8 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
     return data
 
 
-def _keys() -> dict[str, str]:
-    return {f.name: f"[{section}] {f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-
-
-_KEYS = _keys()  # every key, for a key placed outside its table
+_SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+"""Every key's table, for a key placed outside it."""
 
 
 def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:

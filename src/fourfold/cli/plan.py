@@ -258,7 +258,8 @@ def _ranking(argv: list[str]) -> int:
     ranked = rank_layouts(profile, candidates, links, t.batch_size, available)
     fits = [p for p, ok in ranked if ok]
     params = sum(p.numel() for p in model.parameters())
-    print(f"fourfold plan: {t.model} ({params / 1e6:,.{1 if params >= 1e7 else 2}f} M parameters), batch {t.batch_size} x {seq}, on {world} "
+    millions = f"{params / 1e6:,.{1 if params >= 1e7 else 2}f}"  # 0.03 M, not 0.0 M
+    print(f"fourfold plan: {t.model} ({millions} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
           f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}")
     print(f"{len(candidates)} layout{'s' if len(candidates) != 1 else ''} considered, {len(fits)} fit. Fastest "
