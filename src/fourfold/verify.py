@@ -32,6 +32,7 @@ divided twice). Adam's update does not depend on the gradient's scale, except th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ import torch
 if TYPE_CHECKING:
     from fourfold.config import Config
 
-__all__ = ["KINDS", "VerifyRow", "compare", "reference_run", "report", "tolerances", "verify"]
+__all__ = ["KINDS", "Tolerance", "VerifyRow", "compare", "reference_run", "report", "tolerances", "verify"]
 
 
 @dataclass(frozen=True)
@@ -64,26 +65,45 @@ class VerifyRow:
         return self.loss_diff <= self.loss_tol and (self.param_diff if self.exact else self.relative) <= self.param_tol
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """How a run of one kind is judged: its loss within ``loss`` * max(1, |loss|) (float64: absolute), its
+    parameters within ``params``: every element (``exact``), else diff/update; inf: shown, not judged."""
+
+    loss: float
+    params: float
+    exact: bool
+    why: str
+
+    def text(self) -> str:
+        if self.exact:
+            return f"{_num(self.loss)} for losses and parameters"
+        params = "parameters shown, not judged" if math.isinf(self.params) else f"diff/update {_num(self.params)}"
+        return f"losses {_num(self.loss)} * max(1, |loss|), {params} ({self.why})"
+
+
+def _num(x: float) -> str:
+    """1e-3, not 0.001; 0.25 as it is."""
+    mantissa, exponent = f"{x:e}".split("e")
+    return f"1e{int(exponent)}" if float(mantissa) == 1 else f"{x:g}"
+
+
 KINDS = {
-    "float64": "1e-10 for losses and parameters",
-    "float32": "losses 1e-5 * max(1, |loss|), diff/update 1e-3 (float32 rounding)",
-    "bf16": "losses 1e-2 * max(1, |loss|), diff/update 0.25 (bf16 mixed precision)",
-    "compressed": "losses 1e-2 * max(1, |loss|); parameters shown, not judged (lossy by design)",
+    "float64": Tolerance(1e-10, 1e-10, True, "exact"),
+    "float32": Tolerance(1e-5, 1e-3, False, "float32 rounding"),
+    "bf16": Tolerance(1e-2, 0.25, False, "bf16 mixed precision"),
+    "compressed": Tolerance(1e-2, math.inf, False, "lossy by design"),
 }
-"""What a run is judged as, and the tolerances :func:`report` states."""
+"""What a run is judged as (see the module docstring for why each)."""
 
 
 def tolerances(kind: str, loss: float) -> tuple[float, float]:
-    """(loss tolerance, parameter tolerance) for a run of ``kind`` (:data:`KINDS`); see the module docstring
-    for why. float64's parameter tolerance bounds every element; the others' bound the difference relative to
-    the update (:attr:`VerifyRow.relative`)."""
+    """(loss tolerance, parameter tolerance) for a run of ``kind`` (:data:`KINDS`) whose reference loss is
+    ``loss``."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}.")
-    if kind == "float64":
-        return 1e-10, 1e-10
-    if kind == "float32":
-        return 1e-5 * max(1.0, abs(loss)), 1e-3
-    return 1e-2 * max(1.0, abs(loss)), 0.25 if kind == "bf16" else float("inf")
+    t = KINDS[kind]
+    return (t.loss if t.exact else t.loss * max(1.0, abs(loss))), t.params
 
 
 def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -135,20 +155,20 @@ def compare(losses: list[float], states: list[dict[str, torch.Tensor]], ref_loss
                 worst, diff = name, d
         relative = (off / moved) ** 0.5 if moved > 0 else (0.0 if off == 0 else float("inf"))
         loss_tol, param_tol = tolerances(kind, ref_loss)
-        rows.append(VerifyRow(i + 1, loss, ref_loss, diff, worst, loss_tol, param_tol, relative, kind == "float64"))
+        rows.append(VerifyRow(i + 1, loss, ref_loss, diff, worst, loss_tol, param_tol, relative, KINDS[kind].exact))
     return rows
 
 
 def report(rows: list[VerifyRow], kind: str, what: str | None = None) -> str:
     """The table the user reads, and the verdict (``what``: the run's numerics, default ``kind``)."""
-    lines = [f"verify: the first {len(rows)} step(s) again on one process ({what or kind}; tolerance {KINDS[kind]})",
+    lines = [f"verify: the first {len(rows)} step(s) again on one process ({what or kind}; tolerance {KINDS[kind].text()})",
              f"  {'step':>4}  {'loss (layout)':>15}  {'loss (1 process)':>16}  {'|loss diff|':>11}  "
              f"{'max |param diff|':>16}  {'diff/update':>11}  at"]
     for r in rows:
         mark = "" if r.ok else "   <-- beyond tolerance"
         lines.append(f"  {r.step:>4}  {r.loss:>15.9f}  {r.reference_loss:>16.9f}  {r.loss_diff:>11.1e}  "
                      f"{r.param_diff:>16.1e}  {r.relative:>11.1e}  {r.worst}{mark}")
-    if kind != "float64":
+    if not KINDS[kind].exact:
         lines.append("  diff/update: |w - w_ref| / |w_ref - w_0| over the whole model: how much of the update "
                      "differs. Elementwise, Adam moves a weight whose gradient is rounding noise by a whole lr.")
     bad = [r.step for r in rows if not r.ok]
