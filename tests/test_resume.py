@@ -36,7 +36,9 @@ def test_resume_continues_in_place_bitwise_and_under_another_layout_exactly(tmp_
     full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
     assert train_mod.main([*SMALL, "--steps", "4", "--out", str(full)]) == 0
     assert train_mod.main([*SMALL, "--steps", "2", "--out", str(part)]) == 0  # checkpoint at the end: step 2
-    assert train_mod.main([*SMALL, "--steps", "4", "--resume", str(part), "--out", str(part)]) == 0
+    # the model's flags and dtype are left out: a resumed run takes the checkpoint's
+    assert train_mod.main(["--batch-size", "8", "--no-progress", "--steps", "4", "--resume", str(part), "--out",
+                           str(part)]) == 0
     assert [r["step"] for r in rows(part)] == [1, 2, 3, 4]  # continued, each step once
     assert losses(part) == losses(full)  # same layout: bitwise
     run = json.loads((part / "run.json").read_text())
@@ -67,6 +69,16 @@ def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys,
     assert _exit_code(argv) == 2
     assert message in capsys.readouterr().err
     assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
+
+
+def test_a_resumed_run_names_the_training_settings_it_changes(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert train_mod.main([*SMALL, "--steps", "2", "--lr", "1e-3", "--seed", "3", "--no-trace", "--resume",
+                           str(run), "--out", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "note: resuming step 1 with seed 3 (was 0), lr 0.001 (was 0.003)" in err, err
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""Run configuration: typed dataclasses, filled from defaults, then a TOML file, then command-line flags.
+"""Run configuration: typed dataclasses, filled from defaults, then a TOML file, then command-line flags (and a
+resumed run's model settings, left out, from its checkpoint).
 
 A TOML file has one table per section::
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fourfold.checkpoint.store import CheckpointError, read_manifest
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.gpt import GPTConfig
 from fourfold.parallel.checkpointing import parse_policy
@@ -153,7 +155,8 @@ class TrainConfig:
     keep: int = field(default=2, metadata=_help("training checkpoints to keep, the newest"))
     resume: str | None = field(default=None, metadata=_help(
         "continue from the newest complete checkpoint of this run directory (or this checkpoint) up to "
-        "--steps, under any layout; into the same --out the run's files are continued"))
+        "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
+        "are the checkpoint's"))
     verify: int = field(default=0, metadata=_help(
         "after the run, re-run its first K steps in one process (rank 0) and print the loss and parameter "
         "differences per step, judged by float64's 1e-10, or float32's 1e-5 of the loss and 1e-3 of the update "
@@ -408,7 +411,8 @@ def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = 
 
 
 def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Config:
-    """Defaults, then ``file``'s values, then the flags present in ``ns``."""
+    """Defaults, then (with ``resume``) the checkpoint's model settings, then ``file``'s values, then the flags
+    present in ``ns``."""
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if file is not None:
         for section, table in load(file).items():
@@ -417,6 +421,8 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         if "." in dest:
             section, key = dest.split(".", 1)
             values[section][key] = value
+    if values["train"].get("resume") is not None:
+        _take_checkpoint_model(values)
     for section, table in values.items():
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in table.items():
@@ -430,6 +436,27 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         if file is None:
             raise
         raise ValueError(f"--config {file} (or a flag): {e}") from None
+
+
+def resumed_keys() -> dict[str, tuple[str, ...]]:
+    """The settings that define a model: a resumed run takes the checkpoint's for those it is not given."""
+    return {"train": ("model", "model_config", "dtype"), "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
+
+
+def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
+    """``--resume``: defaults < the checkpoint's model settings < file < flags. They must equal the checkpoint's
+    anyway, so a resumed run need not repeat them; one given that differs is refused before launch. Given
+    another ``--model``, none is taken (the refusal then lists what differs)."""
+    try:
+        saved = read_manifest(values["train"]["resume"])["config"]
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if values["train"].get("model", saved["train"]["model"]) != saved["train"]["model"]:
+        return
+    for section, keys in resumed_keys().items():
+        for key in keys:
+            if key in saved.get(section, {}):
+                values[section].setdefault(key, saved[section][key])
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:

@@ -13,7 +13,13 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from fourfold.checkpoint.resume import check_resume, continues_run, restart_count, resume_from
+from fourfold.checkpoint.resume import (
+    changed_settings,
+    check_resume,
+    continues_run,
+    restart_count,
+    resume_from,
+)
 from fourfold.config import Config
 from fourfold.data import is_token_file, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, written_by_a_run
@@ -120,10 +126,15 @@ def _memory_line(cfg: Config, world_size: int) -> None:
 
 
 def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
-    """Say so when a resumed run cannot continue exactly: int8's and PowerSGD's state (errors fed back, factors)
-    is each rank's own, restored only under the checkpoint's layout."""
+    """Say so when a resumed run will not continue the checkpoint's run exactly: a training setting given
+    another value, or int8's and PowerSGD's state (errors fed back, factors), each rank's own, restored only
+    under the checkpoint's layout."""
     t = cfg.train
     resume = resume_from(cfg)
+    changed = changed_settings(cfg, resume) if resume is not None else []
+    if resume is not None and changed:
+        print(f"fourfold train: note: resuming step {resume['step']} with {', '.join(changed)}; the run goes on "
+              "with these, so it is not the checkpoint's run continued exactly.", file=sys.stderr, flush=True)
     if mesh.dp > 1 and t.compress in ("int8", "powersgd") and resume is not None and (
             resume["world_size"] != world_size or resume["mesh"] != {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
         print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its errors fed back), "

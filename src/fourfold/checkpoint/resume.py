@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.checkpoint.store import CheckpointError, read_manifest
-from fourfold.config import Config
+from fourfold.config import Config, resumed_keys
 
-__all__ = ["check_resume", "continues_run", "restart_count", "resume_from"]
+__all__ = ["CONTINUED", "changed_settings", "check_resume", "continues_run", "restart_count", "resume_from"]
 
 
 def restart_count() -> int:
@@ -39,16 +39,28 @@ def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
 
 
 def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
-    """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps."""
-    saved = manifest["config"]
-    model, dtype = saved.get("model", {}), saved.get("train", {}).get("dtype")
-    differ = [f"{k}={model.get(k)!r} there, {v!r} here" for k, v in cfg.to_dict()["model"].items()
-              if model.get(k) != v]
-    if dtype != cfg.train.dtype:
-        differ.append(f"dtype={dtype!r} there, {cfg.train.dtype!r} here")
+    """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps.
+    (The model settings not given were taken from the checkpoint: :func:`fourfold.config.from_namespace`.)"""
+    saved, here = manifest["config"], cfg.to_dict()
+    differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
+              for s, keys in resumed_keys().items() for k in keys if saved.get(s, {}).get(k) != here[s][k]]
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
-                         f"{'; '.join(differ)}. Pass the same model flags (they are in its manifest.json).")
+                         f"{'; '.join(differ)}. Leave these flags out (a resumed run takes the checkpoint's), or "
+                         "resume another checkpoint.")
     if manifest["step"] >= cfg.train.steps:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} is at step {manifest['step']}, got "
                          f"steps={cfg.train.steps}. Pass --steps {manifest['step'] + 1} or more.")
+
+
+CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "precision", "data", "tokenizer", "data_dtype", "pack",
+             "tokens_per_step", "truncate_documents")
+"""The training settings whose change makes a resumed run differ from the uninterrupted one (the layout's do
+not: a checkpoint loads exactly under any layout)."""
+
+
+def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
+    """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
+    ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
+    saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
+    return [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if k in saved and saved[k] != here[k]]
