@@ -13,6 +13,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import torch
+
 from fourfold.checkpoint.resume import (
     changed_settings,
     check_resume,
@@ -24,7 +26,7 @@ from fourfold.config import Config
 from fourfold.data import is_token_file, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, written_by_a_run
 from fourfold.mesh import Mesh
-from fourfold.models.build import ModelInfo, check_model, check_vocab
+from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.parallel.schedule import pipeline_schedule
 
@@ -61,6 +63,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
+    if info.vocab_size is None and scan_data:  # a model of your own: its vocabulary is known once it is built
+        info = _vocab_of_yours(cfg, info)
     check_data_vocab(cfg, info, scan=scan_data)
     resume = resume_from(cfg)
     if resume is not None:
@@ -89,6 +93,16 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
             raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
                              "written with")
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+
+
+def _vocab_of_yours(cfg: Config, info: ModelInfo) -> ModelInfo:
+    """``info`` with a model of your own's vocabulary, read from it built on the meta device (shapes, no
+    memory, no weights), so a vocabulary smaller than the data's is refused once, before launch."""
+    try:
+        with torch.device("meta"):
+            return built_info(info, build_model(cfg, "meta"))
+    except Exception:  # a model that cannot be built on meta: each rank checks it as it builds it
+        return info
 
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
