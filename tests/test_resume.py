@@ -180,3 +180,19 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
     _resume_note(parse_args([*SMALL, "--nproc", "2", "--steps", "3", "--compress", "int8"]),
                  Mesh.for_world(2, dp=2), 2)
     assert capsys.readouterr().err == ""  # nothing resumed
+
+
+def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resumed_checkpoint(tmp_path,
+                                                                                             monkeypatch):
+    from fourfold.checkpoint.resume import resume_from
+    from fourfold.config import parse_args
+
+    first, second, fresh = tmp_path / "first", tmp_path / "second", tmp_path / "fresh"
+    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(first)]) == 0
+    assert train_mod.main(["--steps", "3", "--checkpoint-every", "1", "--no-trace", "--no-progress", "--resume",
+                           str(first), "--out", str(second)]) == 0  # checkpoints at steps 2 and 3
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun's agent sets it after a restart
+    restarted = parse_args(["--steps", "5", "--resume", str(first), "--out", str(second)])
+    assert resume_from(restarted)["step"] == 3  # its own newest: steps 2 and 3 are not trained again
+    early = parse_args(["--steps", "5", "--resume", str(first), "--out", str(fresh)])
+    assert resume_from(early)["step"] == 1  # restarted before its first checkpoint: --resume's again

@@ -20,16 +20,20 @@ def restart_count() -> int:
 
 
 def resume_from(cfg: Config) -> dict[str, Any] | None:
-    """The manifest of the checkpoint this run starts from: ``--resume``'s, or after an automatic restart OUT's
-    newest (None when there is none yet: the restarted run starts over). Refuses a missing or damaged one."""
+    """The manifest of the checkpoint this run starts from: after an automatic restart, OUT's newest (the run's
+    own progress), else ``--resume``'s; None when there is neither (a run restarted before its first
+    checkpoint starts over). Refuses a missing or damaged ``--resume``."""
     t = cfg.train
-    if t.resume is None and restart_count() == 0:
+    if restart_count() > 0:
+        try:
+            return read_manifest(t.out)
+        except CheckpointError:
+            pass  # none written yet: --resume's, or from the start
+    if t.resume is None:
         return None
     try:
-        return read_manifest(t.resume if t.resume is not None else t.out)
+        return read_manifest(t.resume)
     except CheckpointError as e:
-        if t.resume is None:
-            return None  # restarted before the first checkpoint was written
         raise ValueError(str(e)) from None
 
 
