@@ -254,3 +254,24 @@ def test_every_model_config_the_docs_pass_is_in_the_repository():
     for name in named:  # from the repository's root, or (after `cd examples`) from examples/
         path = root / name if (root / name).exists() else EXAMPLES / name
         assert isinstance(json.loads(path.read_text()), dict), name
+
+
+def test_a_model_config_run_resumes_from_another_directory_and_its_config_is_compared_by_contents(
+        tmp_path, monkeypatch, capsys):
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "mine.json").write_text(json.dumps(MINE))
+    (elsewhere / "copy.json").write_text(json.dumps(MINE))
+    common = ["--seq-len", "16", "--batch-size", "4", "--no-trace", "--no-progress"]
+    monkeypatch.chdir(started)  # the path as a user types it, relative to where the run started
+    assert train_mod.main(["--model", "my_model:build", "--model-config", "mine.json", *common, "--steps", "1",
+                           "--out", "run"]) == 0
+    monkeypatch.chdir(elsewhere)
+    resume = ["--resume", str(started / "run"), *common, "--steps", "2"]
+    assert train_mod.main([*resume, "--out", "left-out"]) == 0  # the model and its config: the checkpoint's
+    assert train_mod.main([*resume, "--model-config", "copy.json", "--out", "copied"]) == 0  # same keys
+    (started / "mine.json").unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train_mod.main([*resume, "--out", "gone"])
+    assert 'which is gone; its keys are {"width": 16, "layers": 2, "seq_len": 16}' in capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import os
 import sys
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 from fourfold.checkpoint.store import CheckpointError, read_manifest
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
+from fourfold.models.build import read_model_config
 from fourfold.models.gpt import GPTConfig
 from fourfold.parallel.checkpointing import parse_policy
 
@@ -326,6 +328,14 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
 
+    def record(self) -> dict[str, Any]:
+        """What a run writes down (run.json, checkpoints, model.pt): :meth:`to_dict`, and ``--model-config``'s
+        JSON object itself under ``model_config_values``, so a resume compares contents, not paths."""
+        record: dict[str, Any] = self.to_dict()
+        if self.train.model_config is not None:
+            record["model_config_values"] = read_model_config(self.train.model_config)
+        return record
+
 
 TINYGPT_ONLY = ("n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")
 """The [model] fields only TinyGPT reads (seq_len and vocab_size are every model's: the data's)."""
@@ -427,6 +437,8 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in table.items():
             table[key] = check_value(f"{key}", value, hints[key], file)
+    if values["train"].get("model_config") is not None:  # recorded so, a resume from elsewhere finds the file
+        values["train"]["model_config"] = os.path.abspath(values["train"]["model_config"])
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
         return Config(**parts)
@@ -457,6 +469,11 @@ def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
         for key in keys:
             if key in saved.get(section, {}):
                 values[section].setdefault(key, saved[section][key])
+    path, keys = values["train"].get("model_config"), saved.get("model_config_values")
+    if path is not None and path == saved["train"].get("model_config") and not os.path.isfile(path):
+        hint = f"its keys are {json.dumps(keys)}: write them" if keys is not None else "write its keys"
+        raise ValueError(f"resume: the checkpoint's model was built from --model-config {path}, which is gone; "
+                         f"{hint} to a file and pass --model-config FILE.")
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:

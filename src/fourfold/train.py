@@ -172,7 +172,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
     if ctx.is_main:
-        run = {"config": cfg.to_dict(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
+        run = {"config": cfg.record(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": source,
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
                "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
@@ -231,7 +231,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
             if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                checkpoint.save(out / "checkpoints", step, engine, optimizer, config=cfg.to_dict(), keep=t.keep)
+                checkpoint.save(out / "checkpoints", step, engine, optimizer, config=cfg.record(), keep=t.keep)
             bar.update(1)
             shown = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if batch.documents is None else {
                 "real_tok_s": f"{row['real_tokens_per_s']:,.0f}", "pad": f"{row['padding_fraction']:.0%}"}
@@ -314,7 +314,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
     # model.pt is the same checkpoint, under the model's own names, whatever the layout.
     result.state = engine.state_dict()
     if ctx.is_main and cfg.train.save:
-        save_checkpoint(out / "model.pt", result.state, config=cfg.to_dict(), step=cfg.train.steps)
+        save_checkpoint(out / "model.pt", result.state, config=cfg.record(), step=cfg.train.steps)
     barrier("finish the run")
 
 

@@ -45,9 +45,10 @@ def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
 def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps.
     (The model settings not given were taken from the checkpoint: :func:`fourfold.config.from_namespace`.)"""
-    saved, here = manifest["config"], cfg.to_dict()
+    saved, here = manifest["config"], cfg.record()
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
-              for s, keys in resumed_keys().items() for k in keys if saved.get(s, {}).get(k) != here[s][k]]
+              for s, keys in resumed_keys().items() for k in keys if saved.get(s, {}).get(k) != here[s][k]
+              and not (k == "model_config" and _same_contents(saved, here))]
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
                          f"{'; '.join(differ)}. Leave these flags out (a resumed run takes the checkpoint's), or "
@@ -55,6 +56,12 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     if manifest["step"] >= cfg.train.steps:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} is at step {manifest['step']}, got "
                          f"steps={cfg.train.steps}. Pass --steps {manifest['step'] + 1} or more.")
+
+
+def _same_contents(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Two --model-config files (moved, copied, or named another way) that hold the same JSON object."""
+    return saved.get("model_config_values") is not None and saved.get("model_config_values") == here.get(
+        "model_config_values")
 
 
 CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "precision", "data", "tokenizer", "data_dtype", "pack",
