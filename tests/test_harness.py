@@ -144,3 +144,23 @@ def test_bad_input_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="timeout_s must be"):
         run_ranks(_report, 2, 1, scale=1.0, timeout_s=0)
     assert mp.active_children() == []
+
+
+def test_the_readme_example_runs_as_a_script_and_one_without_the_main_guard_is_told_why(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("from fourfold.testing import run_ranks")
+    example = readme[start:readme.index("```", start)]
+    (tmp_path / "guarded.py").write_text(example)
+    lines = example.splitlines()
+    guard = next(i for i, line in enumerate(lines) if line.startswith("if __name__"))
+    unguarded = "\n".join([*lines[:guard], *(line.strip() for line in lines[guard + 1:])])  # the call at top level
+    (tmp_path / "unguarded.py").write_text(unguarded)
+    ok = subprocess.run([sys.executable, "guarded.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "unguarded.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and "call run_ranks under `if __name__ == \"__main__\":`" in bad.stderr, bad.stderr

@@ -266,7 +266,9 @@ def _poll(proc: Any, conn: Connection, tmp: str, rank: int, woke: float) -> tupl
     if code is not None and code < 0:
         how = f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
     stack = _read(_path(tmp, rank, "stack")).decode(errors="replace") or "(faulthandler wrote no Python stack)"
-    return ("err", woke, f"its process {how} without raising a Python exception", stack)
+    hint = ("; if the error above mentions the 'bootstrapping phase', call run_ranks under `if __name__ == "
+            "\"__main__\":` in your script (each rank imports it first)") if code == 1 else ""
+    return ("err", woke, f"its process {how} without raising a Python exception{hint}", stack)
 
 
 def _dump_stacks(procs: list[Any], ranks: list[int], tmp: str) -> dict[int, str]:
