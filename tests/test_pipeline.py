@@ -392,6 +392,7 @@ def test_changed_shape_fails_named_on_both_ranks():
     assert sorted(info.value.ranks) == [0, 1], text
     assert "stage 0's activation for micro-batch 0 is (2, 15) float64, but stage 1 expects (*, 16) float64" \
         in text, text
+    assert "Pass parallelize's example= with the training inputs' shape" in text, text  # the likely cause
     assert "stage 1 expects the activation of micro-batch 0 from stage 0 (rank 0) to be (*, 16) float64, got " \
            "(2, 15) float64" in text, text
 

@@ -167,7 +167,9 @@ class Links:
                        _name(key))
             raise PipelineError(
                 f"rank {self.rank}: {a}: stage {a.stage}'s {what} for micro-batch {i} is {describe(tensor)}, but "
-                f"stage {to_stage} expects {expect}. The stage's output changed shape since the split traced it.")
+                f"stage {to_stage} expects {expect}: the split traced the stages on its example, which fixes every "
+                "dimension but the batch. Pass parallelize's example= with the training inputs' shape (one sequence "
+                "of them: inputs[:1]).")
         held = [header, tensor]
         if moved:  # the receiver may have posted this payload at the last one's shape: one byte fills that receive
             held.append(torch.zeros(1, dtype=torch.uint8, device=tensor.device))
