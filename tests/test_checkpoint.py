@@ -132,15 +132,17 @@ def _one(tmp: Path, cfg: GPTConfig = CFG, step: int = 1, keep: int = 2):
     return save(tmp, step, engine, opt, config={}, keep=keep), engine, opt
 
 
-def test_a_damaged_file_is_refused_naming_it_and_both_checksums(tmp_path):
-    where, engine, opt = _one(tmp_path)
+def test_a_damaged_file_is_refused_naming_it_both_checksums_and_the_checkpoint_before_it(tmp_path):
+    earlier, *_ = _one(tmp_path, step=1)
+    where, engine, opt = _one(tmp_path, step=2)
     victim = where / "rank-00000.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     want = json.loads((where / "manifest.json").read_text())["files"]["rank-00000.pt"]["sha256"]
-    with pytest.raises(CheckpointError, match=r"damaged: .*rank-00000\.pt: sha256 expected " + want + ", got"):
+    with pytest.raises(CheckpointError, match=r"damaged: .*rank-00000\.pt: sha256 expected " + want + ", got") as e:
         load(where, engine, opt)
+    assert str(e.value).endswith(f"Restore the file, or resume from the checkpoint before it: --resume {earlier}")
 
 
 def test_a_checkpoint_without_its_manifest_does_not_exist(tmp_path):

@@ -192,3 +192,34 @@ def test_the_heartbeat_outlives_a_failed_store_call_and_stops_when_the_store_is_
         assert not d._thread.is_alive() and len(calls) == doctor_mod.GIVE_UP
     finally:
         d.stop()
+
+
+class _Broken:
+    """A dist.Work whose wait fails as gloo's does when the peer's process is gone."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+
+    def wait(self, timeout):
+        time.sleep(self.after_s)
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_a_broken_connection_is_a_peer_gone_echo_and_train_prints_it_in_one_line(tmp_path, monkeypatch, capsys):
+    from fourfold import train as train_mod
+
+    with pytest.raises(CommError, match="rank 0: 0F1: send to rank 1 failed after .* a peer's connection broke") as gone:
+        bounded_wait(_Broken(0.0), 5.0, rank=0, op="0F1", awaited="send to", peer=1)
+    assert gone.value.peer_gone
+    with pytest.raises(CommError, match="did not complete within 0.05 s") as late:
+        bounded_wait(_Broken(0.06), 0.05, rank=0, op="0F1", awaited="send to", peer=1)
+    assert not late.value.peer_gone  # a timeout: its traceback says where the rank waited
+
+    def fails(cfg):
+        raise gone.value
+
+    monkeypatch.setattr(train_mod, "train", fails)
+    capsys.readouterr()
+    assert train_mod.main(["--steps", "1", "--no-progress", "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fourfold train: rank 0: 0F1: send to rank 1 failed") and "Traceback" not in err, err

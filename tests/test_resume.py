@@ -81,6 +81,18 @@ def test_a_resumed_run_names_the_training_settings_it_changes(tmp_path, capsys):
     assert "note: resuming step 1 with seed 3 (was 0), lr 0.001 (was 0.003)" in err, err
 
 
+def test_a_damaged_checkpoint_found_in_the_ranks_ends_the_run_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "2", "--checkpoint-every", "1", "--no-trace", "--out", str(run)]) == 0
+    victim = run / "checkpoints" / "step-000002" / "rank-00000.pt"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"x")
+    capsys.readouterr()
+    assert train_mod.main([*SMALL, "--steps", "3", "--no-trace", "--resume", str(run), "--out", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fourfold train: error: damaged: ") and "Traceback" not in err, err
+    assert f"--resume {run / 'checkpoints' / 'step-000001'}" in err, err
+
+
 def _exit_code(argv: list[str]) -> int:
     """main()'s return value, or its SystemExit code (flags argparse refuses)."""
     try:

@@ -38,11 +38,11 @@ import torch
 from tqdm import tqdm
 
 from fourfold import checkpoint, launch
-from fourfold.checkpoint import save_checkpoint
+from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.checkpoint.resume import continues_run, restart_count, resume_from
 from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
-from fourfold.comm.wait import barrier, gather_objects
+from fourfold.comm.wait import CommError, barrier, gather_objects
 from fourfold.config import Config, parse_args, without_section_flags
 from fourfold.data import (
     BatchLoader,
@@ -320,7 +320,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
 
 def _interrupted_note(cfg: Config) -> str:
     """What an interrupted run left to resume from: its newest complete checkpoint, or that there is none."""
-    from fourfold.checkpoint.store import CheckpointError, read_manifest
+    from fourfold.checkpoint.store import read_manifest
 
     out = cfg.train.out
     try:
@@ -361,6 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # found by the rank that opened the file: the others stop with the job
+        print(f"fourfold train: error: {e}", file=sys.stderr)
+        return 1
+    except CommError as e:
+        if not e.peer_gone:
+            raise  # a timeout: the traceback shows where this rank waited
+        print(f"fourfold train: {e}", file=sys.stderr)  # another rank's failure, echoed: one line, not a traceback
+        return 1
     except HangFound:
         return 1  # the rank that found the hang printed the one line; the launcher's last line names the rank
     except NonFiniteLoss as e:

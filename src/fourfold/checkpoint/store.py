@@ -92,14 +92,22 @@ class CheckedFiles:
         self.where, self.files = where, files
         self.open: dict[str, dict[str, Any]] = {}
 
+    def _instead(self) -> str:
+        """What to resume from instead of a damaged checkpoint: the newest complete one before it, if any."""
+        earlier = [p for _, p in _complete(self.where.parent) if p.name < self.where.name]
+        if not earlier:
+            return " Restore the file; no earlier checkpoint is left beside it."
+        return f" Restore the file, or resume from the checkpoint before it: --resume {earlier[-1]}"
+
     def get(self, name: str) -> dict[str, Any]:
         if name not in self.open:
             path, want = self.where / name, self.files.get(name)
             if want is None or not path.is_file():
-                raise CheckpointError(f"damaged: {path} is missing (the manifest lists {sorted(self.files)}).")
+                raise CheckpointError(f"damaged: {path} is missing (the manifest lists {sorted(self.files)})."
+                                      f"{self._instead()}")
             got = sha256_file(path)
             if got != want["sha256"]:
                 raise CheckpointError(f"damaged: {path}: sha256 expected {want['sha256']}, got {got} "
-                                      f"({path.stat().st_size} bytes, expected {want['bytes']}).")
+                                      f"({path.stat().st_size} bytes, expected {want['bytes']}).{self._instead()}")
             self.open[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return self.open[name]

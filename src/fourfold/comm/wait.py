@@ -38,7 +38,12 @@ HINT = ("The peer is dead, stuck, or running a different operation; its own erro
 
 
 class CommError(RuntimeError):
-    """A send, receive or collective that did not complete within the timeout (peer dead, stuck, out of step)."""
+    """A send, receive or collective that did not complete within the timeout (peer dead, stuck, out of step).
+    ``peer_gone``: it failed early because a peer's connection broke, the echo of another rank's own error."""
+
+    def __init__(self, message: str, *, peer_gone: bool = False) -> None:
+        super().__init__(message)
+        self.peer_gone = peer_gone
 
 
 def set_default_timeout(timeout_s: float) -> None:
@@ -90,7 +95,7 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
         waited = time.time() - entry.since
         if waited < 0.9 * timeout_s:  # not a timeout: the connection broke (a peer exited or was killed)
             raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: a peer's connection "
-                            f"broke. {hint} [{cause}]") from e
+                            f"broke. {hint} [{cause}]", peer_gone=True) from e
         raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {timeout_s:g} s. {hint} "
                         f"{_explain(entry)}[{cause}]") from e
     finally:
@@ -132,4 +137,4 @@ def barrier(op: str, group: dist.ProcessGroup | None = None) -> None:
     ranks = group_ranks(group)
     if len(ranks) > 1:
         bounded_wait(dist.barrier(group=group, async_op=True), default_timeout_s(), rank=dist.get_rank(), op=op,
-                     awaited="line up with the ranks", group_ranks=ranks)
+                     awaited="line up with", group_ranks=ranks)
