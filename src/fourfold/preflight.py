@@ -81,6 +81,10 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     return mesh
 
 
+LARGEST_VOCAB = 1 << 24
+"""Token ids at or above this (16.8 M) mean a token file read as the wrong dtype, not a vocabulary."""
+
+
 def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
     """The model's vocabulary must cover the data's ids: the tokenizer's, or (``scan``) the largest in a token
     file, found in one pass over it. The loader checks every batch's ids again as it reads them."""
@@ -92,6 +96,10 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
         if low < 0:
             raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
                              "written with")
+        if high >= LARGEST_VOCAB:  # no vocabulary is that large: the bytes are read as the wrong type
+            raise ValueError(f"token ids must be below {LARGEST_VOCAB:,} (no tokenizer's vocabulary is larger), "
+                             f"got {high:,} in {t.data} read as --data-dtype {t.data_dtype}. Pass the --data-dtype "
+                             "the file was written with (nanoGPT's .bin files: uint16).")
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
 
 
