@@ -160,7 +160,7 @@ class TrainConfig:
         "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
         "are the checkpoint's"))
     verify: int = field(default=0, metadata=_help(
-        "after the run, re-run its first K steps in one process (rank 0) and print the loss and parameter "
+        "after the run, re-run its first N steps in one process (rank 0) and print the loss and parameter "
         "differences per step, judged by float64's 1e-10, or float32's 1e-5 of the loss and 1e-3 of the update "
         "(docs: README); a mismatch exits with status 1 (0: off)"))
 
@@ -540,7 +540,8 @@ TRAIN_EXAMPLES = """examples:
   fourfold train --steps 3 --dtype float64 --out runs/first      one process, exact arithmetic
   fourfold train --nproc 2 --steps 50 --out runs/dp2             2 data-parallel ranks (torchrun)
   fourfold train --config run.toml --lr 1e-3                     defaults < file < flags
-  torchrun --nproc-per-node 2 -m fourfold.train --steps 50       launched by hand
+  torchrun --nproc-per-node 2 --rdzv-backend fourfold-loopback --rdzv-endpoint 127.0.0.1:0 \\
+      -m fourfold.train --steps 50                                launched by hand (loopback only)
 
 outputs in --out: run.json, metrics.jsonl (one line per step), trace.json (open in
 https://ui.perfetto.dev), trace-rank<r>.jsonl, model.pt. An earlier run there is kept unless --overwrite.
