@@ -38,6 +38,14 @@ def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
     assert "rank 0 -> rank 1: segment 0 = a0+b0+c0" in text
 
 
+@pytest.mark.timeout(120)
+def test_explain_auto_names_its_choice_and_its_legend_a_segment_that_exists(tmp_path):
+    text = _explain(tmp_path, "auto", 2)
+    assert "a1+b1 = the sum of ranks 0 and 1's segment 1" in text, text  # segments 0 and 1 only
+    assert "\nauto chose " in text and " predicted for 16 B over G=2" in text, text  # and why
+    assert "2 messages in 1 step;" in text, text
+
+
 def test_explain_refuses_native_and_bad_world(capsys):
     from fourfold.cli.explain import main
 

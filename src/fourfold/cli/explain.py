@@ -55,6 +55,7 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
     import torch.distributed as dist
 
     from fourfold import comm, launch
+    from fourfold.comm import auto
     from fourfold.comm.ring import segments
 
     with launch.init("cpu", timeout_s=60) as ctx:
@@ -94,7 +95,8 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
         gathered: list[Any] = [None] * g if ctx.rank == 0 else []
         dist.gather_object((sent, states, keys), gathered if ctx.rank == 0 else None, dst=0)
         if ctx.rank == 0:
-            _report(algorithm, g, gathered)
+            chose = next(iter(auto.picks(rec).values()), None) if algorithm == "auto" else None
+            _report(algorithm, g, gathered, chose)
     return 0
 
 
@@ -128,11 +130,16 @@ def _aligned(gathered: list[Any]) -> tuple[list[Sent], list[list[list[int]]]]:
     return sorted(messages, key=lambda m: (m.exchange, m.src)), states
 
 
-def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
+def _report(algorithm: str, g: int, gathered: list[Any], chose: tuple[str, str] | None = None) -> None:
     messages, states = _aligned(gathered)  # states[rank][i] = per-segment masks before exchange i
     steps = sorted({m.exchange for m in messages})
+    k = min(2, g - 1)  # the legend's example segment: one that exists
     print(f"{algorithm} all-reduce on {g} ranks (rank 0 = a, rank 1 = b, ...), the tensor cut into {g} "
-          f"segments; a2+b2 = the sum of ranks 0 and 1's segment 2, S2 = segment 2 summed over every rank\n")
+          f"segments; a{k}+b{k} = the sum of ranks 0 and 1's segment {k}, S{k} = segment {k} summed over every "
+          "rank")
+    if chose is not None:
+        print(f"auto chose {chose[0]} for this tensor: {chose[1]}")
+    print()
     _print_state(states, 0, g)
     for i in steps:
         batch = [m for m in messages if m.exchange == i]
@@ -144,7 +151,8 @@ def _report(algorithm: str, g: int, gathered: list[Any]) -> None:
             print(f"  rank {m.src} -> rank {m.dst}: {where} = {what}")
         _print_state(states, i + 1, g)
     pieces = sum(len(m.segments) for m in messages)
-    print(f"\n{len(messages)} messages in {len(steps)} steps; {pieces} segment-sized pieces moved "
+    print(f"\n{len(messages)} messages in {len(steps)} step{'s' if len(steps) != 1 else ''}; {pieces} "
+          "segment-sized pieces moved "
           f"({pieces / g:.2f} per rank, each 1/{g} of the tensor).")
     out = Path(os.environ.get("FOURFOLD_EXPLAIN_OUT", f"runs/explain-{algorithm}-{g}.png"))
     try:

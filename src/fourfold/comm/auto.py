@@ -66,7 +66,7 @@ from fourfold.comm.p2p import Communicator
 from fourfold.comm.wait import bounded_wait
 from fourfold.files import write_text_atomic
 
-__all__ = ["DEFAULT", "Cost", "CostModel", "allreduce", "attach", "candidates", "choose", "cost",
+__all__ = ["DEFAULT", "Cost", "CostModel", "allreduce", "attach", "candidates", "choose", "cost", "picks",
            "default_path", "predict", "switch_points"]
 
 log = logging.getLogger("fourfold.comm")
@@ -327,6 +327,12 @@ def attach(comm: Communicator, model: CostModel | None = None, device: torch.dev
     assert mine is not None
     setattr(comm, _STATE, _AutoState(mine, int(g) or None))
     return mine
+
+
+def picks(comm: Communicator) -> dict[tuple[int, int], tuple[str, str]]:
+    """What auto chose on ``comm`` so far: (numel, itemsize) -> (algorithm, reason)."""
+    state: _AutoState | None = getattr(comm, _STATE, None)
+    return dict(state.picks) if state is not None else {}
 
 
 def allreduce(comm: Communicator, flat: torch.Tensor) -> None:
