@@ -450,9 +450,8 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         raise ValueError(f"--config {file} (or a flag): {e}") from None
 
 
-def resumed_keys() -> dict[str, tuple[str, ...]]:
-    """The settings that define a model: a resumed run takes the checkpoint's for those it is not given."""
-    return {"train": ("model", "model_config", "dtype"), "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
+MODEL_KEYS = {"train": ("model", "model_config", "dtype"), "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
+"""The settings that define a model, by section: a resumed run takes the checkpoint's for those it is not given."""
 
 
 def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
@@ -465,7 +464,7 @@ def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
         raise ValueError(str(e)) from None
     if values["train"].get("model", saved["train"]["model"]) != saved["train"]["model"]:
         return
-    for section, keys in resumed_keys().items():
+    for section, keys in MODEL_KEYS.items():
         for key in keys:
             if key in saved.get(section, {}):
                 values[section].setdefault(key, saved[section][key])

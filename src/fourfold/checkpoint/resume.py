@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.checkpoint.store import CheckpointError, read_manifest
-from fourfold.config import Config, resumed_keys
+from fourfold.config import MODEL_KEYS, Config
 
 __all__ = ["CONTINUED", "changed_settings", "check_resume", "continues_run", "restart_count", "resume_from"]
 
@@ -47,7 +47,7 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     (The model settings not given were taken from the checkpoint: :func:`fourfold.config.from_namespace`.)"""
     saved, here = manifest["config"], cfg.record()
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
-              for s, keys in resumed_keys().items() for k in keys if saved.get(s, {}).get(k) != here[s][k]
+              for s, keys in MODEL_KEYS.items() for k in keys if saved.get(s, {}).get(k) != here[s][k]
               and not (k == "model_config" and _same_contents(saved, here))]
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
