@@ -106,6 +106,22 @@ def test_check_and_down_say_what_they_did():
     assert proc.returncode == 0 and f"removed {PREFIX}n3" in proc.stdout
 
 
+@needs_lab
+@pytest.mark.timeout(60)
+def test_a_running_lab_is_neither_remade_nor_removed_by_another_process():
+    from fourfold.lab.net import LabBusy
+
+    with Lab(1):
+        up = leftovers()
+        with pytest.raises(LabBusy, match=f"a lab is up, made by pid {os.getpid()}"):
+            Lab(1).up()
+        proc = _cli("down")  # another process: it would have cut this lab's ranks off mid-step
+        assert proc.returncode == 2 and f"a lab is up, made by pid {os.getpid()}" in proc.stderr, proc.stderr
+        assert leftovers() == up
+    proc = _cli("down")  # released with the lab: nothing left to remove, and nothing refused
+    assert proc.returncode == 0 and "no lab to remove" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_bad_sweep_flags_are_refused_before_any_namespace_exists():
     proc = _cli("sweep", "--nodes", "2,four")
     assert proc.returncode == 2 and "nodes must be comma-separated counts" in proc.stderr

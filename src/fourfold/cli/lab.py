@@ -161,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         print(why or "fourfold lab: this machine can make a lab (root, iproute2, tbf)")
         return 1 if why else 0
     if ns.action == "down":
-        left = leftovers()
-        Lab(1).down()
+        try:
+            left = leftovers()
+            Lab(1).down()
+        except LabUnavailable as e:  # LabBusy: a running lab is not a leftover
+            print(f"fourfold lab: {e}", file=sys.stderr)
+            return 2
         print(f"fourfold lab: removed {', '.join(left)}" if left else "fourfold lab: no lab to remove")
         return 0
     try:

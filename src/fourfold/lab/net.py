@@ -24,17 +24,18 @@ missing (``netem`` is not needed: latency comes from the real stack, bandwidth f
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PREFIX", "SUBNET", "Lab", "LabUnavailable", "congestion_controls", "cost_model_path", "leftovers",
-           "parse_rate", "unavailable"]
+__all__ = ["LOCK", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls", "cost_model_path",
+           "holding", "leftovers", "parse_rate", "unavailable"]
 
 PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"
@@ -42,11 +43,34 @@ SUBNET = "10.213.0.0/24"
 MAX_NODES = 64
 _CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
 _IDLE_RESTART = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+LOCK = Path("/run/fourfold-lab.lock")
+"""Held (``flock``) by the process whose lab is up, and released by the kernel when it exits: one lab at a time,
+and a crashed one's leftovers are told apart from a running one's."""
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)\s*$", re.IGNORECASE)
 
 
 class LabUnavailable(RuntimeError):
     """This machine cannot make a lab (not root, no ``ip``/``tc``, no namespaces or ``tbf``)."""
+
+
+class LabBusy(LabUnavailable):
+    """Another process's lab is up: making or removing one now would cut its running ranks off."""
+
+
+def holding() -> int:
+    """An fd holding :data:`LOCK` (its pid written in it); :class:`LabBusy` naming the holder if it is taken."""
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise LabBusy(f"a lab is up, made by pid {holder} (its namespaces {PREFIX}*): removing or remaking it "
+                      "would cut that run's ranks off mid-step. Wait for it to end, or stop it (Ctrl-C removes "
+                      "its lab).") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def parse_rate(text: str, most: float = 1e11) -> int:
@@ -117,6 +141,7 @@ class Lab:
     nodes: int
     link: str = "1gbit"
     tcp: str = "cubic"  # each node's TCP congestion control; "keep": the machine's
+    _lock: int | None = field(default=None, init=False, repr=False)  # holding(): while this lab is up
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -141,7 +166,8 @@ class Lab:
         why = unavailable()
         if why:
             raise LabUnavailable(why)
-        self.down()
+        self._lock = holding()  # LabBusy while another process's lab is up
+        self._remove()  # a crashed lab's leftovers: nobody holds the lock
         sw = PREFIX + "sw"
         burst = max(self.rate // 8 // 250, 32 * 1024)  # bytes: at least one timer tick's worth at this rate
         shape = ["root", "tbf", "rate", f"{self.rate}bit", "burst", str(burst), "latency", "100ms"]
@@ -169,7 +195,17 @@ class Lab:
             raise
 
     def down(self) -> None:
-        """Remove every lab namespace (this lab's or an earlier one's); their veths and qdiscs go with them."""
+        """Remove every lab namespace (this lab's or a crashed one's; their veths and qdiscs go with them), then
+        let the next lab be made. Refuses (:class:`LabBusy`) another process's running lab."""
+        lock = self._lock if self._lock is not None else holding()
+        try:
+            self._remove()
+        finally:
+            os.close(lock)
+            self._lock = None
+
+    @staticmethod
+    def _remove() -> None:
         for ns in leftovers():
             _run(["ip", "netns", "del", ns], check=False)
 
