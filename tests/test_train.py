@@ -117,6 +117,32 @@ def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
     assert time.perf_counter() - start < 30
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watch reads /proc")
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_a_machine_waiting_for_the_others_at_once(tmp_path):
+    import signal
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a free port that nobody will join
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "fourfold.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-timeout", "60", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the rendezvous has begun: the main thread waits inside the store's C++ code
+        if "waiting up to 60 s for the others" in line:
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    start = time.perf_counter()
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 130, rest
+    assert time.perf_counter() - start < 10, "Ctrl-C waited for the rendezvous timeout"  # it waited 60 s before
+    assert "interrupted while machine 1 waited for the others; no rank was started" in rest, rest
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3"], "batch_size must be divisible by dp, got batch_size=8, dp=3. Pass --batch-size 9"),
     (["--nproc", "3", "--tp", "2"], "divisible by tp*pp, got world_size=3"),

@@ -16,13 +16,16 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed import DistError, PrefixStore, Store
@@ -44,6 +47,8 @@ from fourfold.observe.doctor import VERDICT_ENV
 __all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_workers", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
+RENDEZVOUS_GRACE_S = 10.0
+"""Seconds past --rdzv-timeout a machine that found no peers is given before the watch ends it."""
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
 
 
@@ -137,6 +142,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         print(f"fourfold: machine {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout} s for "
               f"the others at {launch.rdzv_endpoint} (start the same command with --node-rank 0..."
               f"{launch.nnodes - 1} on each).", file=sys.stderr, flush=True)
+    unwatch = _watch_rendezvous(launch, lambda: shutil.rmtree(verdict.parent, ignore_errors=True))
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
@@ -148,15 +154,75 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         print(f"fourfold: {_last_line(e, verdict)}", flush=True)
         return 1
     except (DistError, RendezvousError) as e:  # the machines never met: the store timed out or refused
-        print(f"fourfold: the rendezvous at {launch.rdzv_endpoint or 'loopback'} failed: not every machine joined "
-              f"within {launch.rdzv_timeout} s (nnodes={launch.nnodes}, this is node {launch.node_rank}). Start "
-              f"the others, check that the endpoint is reachable from each, or raise --rdzv-timeout. "
-              f"[{str(e).splitlines()[0] if str(e) else type(e).__name__}]", file=sys.stderr, flush=True)
+        print(_no_rendezvous(launch, str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr,
+              flush=True)
         return 1
     finally:
+        unwatch()
         done.set()
         shutil.rmtree(verdict.parent, ignore_errors=True)
     return 0
+
+
+def _no_rendezvous(launch: LaunchConfig, cause: str) -> str:
+    return (f"fourfold: the rendezvous at {launch.rdzv_endpoint or 'loopback'} failed: not every machine joined "
+            f"within {launch.rdzv_timeout} s (nnodes={launch.nnodes}, this is node {launch.node_rank}). Start the "
+            f"others, check that the endpoint is reachable from each, or raise --rdzv-timeout. [{cause}]")
+
+
+def _children() -> bool | None:
+    """Whether this process has started any (its ranks); None where Linux's /proc does not say."""
+    try:
+        return any((task / "children").read_text().strip() for task in Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+
+
+def _watch_rendezvous(launch: LaunchConfig, cleanup: Callable[[], None]) -> Callable[[], None]:
+    """torchrun's static rendezvous waits inside the store's C++ code, where Python runs no signal handler until
+    it returns: Ctrl-C did nothing for up to --rdzv-timeout (5 minutes by default), and a machine that only
+    connects to the endpoint waited about 2.5 times that, printing C++ stacks. Until this launcher has started
+    its ranks, a thread woken by the signal itself (``signal.set_wakeup_fd``) ends it at once on Ctrl-C or
+    SIGTERM, and at the timeout (machine 0: plus :data:`RENDEZVOUS_GRACE_S`) with the one line saying why.
+    (A store client interrupted mid-connect may still log one C++ warning as the process ends.) Returns the function that stops
+    the watch; from the ranks' start on, torchrun's agent handles signals itself."""
+    if launch.nnodes == 1 or _children() is None or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    wake, wakeup = socket.socketpair()
+    wakeup.setblocking(False)
+    previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    stop = threading.Event()
+
+    def end(code: int, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        cleanup()
+        os._exit(code)  # the main thread is inside C++ and cannot be interrupted; nothing was started
+
+    def watch() -> None:
+        # machine 0 hosts the store, whose own timeout ends it cleanly; the others' store client retries past it
+        # and logs C++ stacks on the way, so for them the watch ends the wait just before the client's timeout
+        wait = launch.rdzv_timeout + RENDEZVOUS_GRACE_S if launch.node_rank == 0 else 0.95 * launch.rdzv_timeout
+        deadline = time.monotonic() + wait
+        while not stop.is_set() and not _children():
+            try:
+                got = wake.recv(64) if select.select([wake], [], [], 0.5)[0] else b""
+            except (OSError, ValueError):  # closed by unwatch: the launch is over
+                return
+            if (signal.SIGINT in got or signal.SIGTERM in got) and not _children():
+                end(130, f"fourfold: interrupted while machine {launch.node_rank} waited for the others; no rank "
+                         "was started.")
+            if time.monotonic() > deadline and not _children():
+                end(1, _no_rendezvous(launch, "no answer"))
+
+    threading.Thread(target=watch, name="fourfold-rendezvous-watch", daemon=True).start()
+
+    def unwatch() -> None:
+        stop.set()
+        signal.set_wakeup_fd(previous)
+        wake.close()
+        wakeup.close()
+
+    return unwatch
 
 
 def _end_stopped_ranks(verdict: Path, done: threading.Event) -> None:

@@ -87,17 +87,25 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Ctrl-C to every node still running (torchrun passes it to its ranks), then kill what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _stop(procs: list[subprocess.Popen[bytes]], within_s: float = 15.0) -> None:
+    """Ctrl-C to every node still running (torchrun passes it to its ranks), then, ``within_s`` later, kill what
+    is left. A second Ctrl-C or SIGTERM meanwhile is ignored: stopping half-way left node launchers running,
+    orphaned, in namespaces about to be deleted."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + within_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
@@ -185,4 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as e:
         print(f"fourfold lab: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the lab was being made or removed (Lab.up removes what it made)
+        print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)
+        return 130
     return 1
