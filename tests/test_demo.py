@@ -24,7 +24,7 @@ def _gap(text: str, row: str) -> float:
 def test_the_demo_runs_through_and_every_layout_matches_one_process(tmp_path):
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "fourfold", "demo", "--steps", "2",
-                           "--dp-steps", "3", "--pack-steps", "2", "--out", str(out)],
+                           "--dp-steps", "2", "--pack-steps", "1", "--out", str(out)],  # the fewest: no warm-up step to leave out
                           capture_output=True, text=True, timeout=280)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-4000:]
@@ -39,3 +39,11 @@ def test_the_demo_runs_through_and_every_layout_matches_one_process(tmp_path):
     for picture in ("timeline-single.png", "timeline-dp.png", "timeline-pp-1f1b.png", "packing.png",
                     "memory.png"):
         assert (out / picture).stat().st_size > 5_000, picture
+
+
+def test_demo_steps_below_one_are_a_usage_error(capsys):
+    from fourfold.cli.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dp-steps", "0"])
+    assert e.value.code == 2 and "--dp-steps must be >= 1, got 0" in capsys.readouterr().err

@@ -28,6 +28,7 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def _rows(out: Path) -> list[dict]:
 
 def _summary(name: str, rows: list[dict], reference: list[dict], counted: bool = True) -> str:
     """One row of the table; ``counted=False``: the bytes are the backend's own (native), not 0."""
-    steady = rows[2:] or rows  # the first steps pay for warm-up
+    steady = _steady(rows, 2)
     ms = 1e3 * statistics.median(r["step_time_s"] for r in steady)
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     kb = statistics.median(r["comm_bytes"] for r in steady) / 1024
@@ -83,6 +84,11 @@ def _summary(name: str, rows: list[dict], reference: list[dict], counted: bool =
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, reference, strict=False))
     sent = f"{kb:12,.0f}" if counted else f"{'not counted':>12}"
     return f"  {name:<28} {ms:8.1f} {tps:10,.0f} {sent} {hid}   {diff:.1e}"
+
+
+def _steady(rows: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """The steps after ``warmup`` (which pay for it), or all of a run too short to have any."""
+    return rows[warmup:] or rows
 
 
 def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
@@ -103,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-steps", type=int, default=30, help="steps of each 2-rank run (default: 30)")
     parser.add_argument("--pack-steps", type=int, default=8, help="steps of each packing run (default: 8)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    for flag in ("steps", "dp_steps", "pack_steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     root = Path(args.out)
     base = TrainConfig(out=str(root / "single"), overwrite=True, device="cpu")
     cfg = Config(train=replace(base, steps=args.steps))
@@ -178,7 +187,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
             return 1
     print(f"\n  {'run':<58} {'ms/step':>8} {'bubble':>7} {'theory':>7} {'activations per rank':>22}")
     for name, (_, text) in PIPELINES.items():
-        rows = _rows(root / f"pp2-{name}")[2:]
+        rows = _steady(_rows(root / f"pp2-{name}"), 2)
         ms = 1e3 * statistics.median(r["step_time_s"] for r in rows)
         bubble = statistics.median(statistics.mean(r["bubble_by_rank"]) for r in rows)
         m = 1 if name == "model" else 8
@@ -215,7 +224,7 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
         if train_main([*flags, "--pack", pack, "--out", str(out)]) != 0:
             print(f"fourfold demo: the pack-{pack} run failed; its error is above.", file=sys.stderr)
             return 1
-    rows = {pack: _rows(root / f"pack-{pack}")[1:] for pack in ("pad", "bfd")}
+    rows = {pack: _steady(_rows(root / f"pack-{pack}"), 1) for pack in ("pad", "bfd")}
     print(f"\n  {'run':<34} {'ms/step':>8} {'real tokens/s':>14} {'padding':>8}   max |loss - padded|")
     for pack, text in (("pad", "padded to the step's longest"), ("bfd", "packed, best-fit decreasing")):
         ms = 1e3 * statistics.median(r["step_time_s"] for r in rows[pack])
