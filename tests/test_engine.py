@@ -145,9 +145,14 @@ def test_bad_layouts_are_refused_with_the_fix():
 
 
 def test_bytes_by_axis_sorts_spans_by_the_axis_that_sent_them():
-    def span(name: str, nbytes: int, kind: str = "comm") -> Span:
-        return Span(0, kind, name, 0, 1, nbytes, 0, None, 1, None, {})
+    def span(name: str, nbytes: int, kind: str = "comm", ranks: int = 2) -> Span:
+        return Span(0, kind, name, 0, 1, nbytes, 0, None, 1, None, {"ranks": ranks})
 
     spans = [span("tp.all_reduce", 10), span("send", 100), span("tied_grads", 5), span("allreduce:ring", 1000),
              span("allreduce:native", 0), span("loss_all_reduce", 0), span("F", 7, kind="compute")]
-    assert bytes_by_axis(spans) == {"dp": 1000, "tp": 10, "pp": 105}
+    assert bytes_by_axis(spans) == {"dp": 1000, "tp": 10, "pp": 105}  # a ring all-reduce over 2: 2(p-1)/p = 1
+    # tp counts what a ring sends: an all-reduce of N over 4 ranks sends 1.5 N; sequence parallelism's halves,
+    # a reduce-scatter of N and an all-gather of its N/4 shard, send 0.75 N each: the same bytes
+    plain = bytes_by_axis([span("tp.all_reduce", 4000, ranks=4)])["tp"]
+    halves = bytes_by_axis([span("tp.reduce_scatter", 4000, ranks=4), span("tp.all_gather", 1000, ranks=4)])["tp"]
+    assert plain == halves == 6000

@@ -75,6 +75,7 @@ from fourfold.parallel.tensor import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from fourfold.parallel.tensor.comm import wire_bytes
 from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 
 __all__ = ["Engine", "Loss", "TensorPlan", "bytes_by_axis", "model_blocks", "parallelize"]
@@ -350,18 +351,20 @@ class Engine:
 
 
 def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
-    """Bytes this rank handed to each axis's communication in ``spans`` (one step's, say).
+    """Bytes this rank sent on each axis in ``spans`` (one step's, say).
 
-    ``tp``: the tensor-parallel collectives' payloads; ``pp``: activations, gradients and tied-weight
-    gradients sent between stages (headers included); ``dp``: what fourfold's all-reduce algorithms put on the
-    wire (``native`` counts none: the backend sends on its own).
+    ``tp``: what a ring sends for each tensor-parallel collective (:func:`~fourfold.parallel.tensor.comm.wire_bytes`:
+    the backend's own collectives are not counted, so they are counted as the ring would move them, and a
+    sequence-parallel reduce-scatter + all-gather adds up to the all-reduce it replaces); ``pp``: activations,
+    gradients and tied-weight gradients sent between stages (headers included); ``dp``: what fourfold's
+    all-reduce algorithms put on the wire (``native`` counts none: the backend sends on its own).
     """
     out = {"dp": 0, "tp": 0, "pp": 0}
     for s in spans:
         if s.kind != "comm":
             continue
         if s.name.startswith("tp."):
-            out["tp"] += s.bytes
+            out["tp"] += wire_bytes(s.name.removeprefix("tp."), s.bytes, s.args.get("ranks", 2))
         elif s.name in ("send", "tied_grads"):
             out["pp"] += s.bytes
         elif s.name.startswith(("allreduce:", "reduce_scatter:", "all_gather:")):  # ZeRO: the ring's halves

@@ -22,8 +22,8 @@ cut in its two halves: an all-reduce is a reduce-scatter followed by an all-gath
 With a :class:`~fourfold.observe.trace.Tracer`, each collective is one comm span named ``tp.all_reduce``,
 ``tp.all_gather`` or ``tp.reduce_scatter``; ``bytes`` is the size of the tensor this rank hands to the
 collective (its payload, not the wire traffic: a ring all-reduce of N bytes sends 2(p-1)N/p per rank), and
-``args`` hold ``phase`` (``forward`` | ``backward`` | ``grad_sync``), ``site`` (the layer's module name) and
-``numel``. A group of one rank communicates nothing and records nothing.
+``args`` hold ``phase`` (``forward`` | ``backward`` | ``grad_sync``), ``site`` (the layer's module name),
+``numel`` and ``ranks``; :func:`wire_bytes` turns a span's payload into what a ring sends. A group of one rank communicates nothing and records nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ __all__ = [
     "reduce_scatter_sequence",
     "split",
     "split_to_tp",
+    "wire_bytes",
 ]
 
 Phase = Literal["forward", "backward", "grad_sync"]
@@ -60,11 +61,23 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _span(tracer: Tracer | None, op: str, t: torch.Tensor, phase: Phase, site: str) -> Any:
+def _span(tracer: Tracer | None, op: str, t: torch.Tensor, group: Group, phase: Phase, site: str) -> Any:
     if tracer is None:
         return contextlib.nullcontext()
     return tracer.span("comm", f"tp.{op}", bytes=t.numel() * t.element_size(), phase=phase, site=site,
-                       numel=t.numel())
+                       numel=t.numel(), ranks=dist.get_world_size(group))
+
+
+RING_SHARE = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
+              "all_gather": lambda p: p - 1}
+"""What a ring implementation of each collective sends from one rank, per byte of the tensor it hands in (an
+all-gather's is its shard): the wire bytes a tensor-parallel span stands for (:func:`wire_bytes`)."""
+
+
+def wire_bytes(op: str, payload: int, ranks: int) -> int:
+    """Bytes one rank sends for collective ``op`` (``all_reduce``, ...) handed ``payload`` bytes over ``ranks``
+    ranks, as a ring moves them: a reduce-scatter and an all-gather add up to the all-reduce they split."""
+    return round(RING_SHARE[op](ranks) * payload)
 
 
 def _wait(work: Any, name: str, t: torch.Tensor, group: Group, phase: Phase, site: str) -> None:
@@ -87,7 +100,7 @@ def all_reduce(x: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = d
     if dist.get_world_size(group) == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
-    with _span(tracer, "all_reduce", out, phase, site):
+    with _span(tracer, "all_reduce", out, group, phase, site):
         _wait(dist.all_reduce(out, op=op, group=group, async_op=True), "all-reduce", out, group, phase, site)
     return out
 
@@ -100,7 +113,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None
         return x
     front = x.movedim(dim, 0).contiguous()  # the collective lays the ranks' pieces out along dim 0
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
-    with _span(tracer, "all_gather", front, phase, site):
+    with _span(tracer, "all_gather", front, group, phase, site):
         _wait(_all_gather_single(out, front, group=group, async_op=True), "all-gather", front, group, phase, site)
     return out.movedim(0, dim)
 
@@ -113,7 +126,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | 
         return x
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((_chunk(front.shape[0], p, dim, "reduce-scattered"), *front.shape[1:]))
-    with _span(tracer, "reduce_scatter", front, phase, site):
+    with _span(tracer, "reduce_scatter", front, group, phase, site):
         _wait(_reduce_scatter_single(out, front, group=group, async_op=True), "reduce-scatter", front, group, phase,
               site)
     return out.movedim(0, dim)
