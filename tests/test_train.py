@@ -359,7 +359,7 @@ def test_the_timeline_draws_the_median_step_not_the_last():
     assert median_step(rows[:1]) == 1 and median_step([]) is None
 
 
-def test_the_summary_says_a_native_all_reduce_is_not_counted_rather_than_zero():
+def test_the_summary_says_bytes_not_counted_rather_than_zero():
     from fourfold.mesh import Mesh
 
     def row(dp: int, tp: int) -> dict:
@@ -370,6 +370,8 @@ def test_the_summary_says_a_native_all_reduce_is_not_counted_rather_than_zero():
     assert "rank 0 sent per step: dp not counted (--allreduce native" in text and "tp 4.0 KB" in text, text
     ring = train_mod.TrainResult(0, Mesh(dp=2), losses=[2.0, 1.0], metrics=[row(2048, 0)] * 2)
     assert "rank 0 sent per step: dp 2.0 KB\n" in ring.summary()
+    untraced = train_mod.TrainResult(0, Mesh(tp=2), losses=[2.0, 1.0], metrics=[row(0, 0)] * 2, traced=False)
+    assert "rank 0 sent per step: not counted (--no-trace)\n" in untraced.summary()  # not "tp 0.0 KB"
 
 
 def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):

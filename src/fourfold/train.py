@@ -92,6 +92,7 @@ class TrainResult:
     out: Path | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step
+    traced: bool = True  # --no-trace: no spans, so no bytes counted either
 
     def summary(self) -> str:
         m = self.mesh
@@ -107,6 +108,8 @@ class TrainResult:
         axes = [f"{axis} {by_axis[axis] / 1024:,.1f} KB" if by_axis[axis] or axis != "dp" else
                 "dp not counted (--allreduce native)"
                 for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
+        if not self.traced:
+            axes = ["not counted (--no-trace)"] if axes else []
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
@@ -167,7 +170,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
     optimizer = make_optimizer(cfg, engine.parameters())
-    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out)
+    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace)
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
