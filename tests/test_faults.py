@@ -63,6 +63,8 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_un
     assert proc.returncode == 0, output
     run = json.loads((out / "run.json").read_text())
     assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 5, run
+    launch = run["config"]["launch"]  # the launcher's flags, though its ranks are started without them
+    assert launch["nproc"] == int(LAYOUTS[layout][1]) and launch["max_restarts"] == 1, launch
     assert [r["step"] for r in rows(out)] == list(range(1, 41))
     got, want = losses(out), losses(ref)
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL64

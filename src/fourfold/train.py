@@ -24,13 +24,14 @@ layout; that is what makes "the same numbers as one process" testable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from fourfold.checkpoint.resume import continues_run, restart_count, resume_from
 from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import CommError, barrier, gather_objects
-from fourfold.config import Config, parse_args, without_section_flags
+from fourfold.config import Config, LaunchConfig, parse_args, without_section_flags
 from fourfold.data import (
     BatchLoader,
     DocumentLoader,
@@ -77,6 +78,7 @@ from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
 
 _LOCK_HELD = "FOURFOLD_OUT_LOCKED"  # set for the ranks we launch: their launcher holds OUT's lock
+_LAUNCH = "FOURFOLD_LAUNCH"  # and the launcher's [launch] flags, as JSON, which the ranks are started without
 
 
 @dataclass
@@ -338,11 +340,24 @@ def _interrupted_note(cfg: Config) -> str:
             f"same flags and --resume {out}.")
 
 
+def _launched_as() -> LaunchConfig:
+    """A rank's [launch] section, for run.json and checkpoints: its launcher's flags (ranks are started without
+    them), or under a hand-run torchrun what its environment says."""
+    if _LAUNCH in os.environ:
+        return LaunchConfig(**json.loads(os.environ[_LAUNCH]))
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("WORLD_SIZE", "1"))
+    return LaunchConfig(nproc=local, nnodes=max(world // local, 1), node_rank=int(os.environ.get("GROUP_RANK", "0")),
+                        rdzv_endpoint=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if world > local
+                        else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     worker = "RANK" in os.environ  # started by torchrun (ours or the user's)
+    if worker:
+        cfg = replace(cfg, launch=_launched_as())
     main_rank = int(os.environ.get("RANK", "0")) == 0 and (worker or cfg.launch.node_rank == 0)
     # One run per OUT: the process that starts the run holds the lock (ranks we launch inherit it; with a
     # hand-run torchrun, rank 0 takes it); on several machines, machine 0's launcher (OUT may be shared).
@@ -357,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
             with lock:
                 os.environ[_LOCK_HELD] = cfg.train.out
+                os.environ[_LAUNCH] = json.dumps(dataclasses.asdict(cfg.launch))
                 # Workers need no launch flags (and torchrun's parser would trip over --nproc).
                 return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
         with lock:
@@ -385,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not worker:
             os.environ.pop(_LOCK_HELD, None)
+            os.environ.pop(_LAUNCH, None)
     if result.rank != 0:
         return 0
     print(result.summary(), flush=True)
