@@ -51,6 +51,7 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
     return {"label": label, "losses": losses, "state": engine.state_dict(), "sent": sent,
             "traced": traced, "numels": [b.numel for b in dp_module.buckets],
             "held": held, "estimate": engine.memory_estimate(), "dp": dp, "pp": pp, "zero": options["zero"],
+            "counted": engine.counters()["parameter_bytes"]["total"],  # run.json's parameter_bytes_rank0
             "algorithm": options.get("allreduce", "native"),
             "model_grads": [n for n, p in engine.named_parameters() if p.grad is not None]}
 
@@ -140,6 +141,8 @@ def test_zero_equals_one_process_and_sends_the_theory(spawn, index):
             measured, estimate = got["held"][term], got["estimate"][term]
             assert abs(measured - estimate) <= 0.05 * estimate, \
                 f"{label} rank {r}: {term} {measured} measured vs {estimate} estimated"
+        if got["held"] is not None:  # what run.json records is what the rank holds (ZeRO-3: its shards)
+            assert got["counted"] == got["held"]["parameters"], (label, got["counted"], got["held"])
 
 
 @pytest.mark.slow

@@ -336,7 +336,9 @@ class Engine:
         """This rank's parameter memory (sharded / replicated / total bytes) and the bytes its data-parallel
         algorithm has sent so far."""
         pb = parameter_bytes(self.model, self.named_parameters())
-        out: dict[str, Any] = {"parameter_bytes": {**pb._asdict(), "total": pb.total}}
+        # "sharded"/"replicated": over tp; "total": what this rank holds between steps (ZeRO-3: its 1/dp shards)
+        held = sum(p.numel() * p.element_size() for p in self.parameters()) if self.zero >= 3 else pb.total
+        out: dict[str, Any] = {"parameter_bytes": {**pb._asdict(), "total": held}}
         if self.dp is not None:
             out["dp_sent_bytes"] = self.dp.stats.sent_bytes
         return out
