@@ -139,3 +139,13 @@ def test_draw_memory_draws_stacked_bars(tmp_path):
     assert draw_memory({"dp=2": {"estimated": terms, "measured": terms}, "ZeRO-3": {"measured": terms}},
                        tmp_path / "memory.png")
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_machine_shares_its_own_memory_among_its_own_ranks():
+    from fourfold.cli.plan import _available
+    from fourfold.config import parse_args
+
+    one = parse_args(["--nproc", "4"])
+    assert _available(one, 4)[1] == "the machine's available memory / 4 rank(s)"
+    two = parse_args(["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "10.0.0.1:29400"])
+    assert _available(two, 4)[1] == "the machine's available memory / 2 rank(s)"  # not the world's 4

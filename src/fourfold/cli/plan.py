@@ -77,7 +77,8 @@ def _available(cfg: Any, world_size: int) -> tuple[int, str]:
     t = cfg.train
     if t.memory_limit is not None:
         return parse_bytes(t.memory_limit), "--memory-limit"
-    return per_rank_memory(world_size, "cuda" if t.device == "cuda" else "cpu")
+    here = cfg.launch.nproc if cfg.launch.nnodes > 1 else world_size  # the ranks sharing this machine's memory
+    return per_rank_memory(here, "cuda" if t.device == "cuda" else "cpu")
 
 
 def _overflow(rows: list[Any], available: int, options: dict[str, Any],
