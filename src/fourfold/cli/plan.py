@@ -262,7 +262,8 @@ def _ranking(argv: list[str]) -> int:
     millions = f"{params / 1e6:,.{1 if params >= 1e7 else 2}f}"  # 0.03 M, not 0.0 M
     print(f"fourfold plan: {t.model} ({millions} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
-          f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}")
+          f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}"
+          f"{', with the figures fitted above' if ns.calibrate else ''}")
     print(f"{len(candidates)} layout{'s' if len(candidates) != 1 else ''} considered, {len(fits)} fit. Fastest "
           "first:")
     print(f"  {'#':>3} {'layout':<36} {'step':>10} {'tokens/s':>12} {'bubble':>7} {'dp exposed':>11} "
@@ -334,7 +335,8 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     print(f"  units: {profile.costs.source}", flush=True)
     runs = {layout: measured for layout, (measured, _) in best.items()}
     profile, links, fitted = calibrate(profile, links, batch_size, runs)
-    print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)"))
+    print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)")
+          + " (what each means: docs/simulator.md, 'What is predicted, and how')")
     return profile, links
 
 
