@@ -316,7 +316,7 @@ def _report(ns: argparse.Namespace, g: int, model: Any, rows: list[dict], elapse
     print("\ntargets:")
     for what, value, limit in verdicts:
         met = value <= limit
-        print(f"  {'met   ' if met else 'MISSED'} {what}: {value:.2f}x" + ("" if met else f" ({value / limit - 1:+.0%})"))
+        print(f"  {'met   ' if met else 'MISSED'} {what}: {value:.2f} {'<=' if met else '>'} {limit:.2f}")
     out = Path(ns.out)
     result = {"command": ns.command, "argv": sys.argv, "date": model.info.get("date"), "elapsed_s": elapsed,
               "machine": machine(g), "load_before": load_before, "load_after": os.getloadavg(),
