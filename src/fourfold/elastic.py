@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from fourfold.config import LaunchConfig
+from fourfold.config import LAB_ENV, LaunchConfig
 from fourfold.launch import loopback_store
 from fourfold.observe.doctor import VERDICT_ENV
 
@@ -139,9 +139,10 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
     done = threading.Event()
     threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True).start()
     if launch.nnodes > 1:
+        how = ("the lab starts every node" if LAB_ENV + "NNODES" in os.environ else
+               f"start the same command with --node-rank 0...{launch.nnodes - 1} on each")
         print(f"fourfold: machine {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout} s for "
-              f"the others at {launch.rdzv_endpoint} (start the same command with --node-rank 0..."
-              f"{launch.nnodes - 1} on each).", file=sys.stderr, flush=True)
+              f"the others at {launch.rdzv_endpoint} ({how}).", file=sys.stderr, flush=True)
     unwatch = _watch_rendezvous(launch, lambda: shutil.rmtree(verdict.parent, ignore_errors=True))
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
