@@ -184,9 +184,9 @@ def _watch_rendezvous(launch: LaunchConfig, cleanup: Callable[[], None]) -> Call
     it returns: Ctrl-C did nothing for up to --rdzv-timeout (5 minutes by default), and a machine that only
     connects to the endpoint waited about 2.5 times that, printing C++ stacks. Until this launcher has started
     its ranks, a thread woken by the signal itself (``signal.set_wakeup_fd``) ends it at once on Ctrl-C or
-    SIGTERM, and at the timeout (machine 0: plus :data:`RENDEZVOUS_GRACE_S`) with the one line saying why.
-    (A store client interrupted mid-connect may still log one C++ warning as the process ends.) Returns the function that stops
-    the watch; from the ranks' start on, torchrun's agent handles signals itself."""
+    SIGTERM, and at the timeout (machine 0: plus :data:`RENDEZVOUS_GRACE_S`) with the one line saying why. (A
+    store client interrupted mid-connect may still log one C++ warning as the process ends.) Returns the
+    function that stops the watch; from the ranks' start on, torchrun's agent handles signals itself."""
     if launch.nnodes == 1 or _children() is None or threading.current_thread() is not threading.main_thread():
         return lambda: None
     wake, wakeup = socket.socketpair()
