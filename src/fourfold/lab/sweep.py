@@ -82,9 +82,9 @@ def _print(table: list[dict[str, Any]], names: list[str], nbytes: int, fmt: Any)
             if r is None:
                 cells.append(f"{'-':>34}")
                 continue
-            text = f"{r['median_s'] * 1e3:.0f} ms"
+            text = f"{r['median_s'] * 1e3:.3g} ms"  # 3 figures: a small all-reduce takes 1-3 ms
             if r["predicted_s"]:
-                text += f" ({r['predicted_s'] * 1e3:.0f}, {r['median_s'] / r['predicted_s'] - 1:+.0%})"
+                text += f" ({r['predicted_s'] * 1e3:.3g}, {r['median_s'] / r['predicted_s'] - 1:+.0%})"
             if r["busiest_link_bytes"] is not None:
                 text += f" {fmt(r['busiest_link_bytes'])}"
             cells.append(f"{text:>34}")
