@@ -199,12 +199,31 @@ def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resume
     from fourfold.checkpoint.resume import resume_from
     from fourfold.config import parse_args
 
-    first, second, fresh = tmp_path / "first", tmp_path / "second", tmp_path / "fresh"
-    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(first)]) == 0
-    assert train_mod.main(["--steps", "3", "--checkpoint-every", "1", "--no-trace", "--no-progress", "--resume",
-                           str(first), "--out", str(second)]) == 0  # checkpoints at steps 2 and 3
+    run, fresh = tmp_path / "run", tmp_path / "fresh"
+    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(run)]) == 0
+    first = str(run / "checkpoints" / "step-000001")
+    assert train_mod.main(["--steps", "3", "--checkpoint-every", "1", "--no-trace", "--no-progress", "--batch-size",
+                           "8", "--resume", first, "--out", str(run)]) == 0  # 2 and 3 kept: step 1 is pruned
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun's agent sets it after a restart
-    restarted = parse_args(["--steps", "5", "--resume", str(first), "--out", str(second)])
+    restarted = parse_args(["--steps", "5", "--resume", first, "--out", str(run)])  # --resume's is gone
     assert resume_from(restarted)["step"] == 3  # its own newest: steps 2 and 3 are not trained again
-    early = parse_args(["--steps", "5", "--resume", str(first), "--out", str(fresh)])
-    assert resume_from(early)["step"] == 1  # restarted before its first checkpoint: --resume's again
+    assert restarted.model.d_model == 32  # the model's flags, from the checkpoint it will load
+    early = parse_args(["--steps", "5", "--resume", str(run), "--out", str(fresh)])
+    assert resume_from(early)["step"] == 3  # restarted before its first checkpoint: --resume's
+
+
+def test_checkpoints_from_before_model_config_values_still_resume(tmp_path, monkeypatch):
+    from fourfold.checkpoint.resume import check_resume
+    from fourfold.config import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2}))
+    here = parse_args(["--model", "gpt2", "--model-config", "cfg.json", "--steps", "4"])
+    saved = here.to_dict()
+    saved["train"]["model_config"] = "cfg.json"  # recorded as typed, without its JSON object
+    check_resume(here, {"config": saved, "dir": "old", "step": 2})  # the same file: accepted
+    where = tmp_path / "old" / "step-000002"
+    where.mkdir(parents=True)
+    del saved["train"]["model"], saved["train"]["model_config"]  # older still: no --model at all (TinyGPT's)
+    (where / "manifest.json").write_text(json.dumps({"format": "fourfold-checkpoint/1", "step": 2, "config": saved}))
+    assert parse_args(["--resume", str(where), "--steps", "4"]).train.model == "tinygpt"

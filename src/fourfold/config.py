@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fourfold.checkpoint.store import CheckpointError, read_manifest
+from fourfold.checkpoint.store import CheckpointError, starting_manifest
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.build import read_model_config
 from fourfold.models.gpt import GPTConfig
@@ -328,12 +329,18 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
 
+    @functools.cached_property
+    def model_config_values(self) -> dict[str, Any] | None:
+        """``--model-config``'s JSON object, read once (the first :meth:`record`, as the run starts): a file
+        edited or removed mid-run changes nothing the run writes down, and costs no checkpoint."""
+        return read_model_config(self.train.model_config) if self.train.model_config is not None else None
+
     def record(self) -> dict[str, Any]:
         """What a run writes down (run.json, checkpoints, model.pt): :meth:`to_dict`, and ``--model-config``'s
         JSON object itself under ``model_config_values``, so a resume compares contents, not paths."""
         record: dict[str, Any] = self.to_dict()
-        if self.train.model_config is not None:
-            record["model_config_values"] = read_model_config(self.train.model_config)
+        if self.model_config_values is not None:
+            record["model_config_values"] = self.model_config_values
         return record
 
 
@@ -432,7 +439,7 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
             section, key = dest.split(".", 1)
             values[section][key] = value
     if values["train"].get("resume") is not None:
-        _take_checkpoint_model(values)
+        _take_checkpoint_model(values)  # before the values are checked: they are the checkpoint's too
     for section, table in values.items():
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in table.items():
@@ -458,21 +465,29 @@ def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
     """``--resume``: defaults < the checkpoint's model settings < file < flags. They must equal the checkpoint's
     anyway, so a resumed run need not repeat them; one given that differs is refused before launch. Given
     another ``--model``, none is taken (the refusal then lists what differs)."""
-    try:
-        saved = read_manifest(values["train"]["resume"])["config"]
+    t = values["train"]
+    try:  # the checkpoint the run will load: after a restart its own newest, which --resume's may be pruned for
+        manifest = starting_manifest(t["resume"], t.get("out", _default("out")))
     except CheckpointError as e:
         raise ValueError(str(e)) from None
-    if values["train"].get("model", saved["train"]["model"]) != saved["train"]["model"]:
+    saved = manifest["config"] if manifest is not None else {}
+    model = saved.get("train", {}).get("model", _default("model"))  # older manifests: TinyGPT's
+    if t.get("model", model) != model:
         return
     for section, keys in MODEL_KEYS.items():
         for key in keys:
             if key in saved.get(section, {}):
                 values[section].setdefault(key, saved[section][key])
-    path, keys = values["train"].get("model_config"), saved.get("model_config_values")
-    if path is not None and path == saved["train"].get("model_config") and not os.path.isfile(path):
-        hint = f"its keys are {json.dumps(keys)}: write them" if keys is not None else "write its keys"
+    path, written = t.get("model_config"), saved.get("model_config_values")
+    if path is not None and path == saved.get("train", {}).get("model_config") and not os.path.isfile(path):
+        hint = f"its keys are {json.dumps(written)}: write them" if written is not None else "write its keys"
         raise ValueError(f"resume: the checkpoint's model was built from --model-config {path}, which is gone; "
                          f"{hint} to a file and pass --model-config FILE.")
+
+
+def _default(key: str) -> Any:
+    """[train] ``key``'s default."""
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == key)
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:

@@ -8,31 +8,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fourfold.checkpoint.store import CheckpointError, read_manifest
+from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
 from fourfold.config import MODEL_KEYS, Config
 
 __all__ = ["CONTINUED", "changed_settings", "check_resume", "continues_run", "restart_count", "resume_from"]
 
 
-def restart_count() -> int:
-    """How many times torchrun's agent has restarted this job's ranks (``--max-restarts``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 def resume_from(cfg: Config) -> dict[str, Any] | None:
-    """The manifest of the checkpoint this run starts from: after an automatic restart, OUT's newest (the run's
-    own progress), else ``--resume``'s; None when there is neither (a run restarted before its first
-    checkpoint starts over). Refuses a missing or damaged ``--resume``."""
-    t = cfg.train
-    if restart_count() > 0:
-        try:
-            return read_manifest(t.out)
-        except CheckpointError:
-            pass  # none written yet: --resume's, or from the start
-    if t.resume is None:
-        return None
+    """The manifest of the checkpoint this run starts from (:func:`~fourfold.checkpoint.store.starting_manifest`);
+    a missing or damaged ``--resume`` is a ValueError."""
     try:
-        return read_manifest(t.resume)
+        return starting_manifest(cfg.train.resume, cfg.train.out)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
 
@@ -48,7 +34,7 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     saved, here = manifest["config"], cfg.record()
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
               for s, keys in MODEL_KEYS.items() for k in keys if saved.get(s, {}).get(k) != here[s][k]
-              and not (k == "model_config" and _same_contents(saved, here))]
+              and not (k == "model_config" and _same_model_config(saved, here))]
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
                          f"{'; '.join(differ)}. Leave these flags out (a resumed run takes the checkpoint's), or "
@@ -58,10 +44,13 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
                          f"steps={cfg.train.steps}. Pass --steps {manifest['step'] + 1} or more.")
 
 
-def _same_contents(saved: dict[str, Any], here: dict[str, Any]) -> bool:
-    """Two --model-config files (moved, copied, or named another way) that hold the same JSON object."""
-    return saved.get("model_config_values") is not None and saved.get("model_config_values") == here.get(
-        "model_config_values")
+def _same_model_config(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    """The same --model-config: two files (moved, copied, named another way) holding the same JSON object, or,
+    for a checkpoint that recorded only the path as typed (before model_config_values), the same file."""
+    if saved.get("model_config_values") is not None:
+        return bool(saved["model_config_values"] == here.get("model_config_values"))
+    path = saved.get("train", {}).get("model_config")
+    return path is not None and os.path.abspath(path) == here["train"]["model_config"]
 
 
 CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "precision", "data", "tokenizer", "data_dtype", "pack",

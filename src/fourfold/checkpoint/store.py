@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "find_latest", "prune", "read_manifest", "sha256_file"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "find_latest", "prune", "read_manifest", "restart_count",
+           "sha256_file", "starting_manifest"]
 
 FORMAT = "fourfold-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -83,6 +85,23 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where / MANIFEST}: format must be {FORMAT!r}, got {manifest.get('format')!r}.")
     return {**manifest, "dir": str(where)}
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this job's ranks (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def starting_manifest(resume: str | Path | None, out: str | Path) -> dict[str, Any] | None:
+    """The manifest of the checkpoint a run starts from: after an automatic restart, ``out``'s newest (the run's
+    own progress; ``resume``'s may have been pruned since), else ``resume``'s (:class:`CheckpointError` if it is
+    missing or damaged); None when there is neither (a run restarted before its first checkpoint starts over)."""
+    if restart_count() > 0:
+        try:
+            return read_manifest(out)
+        except CheckpointError:
+            pass  # none written yet: --resume's, or from the start
+    return read_manifest(resume) if resume is not None else None
 
 
 class CheckedFiles:
