@@ -163,3 +163,13 @@ def test_a_lab_keeps_its_cost_model_apart_from_this_machines(monkeypatch):
     assert env["FOURFOLD_COST_MODEL"].endswith("/.cache/fourfold/lab/cost_model-4x2-250mbit-cubic.json")
     monkeypatch.setenv("FOURFOLD_COST_MODEL", "/tmp/mine.json")  # the user's choice wins
     assert _node_env(Lab(4, "250mbit"), 1, 2)["FOURFOLD_COST_MODEL"] == "/tmp/mine.json"
+
+
+def test_a_lab_lock_that_cannot_be_opened_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    from fourfold.cli.lab import main
+    from fourfold.lab import net
+
+    monkeypatch.setattr(net, "LOCK", tmp_path / "missing" / "fourfold-lab.lock")  # as /run is, to a non-root user
+    monkeypatch.setattr(net, "leftovers", lambda: [])
+    assert main(["down"]) == 2
+    assert "cannot open the lab's lock" in capsys.readouterr().err

@@ -91,8 +91,9 @@ def _stop(procs: list[subprocess.Popen[bytes]], within_s: float = 15.0) -> None:
     """Ctrl-C to every node still running (torchrun passes it to its ranks), then, ``within_s`` later, kill what
     is left. A second Ctrl-C or SIGTERM meanwhile is ignored: stopping half-way left node launchers running,
     orphaned, in namespaces about to be deleted."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    from fourfold.lab.net import signals_ignored
+
+    with signals_ignored():
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -103,9 +104,6 @@ def _stop(procs: list[subprocess.Popen[bytes]], within_s: float = 15.0) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
@@ -134,6 +132,7 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
         raise ValueError(f"gpus-per-node must be >= 1, got {gpus}.")
     lab = Lab(nodes, link, tcp)
     procs: list[subprocess.Popen[bytes]] = []
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
         logs = Path(tmp)
         print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, TCP {tcp}, addresses "
@@ -147,14 +146,16 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
             codes = _wait_all(procs)
         except KeyboardInterrupt:
             _stop(procs)
-            print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)
-            return 130
+            codes, interrupted = [], True
         finally:
             signal.signal(signal.SIGTERM, previous)
         for k, code in enumerate(codes[1:], start=1):
             if code != 0:
                 print(f"fourfold lab: node {k} exited {code}; its output:\n"
                       + (logs / f"node{k}.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+    if interrupted:
+        print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)  # now that it is
+        return 130
     return max(codes, key=abs)
 
 

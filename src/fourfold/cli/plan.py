@@ -25,6 +25,7 @@ bench allreduce`` made one, else ``--link``'s rate at this machine's latency).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -77,7 +78,10 @@ def _available(cfg: Any, world_size: int) -> tuple[int, str]:
     t = cfg.train
     if t.memory_limit is not None:
         return parse_bytes(t.memory_limit), "--memory-limit"
-    here = cfg.launch.nproc if cfg.launch.nnodes > 1 else world_size  # the ranks sharing this machine's memory
+    from fourfold.config import LAB_ENV
+
+    # the ranks sharing this machine's memory: its own, on real machines; all of them in a lab (one machine)
+    here = cfg.launch.nproc if cfg.launch.nnodes > 1 and LAB_ENV + "NNODES" not in os.environ else world_size
     return per_rank_memory(here, "cuda" if t.device == "cuda" else "cpu")
 
 

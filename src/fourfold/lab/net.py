@@ -24,18 +24,20 @@ missing (``netem`` is not needed: latency comes from the real stack, bandwidth f
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["LOCK", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls", "cost_model_path",
-           "holding", "leftovers", "parse_rate", "unavailable"]
+           "holding", "leftovers", "parse_rate", "signals_ignored", "unavailable"]
 
 PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"
@@ -59,7 +61,12 @@ class LabBusy(LabUnavailable):
 
 def holding() -> int:
     """An fd holding :data:`LOCK` (its pid written in it); :class:`LabBusy` naming the holder if it is taken."""
-    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    import fcntl  # Linux's, as the lab is; fourfold plan imports this module on any system
+
+    try:
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise LabUnavailable(f"cannot open the lab's lock {LOCK} ({e.strerror}): the lab needs root on Linux.") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -71,6 +78,21 @@ def holding() -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored inside (in the main thread; elsewhere signals reach no handler anyway): for
+    cleanup that must finish once begun."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def parse_rate(text: str, most: float = 1e11) -> int:
@@ -141,7 +163,7 @@ class Lab:
     nodes: int
     link: str = "1gbit"
     tcp: str = "cubic"  # each node's TCP congestion control; "keep": the machine's
-    _lock: int | None = field(default=None, init=False, repr=False)  # holding(): while this lab is up
+    _lock: int | None = field(default=None, init=False, repr=False, compare=False)  # holding(): while it is up
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -199,7 +221,8 @@ class Lab:
         let the next lab be made. Refuses (:class:`LabBusy`) another process's running lab."""
         lock = self._lock if self._lock is not None else holding()
         try:
-            self._remove()
+            with signals_ignored():  # a second Ctrl-C must not leave half the namespaces behind
+                self._remove()
         finally:
             os.close(lock)
             self._lock = None

@@ -71,6 +71,12 @@ def _cell(rows: list[dict[str, Any]], g: int, name: str) -> dict[str, Any] | Non
     return next((r for r in rows if r["ranks"] == g and r["algorithm"] == name), None)
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to 3 figures below 100 ms (a small all-reduce takes 1-3), whole ones above."""
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
 def _print(table: list[dict[str, Any]], names: list[str], nbytes: int, fmt: Any) -> None:
     ranks = sorted({r["ranks"] for r in table})
     print(f"\nall-reduce of {fmt(nbytes)}: median time (model's prediction, error); busiest network link's bytes")
@@ -82,9 +88,9 @@ def _print(table: list[dict[str, Any]], names: list[str], nbytes: int, fmt: Any)
             if r is None:
                 cells.append(f"{'-':>34}")
                 continue
-            text = f"{r['median_s'] * 1e3:.3g} ms"  # 3 figures: a small all-reduce takes 1-3 ms
+            text = f"{_ms(r['median_s'])} ms"
             if r["predicted_s"]:
-                text += f" ({r['predicted_s'] * 1e3:.3g}, {r['median_s'] / r['predicted_s'] - 1:+.0%})"
+                text += f" ({_ms(r['predicted_s'])}, {r['median_s'] / r['predicted_s'] - 1:+.0%})"
             if r["busiest_link_bytes"] is not None:
                 text += f" {fmt(r['busiest_link_bytes'])}"
             cells.append(f"{text:>34}")
