@@ -195,14 +195,14 @@ def test_the_heartbeat_outlives_a_failed_store_call_and_stops_when_the_store_is_
 
 
 class _Broken:
-    """A dist.Work whose wait fails as gloo's does when the peer's process is gone."""
+    """A dist.Work whose wait fails as gloo's does when the peer's process is gone (or with ``error``)."""
 
-    def __init__(self, after_s: float) -> None:
-        self.after_s = after_s
+    def __init__(self, after_s: float, error: str = "Connection closed by peer [127.0.0.1]:1234") -> None:
+        self.after_s, self.error = after_s, error
 
     def wait(self, timeout):
         time.sleep(self.after_s)
-        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        raise RuntimeError(self.error)
 
 
 def test_a_broken_connection_is_a_peer_gone_echo_and_train_prints_it_in_one_line(tmp_path, monkeypatch, capsys):
@@ -214,6 +214,9 @@ def test_a_broken_connection_is_a_peer_gone_echo_and_train_prints_it_in_one_line
     with pytest.raises(CommError, match="did not complete within 0.05 s") as late:
         bounded_wait(_Broken(0.06), 0.05, rank=0, op="0F1", awaited="send to", peer=1)
     assert not late.value.peer_gone  # a timeout: its traceback says where the rank waited
+    with pytest.raises(CommError) as local:
+        bounded_wait(_Broken(0.0, "invalid tensor size"), 5.0, rank=0, op="0F1", awaited="send to", peer=1)
+    assert not local.value.peer_gone  # this rank's own failure, not an echo: it keeps its traceback
 
     def fails(cfg):
         raise gone.value

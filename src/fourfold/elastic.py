@@ -48,7 +48,8 @@ __all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 RENDEZVOUS_GRACE_S = 10.0
-"""Seconds past --rdzv-timeout a machine that found no peers is given before the watch ends it."""
+"""Seconds past --rdzv-timeout machine 0 (the store's host, whose own timeout ends it) is given before the
+rendezvous watch ends it."""
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
 
 
@@ -183,10 +184,11 @@ def _watch_rendezvous(launch: LaunchConfig, cleanup: Callable[[], None]) -> Call
     """torchrun's static rendezvous waits inside the store's C++ code, where Python runs no signal handler until
     it returns: Ctrl-C did nothing for up to --rdzv-timeout (5 minutes by default), and a machine that only
     connects to the endpoint waited about 2.5 times that, printing C++ stacks. Until this launcher has started
-    its ranks, a thread woken by the signal itself (``signal.set_wakeup_fd``) ends it at once on Ctrl-C or
-    SIGTERM, and at the timeout (machine 0: plus :data:`RENDEZVOUS_GRACE_S`) with the one line saying why. (A
-    store client interrupted mid-connect may still log one C++ warning as the process ends.) Returns the
-    function that stops the watch; from the ranks' start on, torchrun's agent handles signals itself."""
+    its ranks, a thread woken by the signal itself (``signal.set_wakeup_fd``) ends it at once on Ctrl-C, and
+    at the timeout (machine 0: plus :data:`RENDEZVOUS_GRACE_S`) with the one line saying why. (SIGTERM needs no
+    watch: no handler is installed before the ranks start, so it ends the process. A store client interrupted
+    mid-connect may still log a C++ warning as the process ends.) Returns the function that stops the watch;
+    from the ranks' start on, torchrun's agent handles signals itself."""
     if launch.nnodes == 1 or _children() is None or threading.current_thread() is not threading.main_thread():
         return lambda: None
     wake, wakeup = socket.socketpair()
@@ -201,18 +203,17 @@ def _watch_rendezvous(launch: LaunchConfig, cleanup: Callable[[], None]) -> Call
 
     def watch() -> None:
         # machine 0 hosts the store, whose own timeout ends it cleanly; the others' store client retries past it
-        # and logs C++ stacks on the way, so for them the watch ends the wait just before the client's timeout
-        wait = launch.rdzv_timeout + RENDEZVOUS_GRACE_S if launch.node_rank == 0 else 0.95 * launch.rdzv_timeout
+        wait = launch.rdzv_timeout + (RENDEZVOUS_GRACE_S if launch.node_rank == 0 else 0.0)
         deadline = time.monotonic() + wait
-        while not stop.is_set() and not _children():
+        while not stop.is_set() and _children() is False:  # None (/proc unreadable now): stop watching
             try:
                 got = wake.recv(64) if select.select([wake], [], [], 0.5)[0] else b""
             except (OSError, ValueError):  # closed by unwatch: the launch is over
                 return
-            if (signal.SIGINT in got or signal.SIGTERM in got) and not _children():
+            if signal.SIGINT in got and _children() is False:
                 end(130, f"fourfold: interrupted while machine {launch.node_rank} waited for the others; no rank "
                          "was started.")
-            if time.monotonic() > deadline and not _children():
+            if time.monotonic() > deadline and _children() is False:
                 end(1, _no_rendezvous(launch, "no answer"))
 
     threading.Thread(target=watch, name="fourfold-rendezvous-watch", daemon=True).start()

@@ -341,14 +341,19 @@ def _interrupted_note(cfg: Config) -> str:
 
 
 def _launched_as() -> LaunchConfig:
-    """A rank's [launch] section, for run.json and checkpoints: its launcher's flags (ranks are started without
-    them), or under a hand-run torchrun what its environment says."""
-    if _LAUNCH in os.environ:
-        return LaunchConfig(**json.loads(os.environ[_LAUNCH]))
-    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("WORLD_SIZE", "1"))
-    return LaunchConfig(nproc=local, nnodes=max(world // local, 1), node_rank=int(os.environ.get("GROUP_RANK", "0")),
-                        rdzv_endpoint=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if world > local
-                        else None)
+    """A rank's [launch] section, for run.json and checkpoints (only a record: it never fails): its launcher's
+    flags (ranks are started without them), or under a hand-run torchrun what its environment says."""
+    try:
+        if _LAUNCH in os.environ:
+            return LaunchConfig(**json.loads(os.environ[_LAUNCH]))
+        env = os.environ.get
+        local = int(env("LOCAL_WORLD_SIZE", "1"))
+        nodes = int(env("GROUP_WORLD_SIZE", "0")) or max(int(env("WORLD_SIZE", "1")) // local, 1)
+        endpoint = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}" if env("MASTER_ADDR") else None
+        return LaunchConfig(nproc=local, nnodes=nodes, node_rank=int(env("GROUP_RANK", "0")),
+                            rdzv_endpoint=endpoint if nodes > 1 else None)
+    except (ValueError, TypeError):  # machines of different sizes, or a variable of another launcher
+        return LaunchConfig()
 
 
 def main(argv: list[str] | None = None) -> int:

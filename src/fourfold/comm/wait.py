@@ -16,6 +16,7 @@ arrived is added to the error.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,10 @@ _timeout_s = DEFAULT_TIMEOUT_S  # of waits not handed one; launch.init sets the 
 _explain_with: Callable[[Any], str] | None = None  # the running hang doctor's explain(), if any
 
 HINT = ("The peer is dead, stuck, or running a different operation; its own error (if any) says which.")
+
+
+_PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe|closed by peer", re.IGNORECASE)
+"""What the transport says when the process at the other end has exited (gloo: 'Connection closed by peer')."""
 
 
 class CommError(RuntimeError):
@@ -95,7 +100,7 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
         waited = time.time() - entry.since
         if waited < 0.9 * timeout_s:  # not a timeout: the connection broke (a peer exited or was killed)
             raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: a peer's connection "
-                            f"broke. {hint} [{cause}]", peer_gone=True) from e
+                            f"broke. {hint} [{cause}]", peer_gone=_PEER_GONE.search(cause) is not None) from e
         raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {timeout_s:g} s. {hint} "
                         f"{_explain(entry)}[{cause}]") from e
     finally:
