@@ -399,3 +399,18 @@ def test_flags_the_layout_does_not_read_are_named_before_launch():
     assert unused("--schedule", "interleaved", "--virtual", "3", "--powersgd-rank", "2", pp=2, dp=2) == [
         "--powersgd-rank 2"]
     assert unused("--n-layer", "2", "--allreduce", "ring", dp=2) == []
+
+
+def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
+    from fourfold.train import _launched_as
+
+    monkeypatch.delenv("FOURFOLD_LAUNCH", raising=False)
+    for name, value in {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                        "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(name, value)  # a hand-run torchrun on two machines of 2
+    got = _launched_as()
+    assert (got.nproc, got.nnodes, got.node_rank, got.rdzv_endpoint) == (2, 2, 1, "10.0.0.1:29400")
+    monkeypatch.setenv("WORLD_SIZE", "3")  # machines of different sizes: recorded as the defaults, never fatal
+    assert _launched_as().nproc == 1
+    monkeypatch.setenv("FOURFOLD_LAUNCH", '{"nproc": 8, "max_restarts": 2}')  # from fourfold's own launcher
+    assert (_launched_as().nproc, _launched_as().max_restarts) == (8, 2)
