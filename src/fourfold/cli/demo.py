@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n  parameter memory per rank (run.json):")
     for name in ("single", "dp2-ring", "tp2"):
         pb = json.loads((root / name / "run.json").read_text())["parameter_bytes_rank0"]
-        print(f"    {name:<10} {(pb['sharded'] + pb['replicated']) / 2**20:6.2f} MiB  (sharded "
+        print(f"    {name:<10} {pb['total'] / 2**20:6.2f} MiB  (sharded "
               f"{pb['sharded'] / 2**20:.2f} MiB, replicated {pb['replicated'] / 2**20:.2f} MiB)")
     print(NOTES)
     step = max(1, args.dp_steps - 1)
