@@ -11,8 +11,8 @@ Outputs in ``--out``:
 * ``run.json``: the full config, the layout, and the corpus's name and sha256 (which text was trained on);
 * ``metrics.jsonl``: one JSON object per step: ``step``, ``loss`` (always the mean over the *global* batch,
   whatever the layout, so runs compare line by line), ``tokens_per_s``, ``step_time_s``, and where the time and
-  bytes went (``compute_s``, ``comm_s``, ``wait_s``, and ``comm_bytes``/``comm_messages`` counted on rank 0
-  for the fourfold ``--allreduce`` algorithms; ``native`` counts messages only, its bytes are the backend's);
+  bytes went (``compute_s``, ``comm_s``, ``wait_s``; ``bytes_by_axis`` and their sum ``comm_bytes``, what rank
+  0 sent, and ``comm_messages``; a ``native`` all-reduce's bytes are the backend's and not counted);
 * ``trace-rank<r>.jsonl`` per rank and ``trace.json``, the merged timeline (open it in ui.perfetto.dev);
 * ``model.pt``: the final weights under the model's own names, and the config, loadable with
   ``fourfold.checkpoint.load_checkpoint`` (``GPT2LMHeadModel(config).load_state_dict(ckpt["model"])``).
@@ -211,6 +211,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
+            row["comm_bytes"] = sum(row["bytes_by_axis"].values())  # one count of what was sent: tp as a ring
             row["memory_bytes"] = {**held, "activations": loss.activation_bytes,  # this rank's (rank 0 writes)
                                    **process_peak(ctx.device)}
             if step in (first, t.steps) and ctx.world_size > 1:  # every rank's, on the first and the last step
@@ -299,8 +300,7 @@ def _metrics_row(step: int, loss: float, elapsed: float, data: dict[str, Any], t
             "real_tokens_per_s": data["real_tokens"] / elapsed, "padding_fraction": data["padding_fraction"],
             **packed, "step_time_s": elapsed, "lr": lr,
             "compute_s": totals.get("compute_s", 0.0), "comm_s": totals.get("comm_s", 0.0),
-            "wait_s": totals.get("wait_s", 0.0), "comm_bytes": totals.get("bytes", 0),
-            "comm_messages": totals.get("messages", 0)}
+            "wait_s": totals.get("wait_s", 0.0), "comm_messages": totals.get("messages", 0)}
 
 
 def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer: Tracer, out: Path,
