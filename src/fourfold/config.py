@@ -457,7 +457,8 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         raise ValueError(f"--config {file} (or a flag): {e}") from None
 
 
-MODEL_KEYS = {"train": ("model", "model_config", "dtype"), "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
+MODEL_KEYS = {"train": ("model", "model_config", "dtype"),
+              "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
 """The settings that define a model, by section: a resumed run takes the checkpoint's for those it is not given."""
 
 

@@ -202,7 +202,8 @@ def _watch_rendezvous(launch: LaunchConfig, cleanup: Callable[[], None]) -> Call
         os._exit(code)  # the main thread is inside C++ and cannot be interrupted; nothing was started
 
     def watch() -> None:
-        # machine 0 hosts the store, whose own timeout ends it cleanly; the others' store client retries past it
+        # machine 0 hosts the store, whose own timeout ends it cleanly (the watch is only a backstop there); the
+        # others' store client would retry past the timeout, so for them the watch is what ends the wait
         wait = launch.rdzv_timeout + (RENDEZVOUS_GRACE_S if launch.node_rank == 0 else 0.0)
         deadline = time.monotonic() + wait
         while not stop.is_set() and _children() is False:  # None (/proc unreadable now): stop watching

@@ -24,7 +24,6 @@ layout; that is what makes "the same numbers as one process" testable.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -325,11 +324,9 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
 
 def _interrupted_note(cfg: Config) -> str:
     """What an interrupted run left to resume from: its newest complete checkpoint, or that there is none."""
-    from fourfold.checkpoint.store import read_manifest
-
     out = cfg.train.out
     try:
-        manifest = read_manifest(out)
+        manifest = checkpoint.read_manifest(out)
     except CheckpointError:
         every = cfg.train.checkpoint_every
         why = (f"--checkpoint-every {every}: none reached yet" if every else
@@ -377,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
             with lock:
                 os.environ[_LOCK_HELD] = cfg.train.out
-                os.environ[_LAUNCH] = json.dumps(dataclasses.asdict(cfg.launch))
+                os.environ[_LAUNCH] = json.dumps(cfg.to_dict()["launch"])
                 # Workers need no launch flags (and torchrun's parser would trip over --nproc).
                 return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
         with lock:

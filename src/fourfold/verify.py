@@ -161,7 +161,8 @@ def compare(losses: list[float], states: list[dict[str, torch.Tensor]], ref_loss
 
 def report(rows: list[VerifyRow], kind: str, what: str | None = None) -> str:
     """The table the user reads, and the verdict (``what``: the run's numerics, default ``kind``)."""
-    lines = [f"verify: the first {len(rows)} step(s) again on one process ({what or kind}; tolerance {KINDS[kind].text()})",
+    lines = [f"verify: the first {len(rows)} step(s) again on one process ({what or kind}; tolerance "
+             f"{KINDS[kind].text()})",
              f"  {'step':>4}  {'loss (layout)':>15}  {'loss (1 process)':>16}  {'|loss diff|':>11}  "
              f"{'max |param diff|':>16}  {'diff/update':>11}  at"]
     for r in rows:

@@ -132,7 +132,6 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
         raise ValueError(f"gpus-per-node must be >= 1, got {gpus}.")
     lab = Lab(nodes, link, tcp)
     procs: list[subprocess.Popen[bytes]] = []
-    interrupted = False
     with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
         logs = Path(tmp)
         print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, TCP {tcp}, addresses "
@@ -146,16 +145,13 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
             codes = _wait_all(procs)
         except KeyboardInterrupt:
             _stop(procs)
-            codes, interrupted = [], True
+            raise  # the lab is removed on the way out; main says so
         finally:
             signal.signal(signal.SIGTERM, previous)
         for k, code in enumerate(codes[1:], start=1):
             if code != 0:
                 print(f"fourfold lab: node {k} exited {code}; its output:\n"
                       + (logs / f"node{k}.log").read_text(errors="replace")[-4000:], file=sys.stderr)
-    if interrupted:
-        print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)  # now that it is
-        return 130
     return max(codes, key=abs)
 
 
@@ -194,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as e:
         print(f"fourfold lab: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # while the lab was being made or removed (Lab.up removes what it made)
+    except KeyboardInterrupt:  # the nodes are stopped and the lab removed (Lab.up removes what it made)
         print("fourfold lab: interrupted; the lab is removed", file=sys.stderr)
         return 130
     return 1

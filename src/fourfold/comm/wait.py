@@ -98,9 +98,11 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
             f" ranks {list(group_ranks)}" if group_ranks is not None else "")
         cause = _first_line(e)
         waited = time.time() - entry.since
-        if waited < 0.9 * timeout_s:  # not a timeout: the connection broke (a peer exited or was killed)
-            raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: a peer's connection "
-                            f"broke. {hint} [{cause}]", peer_gone=_PEER_GONE.search(cause) is not None) from e
+        if waited < 0.9 * timeout_s:  # not a timeout: most often the connection broke (a peer exited or was killed)
+            gone = _PEER_GONE.search(cause) is not None
+            how = "a peer's connection broke" if gone else "it failed"
+            raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: {how}. {hint} "
+                            f"[{cause}]", peer_gone=gone) from e
         raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {timeout_s:g} s. {hint} "
                         f"{_explain(entry)}[{cause}]") from e
     finally:

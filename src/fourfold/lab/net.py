@@ -66,7 +66,8 @@ def holding() -> int:
     try:
         fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise LabUnavailable(f"cannot open the lab's lock {LOCK} ({e.strerror}): the lab needs root on Linux.") from None
+        raise LabUnavailable(f"cannot open the lab's lock {LOCK} ({e.strerror}): the lab needs root on "
+                             "Linux.") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -23,7 +23,8 @@ With a :class:`~fourfold.observe.trace.Tracer`, each collective is one comm span
 ``tp.all_gather`` or ``tp.reduce_scatter``; ``bytes`` is the size of the tensor this rank hands to the
 collective (its payload, not the wire traffic: a ring all-reduce of N bytes sends 2(p-1)N/p per rank), and
 ``args`` hold ``phase`` (``forward`` | ``backward`` | ``grad_sync``), ``site`` (the layer's module name),
-``numel`` and ``ranks``; :func:`wire_bytes` turns a span's payload into what a ring sends. A group of one rank communicates nothing and records nothing.
+``numel`` and ``ranks``; :func:`wire_bytes` turns a span's payload into what a ring sends. A group of one rank
+communicates nothing and records nothing.
 """
 
 from __future__ import annotations
