@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fourfold.config import Config, load, parse_args
+from fourfold.cli.args import load, parse_args
+from fourfold.config import Config
 
 
 def test_defaults():

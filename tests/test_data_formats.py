@@ -119,7 +119,7 @@ def test_data_that_does_not_fit_is_refused_before_start(tmp_path, capsys, flags,
 
 
 def _dp2(ctx, argv: list[str]) -> list[float]:
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
     from fourfold.train import train
 
     return train(parse_args(argv), ctx).losses

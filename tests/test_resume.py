@@ -26,7 +26,7 @@ SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16"
 
 
 def _train_on_ranks(ctx, argv: list[str]) -> list[float]:
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
 
     return train_mod.train(parse_args(argv), ctx).losses
 
@@ -152,7 +152,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
 
 
 def test_an_interrupted_run_without_checkpoints_says_there_is_none(tmp_path):
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
 
     cfg = parse_args([*SMALL, "--out", str(tmp_path / "none")])
     note = train_mod._interrupted_note(cfg)
@@ -176,7 +176,7 @@ def test_a_compressed_run_resumes_exactly_its_errors_fed_back_restored(tmp_path,
 
 
 def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_afresh(tmp_path, capsys):
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
     from fourfold.preflight import _resume_note
 
@@ -197,7 +197,7 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
 def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resumed_checkpoint(tmp_path,
                                                                                              monkeypatch):
     from fourfold.checkpoint.resume import resume_from
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
 
     run, fresh = tmp_path / "run", tmp_path / "fresh"
     assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(run)]) == 0
@@ -214,7 +214,7 @@ def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resume
 
 def test_checkpoints_from_before_model_config_values_still_resume(tmp_path, monkeypatch):
     from fourfold.checkpoint.resume import check_resume
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2}))

@@ -259,7 +259,7 @@ def test_cli_help_reads_well():
 
 def _train_on_ranks(ctx, argv: list[str]):
     """A rank of the in-harness runs below: train with these flags on the harness's process group."""
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
     from fourfold.train import train
 
     result = train(parse_args(argv), ctx)
@@ -385,7 +385,7 @@ def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
 
 
 def test_flags_the_layout_does_not_read_are_named_before_launch():
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
     from fourfold.preflight import unused_flags
 

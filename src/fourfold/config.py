@@ -1,5 +1,6 @@
-"""Run configuration: typed dataclasses, filled from defaults, then a TOML file, then command-line flags (and a
-resumed run's model settings, left out, from its checkpoint).
+"""Run configuration: typed dataclasses, one per section, each validated as it is made. They are filled from
+defaults, then a TOML file, then command-line flags (and a resumed run's model settings, left out, from its
+checkpoint) by :mod:`fourfold.cli.args`.
 
 A TOML file has one table per section::
 
@@ -21,33 +22,18 @@ nearest valid name.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import functools
-import json
-import math
 import os
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from fourfold.checkpoint.store import CheckpointError, starting_manifest
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.build import read_model_config
 from fourfold.models.gpt import GPTConfig
 from fourfold.parallel.checkpointing import parse_policy
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-__all__ = ["Config", "LaunchConfig", "TrainConfig", "add_flags", "check_value", "load", "parse_args",
-           "without_section_flags"]
+__all__ = ["LAB_ENV", "MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig", "lab_default"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -294,7 +280,7 @@ class LaunchConfig:
         return self.nproc * self.nnodes
 
 
-_MODEL_HELP = {
+MODEL_HELP = {
     "vocab_size": "vocabulary size (256 for the byte-level tokenizer)",
     "seq_len": "tokens per sequence (the model's context length)",
     "n_layer": "transformer blocks",
@@ -349,230 +335,3 @@ TINYGPT_ONLY = ("n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias"
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
-
-
-def _nearest(name: str, valid: typing.Iterable[str]) -> str:
-    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    return f" Did you mean {match[0]!r}?" if match else f" Valid: {', '.join(sorted(valid))}."
-
-
-def load(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML file into ``{section: {key: value}}``, refusing unknown sections and keys."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ValueError(f"config {path} cannot be read: {e.strerror or e}. Pass --config with a TOML file's "
-                         "path.") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config {path} is not valid TOML: {e}.") from None
-    for section, values in data.items():
-        if not isinstance(values, dict):  # a key above every table
-            home = _SECTION_OF.get(section)
-            hint = f" Put it under [{home}]." if home else _nearest(section, _SECTION_OF)
-            raise ValueError(f"{section} = {values!r} in {path} is outside any table; every key sits under [model], "
-                             f"[train] or [launch].{hint}")
-        if section not in SECTIONS:
-            raise ValueError(f"unknown section [{section}] in {path}.{_nearest(section, SECTIONS)}")
-        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
-        for key in values:
-            if key not in known:
-                raise ValueError(f"unknown key {key!r} in [{section}] of {path}.{_nearest(key, known)}")
-    return data
-
-
-_SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-"""Every key's table, for a key placed outside it."""
-
-
-def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:
-    """(converter, choices) for a field type: int, float, str, bool, Literal[...], X | None."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)][0]
-        conv, choices = _flag_type(inner)
-        return (lambda s: None if s.lower() == "none" else conv(s)), choices
-    if typing.get_origin(tp) is Literal:
-        return str, [str(a) for a in args]
-    return tp, None
-
-
-def _metavar(name: str, tp: Any) -> str:
-    if name in ("out", "data", "config"):
-        return "PATH"
-    text = str(tp)
-    return "N" if "int" in text else "X" if "float" in text else "TEXT"
-
-
-def add_flags(parser: argparse.ArgumentParser, sections: typing.Iterable[str] = SECTIONS) -> None:
-    """Add one flag per config field; a flag left out keeps the file's (or default) value."""
-    for section in sections:
-        cls = SECTIONS[section]
-        hints = typing.get_type_hints(cls)
-        group = parser.add_argument_group(f"{section} ([{section}] in --config)")
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            text = f.metadata.get("help") or _MODEL_HELP.get(f.name, "")
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            if "default" not in text:
-                text = f"{text} (default: {default})"
-            dest = f"{section}.{f.name}"
-            if hints[f.name] is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=text)
-                continue
-            conv, choices = _flag_type(hints[f.name])
-            group.add_argument(flag, dest=dest, type=conv, choices=choices, default=argparse.SUPPRESS,
-                               metavar=None if choices else _metavar(f.name, hints[f.name]), help=text)
-
-
-def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Config:
-    """Defaults, then (with ``resume``) the checkpoint's model settings, then ``file``'s values, then the flags
-    present in ``ns``."""
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    if file is not None:
-        for section, table in load(file).items():
-            values[section].update(table)
-    for dest, value in vars(ns).items():
-        if "." in dest:
-            section, key = dest.split(".", 1)
-            values[section][key] = value
-    if values["train"].get("resume") is not None:
-        _take_checkpoint_model(values)  # before the values are checked: they are the checkpoint's too
-    for section, table in values.items():
-        hints = typing.get_type_hints(SECTIONS[section])
-        for key, value in table.items():
-            table[key] = check_value(f"{key}", value, hints[key], file)
-    if values["train"].get("model_config") is not None:  # recorded so, a resume from elsewhere finds the file
-        values["train"]["model_config"] = os.path.abspath(values["train"]["model_config"])
-    try:
-        parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
-        return Config(**parts)
-    except TypeError as e:  # a wrongly typed value in the file
-        raise ValueError(f"bad value in {file or 'flags'}: {e}") from None
-    except ValueError as e:  # a value out of range: say where the values came from
-        if file is None:
-            raise
-        raise ValueError(f"--config {file} (or a flag): {e}") from None
-
-
-MODEL_KEYS = {"train": ("model", "model_config", "dtype"),
-              "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
-"""The settings that define a model, by section: a resumed run takes the checkpoint's for those it is not given."""
-
-
-def _take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
-    """``--resume``: defaults < the checkpoint's model settings < file < flags. They must equal the checkpoint's
-    anyway, so a resumed run need not repeat them; one given that differs is refused before launch. Given
-    another ``--model``, none is taken (the refusal then lists what differs)."""
-    t = values["train"]
-    try:  # the checkpoint the run will load: after a restart its own newest, which --resume's may be pruned for
-        manifest = starting_manifest(t["resume"], t.get("out", _default("out")))
-    except CheckpointError as e:
-        raise ValueError(str(e)) from None
-    saved = manifest["config"] if manifest is not None else {}
-    model = saved.get("train", {}).get("model", _default("model"))  # older manifests: TinyGPT's
-    if t.get("model", model) != model:
-        return
-    for section, keys in MODEL_KEYS.items():
-        for key in keys:
-            if key in saved.get(section, {}):
-                values[section].setdefault(key, saved[section][key])
-    path, written = t.get("model_config"), saved.get("model_config_values")
-    if path is not None and path == saved.get("train", {}).get("model_config") and not os.path.isfile(path):
-        hint = f"its keys are {json.dumps(written)}: write them" if written is not None else "write its keys"
-        raise ValueError(f"resume: the checkpoint's model was built from --model-config {path}, which is gone; "
-                         f"{hint} to a file and pass --model-config FILE.")
-
-
-def _default(key: str) -> Any:
-    """[train] ``key``'s default."""
-    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == key)
-
-
-def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:
-    """``value`` as field ``name`` of type ``tp`` takes it (an int where a float goes), or a ValueError saying
-    what was expected, what was given, and where: TOML values are checked as strictly as flags."""
-    where = f" in {file}" if file is not None else ""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        return check_value(name, value, next(a for a in args if a is not type(None)), file)
-    if typing.get_origin(tp) is Literal:
-        if value not in args:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, args))}, got {value!r}{where}.")
-        return value
-    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
-    ok = (isinstance(value, bool) if tp is bool else
-          isinstance(value, int) and not isinstance(value, bool) if tp is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
-          isinstance(value, tp))
-    if not ok:
-        raise ValueError(f"{name} must be {kinds.get(tp, tp.__name__)}, got {value!r} "
-                         f"({type(value).__name__}){where}.")
-    if tp is float:
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}{where}.")
-        return float(value)
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that refuses unknown flags with the nearest valid one (and takes no abbreviations)."""
-
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        ns, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            flag = unknown[0].split("=", 1)[0]
-            valid = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-            hint = _nearest(flag, valid) if flag.startswith("-") else ""
-            self.error(f"unknown flag {flag!r}.{hint}")
-        return ns
-
-
-def make_parser(prog: str, description: str, **kwargs: Any) -> argparse.ArgumentParser:
-    return _Parser(prog=prog, description=description, allow_abbrev=False,
-                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-
-def without_section_flags(argv: list[str], section: str) -> list[str]:
-    """``argv`` minus the flags of one section (``--nproc 2`` and ``--nproc=2`` forms)."""
-    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SECTIONS[section])}
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True  # every launch flag takes a value
-        elif arg.split("=", 1)[0] not in flags:
-            kept.append(arg)
-    return kept
-
-
-TRAIN_EXAMPLES = """examples:
-  fourfold train --steps 3 --dtype float64 --out runs/first      one process, exact arithmetic
-  fourfold train --nproc 2 --steps 50 --out runs/dp2             2 data-parallel ranks (torchrun)
-  fourfold train --config run.toml --lr 1e-3                     defaults < file < flags
-  torchrun --nproc-per-node 2 --rdzv-backend fourfold-loopback --rdzv-endpoint 127.0.0.1:0 \\
-      -m fourfold.train --steps 50                                launched by hand (loopback only)
-
-outputs in --out: run.json, metrics.jsonl (one line per step), trace.json (open in
-https://ui.perfetto.dev), trace-rank<r>.jsonl, model.pt. An earlier run there is kept unless --overwrite.
-"""
-
-
-def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> Config:
-    """Parse ``fourfold train``'s flags (``--config FILE`` first, then every field) into a :class:`Config`."""
-    parser = make_parser(prog, "Train a model (TinyGPT, GPT-2, Llama or your own: --model) on one process or "
-                         "--nproc N ranks.",
-                         usage=f"{prog} [--config FILE] [--FLAG VALUE ...]", epilog=TRAIN_EXAMPLES)
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [launch] tables")
-    add_flags(parser)
-    ns = parser.parse_args(argv)
-    try:
-        return from_namespace(ns, ns.config)
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
-        raise  # unreachable: error() exits

@@ -40,10 +40,11 @@ from tqdm import tqdm
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.checkpoint.resume import continues_run, restart_count, resume_from
+from fourfold.cli.args import parse_args, without_section_flags
 from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import CommError, barrier, gather_objects
-from fourfold.config import Config, LaunchConfig, parse_args, without_section_flags
+from fourfold.config import Config, LaunchConfig
 from fourfold.data import (
     BatchLoader,
     DocumentLoader,

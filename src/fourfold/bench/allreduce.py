@@ -57,7 +57,7 @@ _PINGPONG = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.config import make_parser
+    from fourfold.cli.args import make_parser
 
     p = make_parser("fourfold bench allreduce", "Time every all-reduce algorithm side by side on --nproc ranks, "
                     "fit the alpha-beta cost model auto uses, and chart it.")

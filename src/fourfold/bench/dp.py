@@ -103,7 +103,7 @@ def parse_variant(text: str, bucket_mb: float) -> Variant:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.config import make_parser
+    from fourfold.cli.args import make_parser
 
     p = make_parser("fourfold bench dp", "Time a training step of fourfold's DataParallel, PyTorch's "
                     "DistributedDataParallel and no gradient sync side by side on --nproc ranks.")

@@ -118,7 +118,8 @@ def fit_alpha_beta(points: list[tuple[int, float]], small: int = 4 << 10,
 def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
     """The parent side of ``fourfold bench NAME``: start ``nproc`` ranks through torchrun's launcher, each
     running ``python -m fourfold.bench.NAME`` with the same flags and the user's command (for bench.json)."""
-    from fourfold.config import LaunchConfig, without_section_flags
+    from fourfold.cli.args import without_section_flags
+    from fourfold.config import LaunchConfig
     from fourfold.elastic import launch_workers
 
     command = command or shlex.join(["fourfold", "bench", bench, *argv])

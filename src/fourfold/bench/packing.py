@@ -31,7 +31,7 @@ from fourfold.bench.harness import (
     timed_rounds,
     write_report,
 )
-from fourfold.config import make_parser
+from fourfold.cli.args import make_parser
 
 __all__ = ["main"]
 

@@ -91,7 +91,7 @@ _SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.config import make_parser
+    from fourfold.cli.args import make_parser
 
     p = make_parser("fourfold bench pp", "Time a training step of fourfold's pipeline runtime and PyTorch's "
                     "torch.distributed.pipelining (GPipe and 1F1B) side by side on --nproc ranks (pp); "

@@ -116,7 +116,7 @@ def plan_theory(plan: str, n_blocks: int, *, data_input: bool = False) -> tuple[
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.config import make_parser
+    from fourfold.cli.args import make_parser
 
     p = make_parser("fourfold bench tp", "Time a training step of fourfold's tensor parallelism, PyTorch's "
                     "DTensor tensor parallelism and the unsharded model side by side on --nproc ranks (tp).")

@@ -67,7 +67,7 @@ def parse_variant(text: str) -> tuple[str, int, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.config import make_parser
+    from fourfold.cli.args import make_parser
 
     p = make_parser("fourfold bench zero", "Time a training step of fourfold's ZeRO stages, PyTorch's FSDP2 "
                     "and DDP side by side on --nproc ranks, and the memory each rank holds.")

@@ -4,14 +4,52 @@ and whether the run's files are continued in place. Checked before any process s
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
-from fourfold.config import MODEL_KEYS, Config
+from fourfold.config import Config, TrainConfig
+from fourfold.models.gpt import GPTConfig
 
-__all__ = ["CONTINUED", "changed_settings", "check_resume", "continues_run", "restart_count", "resume_from"]
+__all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
+           "resume_from", "take_checkpoint_model"]
+
+
+MODEL_KEYS = {"train": ("model", "model_config", "dtype"),
+              "model": tuple(f.name for f in dataclasses.fields(GPTConfig))}
+"""The settings that define a model, by section: a resumed run takes the checkpoint's for those it is not given."""
+
+
+def take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
+    """``values`` (``{section: {key: value}}``, the file's and the flags') with ``--resume``: defaults < the checkpoint's model settings < file < flags. They must equal the checkpoint's
+    anyway, so a resumed run need not repeat them; one given that differs is refused before launch. Given
+    another ``--model``, none is taken (the refusal then lists what differs)."""
+    t = values["train"]
+    try:  # the checkpoint the run will load: after a restart its own newest, which --resume's may be pruned for
+        manifest = starting_manifest(t["resume"], t.get("out", _train_default("out")))
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    saved = manifest["config"] if manifest is not None else {}
+    model = saved.get("train", {}).get("model", _train_default("model"))  # older manifests: TinyGPT's
+    if t.get("model", model) != model:
+        return
+    for section, keys in MODEL_KEYS.items():
+        for key in keys:
+            if key in saved.get(section, {}):
+                values[section].setdefault(key, saved[section][key])
+    path, written = t.get("model_config"), saved.get("model_config_values")
+    if path is not None and path == saved.get("train", {}).get("model_config") and not os.path.isfile(path):
+        hint = f"its keys are {json.dumps(written)}: write them" if written is not None else "write its keys"
+        raise ValueError(f"resume: the checkpoint's model was built from --model-config {path}, which is gone; "
+                         f"{hint} to a file and pass --model-config FILE.")
+
+
+def _train_default(key: str) -> Any:
+    """[train] ``key``'s default."""
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == key)
 
 
 def resume_from(cfg: Config) -> dict[str, Any] | None:
@@ -30,7 +68,7 @@ def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
 
 def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps.
-    (The model settings not given were taken from the checkpoint: :func:`fourfold.config.from_namespace`.)"""
+    (The model settings not given were taken from the checkpoint: :func:`take_checkpoint_model`.)"""
     saved, here = manifest["config"], cfg.record()
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
               for s, keys in MODEL_KEYS.items() for k in keys if saved.get(s, {}).get(k) != here[s][k]

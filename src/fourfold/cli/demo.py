@@ -208,7 +208,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
 
 def _packing(root: Path, flags: list[str], steps: int) -> int:
     """Part 4: whole documents (the standard library's functions), padded to the longest vs packed bfd."""
-    from fourfold.config import parse_args
+    from fourfold.cli.args import parse_args
     from fourfold.observe.visualize import draw_packing
     from fourfold.train import main as train_main
     from fourfold.train import make_loader
@@ -260,8 +260,8 @@ MEMORY = {  # name: flags (2 data-parallel ranks each)
 
 def _memory(root: Path, steps: int = 3) -> int:
     """Part 5: one model, four layouts: what a rank holds, estimated before launch and measured."""
+    from fourfold.cli.args import parse_args
     from fourfold.cli.plan import layout_memory
-    from fourfold.config import parse_args
     from fourfold.observe.visualize import MEMORY_TERMS, draw_memory
     from fourfold.train import main as train_main
 

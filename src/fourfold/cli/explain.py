@@ -231,7 +231,8 @@ def _rect(x: float, y: float, color: str, sending: bool) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fourfold.config import LaunchConfig, make_parser
+    from fourfold.cli.args import make_parser
+    from fourfold.config import LaunchConfig
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser("fourfold explain", __doc__)

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fourfold.config import LAB_ENV, make_parser
+from fourfold.cli.args import make_parser
+from fourfold.config import LAB_ENV
 
 __all__ = ["main"]
 
