@@ -117,6 +117,23 @@ def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
     assert time.perf_counter() - start < 30
 
 
+@pytest.mark.timeout(120)
+def test_a_machine_other_than_0_gives_up_in_one_line_without_cpp_frames(tmp_path):
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a free port that nobody will join
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "fourfold.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "not every machine joined within 2 s (nnodes=2, this is node 1)" in done.stderr, done.stderr
+    assert "frame #" not in done.stderr and "TCPStore.cpp" not in done.stderr, done.stderr  # the retries' stacks
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watch reads /proc")
 @pytest.mark.timeout(120)
 def test_ctrl_c_ends_a_machine_waiting_for_the_others_at_once(tmp_path):

@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 
 from fourfold import __version__
 
@@ -59,8 +62,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[name][0])
+    with _quiet_cpp_warnings():
+        module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
+
+
+@contextlib.contextmanager
+def _quiet_cpp_warnings() -> Iterator[None]:
+    """This process (a launcher) logs only C++ errors: torchrun's store client otherwise prints a warning and ~20
+    C++ stack frames each time it retries a machine that has not joined, before fourfold's one line saying so.
+    c10 reads ``TORCH_CPP_LOG_LEVEL`` once, as torch loads (while the command imports), so the variable is
+    removed again after: the ranks, started later, log as the user's environment says. A level the user set is
+    kept."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 if __name__ == "__main__":
