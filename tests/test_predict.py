@@ -509,6 +509,16 @@ def test_a_split_backward_costs_what_the_units_say():
     assert measured.split_fit is not None and measured.split_at(2) == pytest.approx(measured.split, rel=1e-9)
 
 
+def test_a_fit_of_two_batch_sizes_passes_through_the_larger_ones_time_even_on_a_busy_machine():
+    from fourfold.observe.costs import _fit
+
+    assert _fit({1: [3e-3], 2: [5e-3]}) == pytest.approx((1e-3, 2e-3))  # fixed 1 ms + 2 ms a sample
+    assert _fit({1: [3e-3], 4: [2e-3]}) == pytest.approx((2e-3, 0.0))  # the larger batch timed faster: flat
+    # timed more than twice as slow at twice the samples (a busy machine): the fixed part would be negative;
+    # through the origin and the larger batch, whose time the split's shares are read at
+    assert _fit({1: [1e-3], 2: [5e-3]}) == pytest.approx((0.0, 2.5e-3))
+
+
 def test_a_split_backwards_overhead_is_per_call_so_its_share_shrinks_as_micro_batches_grow():
     # fused 1 ms + 2 ms a sample; B and W 1 ms + 1 ms a sample each: 4/3 of fused at one sample, towards 1 at many
     costs = replace(block_costs(CONFIG.n_layer), split=(0.5, 0.5),

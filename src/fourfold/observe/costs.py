@@ -93,10 +93,14 @@ def fastest(timings: Sequence[UnitCosts], samples: float) -> UnitCosts:
 
 
 def _fit(at: Mapping[int, list[float]]) -> tuple[float, float]:
-    """(fixed, per sample) through the medians at the smallest and largest batch, both >= 0."""
+    """(fixed, per sample) through the medians at the smallest and largest batch, both >= 0, and always through
+    the largest batch's (the one :attr:`UnitCosts.split` is read at): on a busy machine the larger batch can
+    time more than proportionally slower, and a fixed part clamped at 0 must not move that point."""
     (b1, t1), (b2, t2) = sorted((b, statistics.median(ts)) for b, ts in at.items())[::len(at) - 1]
     per = max(0.0, (t2 - t1) / (b2 - b1))
-    return max(0.0, t2 - per * b2), per
+    if t2 - per * b2 < 0:  # the line would cross 0 above no samples: through the origin and the largest batch
+        return 0.0, t2 / b2
+    return t2 - per * b2, per
 
 
 def measure_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, *, samples: tuple[int, int] = (1, 4),
