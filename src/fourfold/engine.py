@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm.compress import Compressor, make_compressor
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.data.packing import capture_layout, document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
@@ -127,6 +127,7 @@ class Engine:
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
+        self._tp_checked = False  # the first step compares the loss across tp ranks (_check_tp_loss)
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
@@ -235,12 +236,33 @@ class Engine:
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
             if saved is not None:  # this shape's first step: measured (the same bytes every step after)
                 self._activations[key] = sum(saved.values())
+        if not self._tp_checked:
+            self._check_tp_loss(loss)
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
         return out_loss
+
+    def _check_tp_loss(self, loss: torch.Tensor) -> None:
+        """The first step: every tensor-parallel rank of a replica computed the same loss (vocabulary-parallel, it
+        is reduced over tp; otherwise the logits are whole on every rank). A plan that leaves the logits split
+        ("column" on the output layer) trains each rank on its own slice of the vocabulary: a loss that looks
+        plausible and is wrong, refused here."""
+        self._tp_checked = True
+        if self.mesh.tp == 1 or self.ranks.tp_group is None:
+            return
+        losses = gather_objects(float(loss.reshape(-1)[0]), self.ranks.tp_group,
+                                op="compare the loss across the tensor-parallel ranks")
+        if max(losses) - min(losses) > 1e-6 * max(1.0, max(abs(x) for x in losses)):
+            shown = ", ".join(f"{x:.6g}" for x in losses)
+            raise ValueError(
+                f"the tensor-parallel ranks of one replica computed different losses ({shown}, by tp rank): the "
+                "logits the loss reads are not the same on every rank. The plan leaves the output layer's logits "
+                "split: mark that layer 'head' (fourfold's vocabulary-parallel loss reads them split), or leave it "
+                "out of the plan (replicated). A random op outside the plan's layers (dropout) drawing differently "
+                "on each rank does the same.")
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""
@@ -527,7 +549,15 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
     if not split_heads:
         return loss_fn or (lm_loss if reduction == "mean" else lm_loss_sum)
 
+    widths = {h.out_features // h.tp: h for h in split_heads}
+
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.shape[-1] not in widths:  # the logits are not what a "head" layer makes: another layer's
+            named = ", ".join(f"{h.site or 'a head'} ({w} per rank)" for w, h in widths.items())
+            raise ValueError(f"the loss reads logits {logits.shape[-1]} wide, but the plan's 'head' layers make "
+                             f"{named}: the layer that makes the logits must be the plan's 'head' (Hugging Face's "
+                             "colwise_rep and colwise_gather_output mean 'head'). Mark the output layer 'head' and "
+                             "other column-parallel layers 'column'.")
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer, reduction=reduction)
 
     return split_loss
