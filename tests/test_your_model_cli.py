@@ -275,3 +275,23 @@ def test_a_model_config_run_resumes_from_another_directory_and_its_config_is_com
     with pytest.raises(SystemExit):
         train_mod.main([*resume, "--out", "gone"])
     assert 'which is gone; its keys are {"width": 16, "layers": 2, "seq_len": 16}' in capsys.readouterr().err
+
+
+def test_a_value_error_in_your_forward_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    # fourfold's own refusals print one line (exit 2); an error of the user's model is not one of them
+    (tmp_path / "broken.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Broken(nn.Sequential):\n"
+        "    def forward(self, ids):\n"
+        "        if torch.is_grad_enabled():  # not in the check before launch (no_grad): in training\n"
+        "            a, b, c = ids.chunk(2, dim=-1)\n"
+        "        return super().forward(ids)\n\n\n"
+        "def build():\n"
+        "    return Broken(nn.Embedding(256, 8), nn.Linear(8, 256))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", "broken:build", "--steps", "1", "--seq-len", "8", "--batch-size", "2", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    with pytest.raises(ValueError, match="not enough values to unpack") as raised:
+        train_mod.main(argv)
+    assert raised.traceback[-1].path.name == "broken.py"
+    assert "fourfold train: error:" not in capsys.readouterr().err

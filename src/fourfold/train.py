@@ -354,6 +354,20 @@ def _launched_as() -> LaunchConfig:
         return LaunchConfig()
 
 
+def _raised_by_fourfold(e: BaseException) -> bool:
+    """True when ``e`` was raised in fourfold's own code: a refusal that names the value and the fix, printed in
+    one line. A ValueError raised in the user's model (or by torch inside it) keeps its traceback."""
+    tb = e.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -381,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             result = train(cfg)
     except ValueError as e:
+        if not _raised_by_fourfold(e):
+            raise  # in your model, your data code or a library: the traceback says where
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:  # found by the rank that opened the file: the others stop with the job
