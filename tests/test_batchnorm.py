@@ -1,6 +1,7 @@
 """BatchNorm under data parallelism: without sync a warning names the layers (each rank normalises its own
 shard); with ``sync_batchnorm=True`` two data-parallel ranks train exactly as one process on the whole batch:
-losses, parameters and running statistics (float64, 3 AdamW steps, 1e-10), on CPU with gloo."""
+losses, parameters and running statistics (float64, 3 AdamW steps, 1e-10), on CPU with gloo. Under model
+parallelism (one micro-batch) the same, with no sync needed; under a pipeline of micro-batches a warning."""
 
 from __future__ import annotations
 
@@ -50,8 +51,25 @@ def _train(ctx, sync: bool) -> dict:
     return {"losses": losses, "state": engine.state_dict(), "warnings": [str(w.message) for w in caught]}
 
 
+def _pipelined(ctx, microbatches: int) -> dict:
+    ranks = Mesh.for_world(ctx.world_size, pp=2).build(30)
+    x0 = _batches()[0][0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = parallelize(_model(), ranks, loss_fn=F.mse_loss, example=x0[:B // microbatches], timeout_s=30,
+                             strategy="model" if microbatches == 1 else "pipeline", microbatches=microbatches)
+    opt = optimizer(engine.parameters())
+    losses = []
+    for x, y in _batches():
+        losses.append(engine.step(x, y).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "state": engine.state_dict(), "warnings": [str(w.message) for w in caught]}
+
+
 def _both(ctx) -> dict:
-    return {"sync": _train(ctx, True), "plain": _train(ctx, False)}
+    return {"sync": _train(ctx, True), "plain": _train(ctx, False), "model parallel": _pipelined(ctx, 1),
+            "pipeline m2": _pipelined(ctx, 2)}
 
 
 @pytest.mark.timeout(120)
@@ -76,6 +94,17 @@ def test_sync_batchnorm_on_two_ranks_equals_one_process_and_plain_batchnorm_is_n
         assert not any("BatchNorm" in w for w in sync["warnings"]), sync["warnings"]
         plain = got["plain"]
         named = [w for w in plain["warnings"] if "BatchNorm layers 1, 5 normalise each data-parallel rank's" in w]
-        assert named and "--sync-batchnorm" in named[0], plain["warnings"]
+        if rank == 0:  # once per job
+            assert named and "--sync-batchnorm" in named[0], plain["warnings"]
+        else:
+            assert not named, plain["warnings"]
         # and it matters: without sync the running statistics are this rank's shard's, not the batch's
         assert max_error(plain["state"], reference)[1] > 1e-3
+    # model parallelism (one micro-batch): BatchNorm sees the whole batch, and nothing else: the split's trace
+    # on the example input does not count in the running statistics (num_batches_tracked stays 3)
+    mp = per_rank[0]["model parallel"]
+    assert max(abs(a - b) for a, b in zip(mp["losses"], want, strict=True)) <= TOL, mp["losses"]
+    name, err = max_error(mp["state"], reference)
+    assert err <= TOL, f"model parallel: {name} off one process by {err:.3g}"
+    assert not any("BatchNorm" in w for w in mp["warnings"]), mp["warnings"]
+    assert any("normalise each of the pipeline's 2 micro-batches" in w for w in per_rank[0]["pipeline m2"]["warnings"])

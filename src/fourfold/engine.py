@@ -49,7 +49,7 @@ from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Span, Tracer
-from fourfold.parallel.batchnorm import batchnorm_for_data_parallel
+from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
@@ -466,41 +466,44 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     family = family_of(model)
     if m.tp > 1 and family is not None and family.check is not None:
         family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
-    # 0. the pipeline's pieces, found and checked against model(example) on the whole model
-    split = split if split is not None else (family.split(model) if family and family.split else None)
-    pieces, examples = None, None
-    if m.pp > 1:
-        if split is not None:
-            found = family.examples(model) if family and family.examples and example is None else None
-            examples = found or ([example, torch.cat([example, example])] if example is not None else None)
-            if examples is None:
-                raise ValueError("a split is checked on an example input, got example=None. Pass "
-                                 "example=<one micro-batch of inputs> to parallelize")
-            pieces = resolve_split(model, split, examples[0])
-    # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
-    if m.tp > 1:
-        model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
-        if family is not None and family.fixups is not None:
-            family.fixups(model, m.tp)
-    every = parse_policy(activation_checkpointing)
-    if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
-        checkpoint_blocks(model_blocks(model, split), every, capture_layout)
-    layouts = shard_layouts(model)
-    partial_names = set(getattr(model, "partial_grad_names", ()))
-    split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
-    sum_loss_fn = None if loss_fn is not None else _split_logits_loss(split_heads, None, ranks.tp_group, tracer,
-                                                                      "sum")
-    own = getattr(model, "loss_fn", None)  # a family's sharded model computes its own (vocabulary-parallel)
-    if own is not None:
-        sum_loss_fn = functools.partial(own, reduction="sum")
-    loss_fn = own or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
-    # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
-    pipe = None
-    if m.pp > 1:
-        sched = pipeline_schedule(strategy, schedule, m.pp, microbatches, virtual)
-        blocks: nn.Module = Chain(build_pieces(model, pieces), examples or ()) if pieces is not None else model
-        pipe = build_pipeline(blocks, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
-                              example=example, loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
+    if m.pp > 1 and microbatches > 1 and strategy != "model":
+        batchnorm_for_microbatches(model, microbatches)
+    with _untouched(model):  # the split's check and the pipeline's trace run the model on examples
+        # 0. the pipeline's pieces, found and checked against model(example) on the whole model
+        split = split if split is not None else (family.split(model) if family and family.split else None)
+        pieces, examples = None, None
+        if m.pp > 1:
+            if split is not None:
+                found = family.examples(model) if family and family.examples and example is None else None
+                examples = found or ([example, torch.cat([example, example])] if example is not None else None)
+                if examples is None:
+                    raise ValueError("a split is checked on an example input, got example=None. Pass "
+                                     "example=<one micro-batch of inputs> to parallelize")
+                pieces = resolve_split(model, split, examples[0])
+        # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
+        if m.tp > 1:
+            model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
+            if family is not None and family.fixups is not None:
+                family.fixups(model, m.tp)
+        every = parse_policy(activation_checkpointing)
+        if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
+            checkpoint_blocks(model_blocks(model, split), every, capture_layout)
+        layouts = shard_layouts(model)
+        partial_names = set(getattr(model, "partial_grad_names", ()))
+        split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
+        sum_loss_fn = None if loss_fn is not None else _split_logits_loss(split_heads, None, ranks.tp_group, tracer,
+                                                                          "sum")
+        own = getattr(model, "loss_fn", None)  # a family's sharded model computes its own (vocabulary-parallel)
+        if own is not None:
+            sum_loss_fn = functools.partial(own, reduction="sum")
+        loss_fn = own or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
+        # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
+        pipe = None
+        if m.pp > 1:
+            sched = pipeline_schedule(strategy, schedule, m.pp, microbatches, virtual)
+            blocks: nn.Module = Chain(build_pieces(model, pieces), examples or ()) if pieces is not None else model
+            pipe = build_pipeline(blocks, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
+                                  example=example, loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
     # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
@@ -523,6 +526,20 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
                   reads_documents=reads, precision=precision)
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """The split's check and the pipeline's shape trace run ``model`` on example inputs, in training mode: a
+    BatchNorm's running statistics (and ``num_batches_tracked``) would count those runs, and dropout would draw
+    from the random generator. Both are put back as they were, so training starts where one process starts."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        yield
+    with torch.no_grad():
+        for buffer, value in saved:
+            buffer.copy_(value)
 
 
 def _compression(compress: str | Compressor, reduce_dtype: torch.dtype | None,

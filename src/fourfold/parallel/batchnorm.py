@@ -19,7 +19,8 @@ from torch import nn
 from fourfold.comm.wait import bounded_wait, group_ranks
 from fourfold.launch import DEFAULT_TIMEOUT_S
 
-__all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_for_data_parallel", "batchnorm_layers", "sync_batchnorm"]
+__all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_for_data_parallel", "batchnorm_for_microbatches",
+           "batchnorm_layers", "sync_batchnorm"]
 
 
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -133,8 +134,29 @@ def batchnorm_for_data_parallel(model: nn.Module, sync: bool, group: dist.Proces
     if sync:
         sync_batchnorm(model, group, timeout_s)
         return
-    shown = ", ".join(norms[:6]) + (f" and {len(norms) - 6} more" if len(norms) > 6 else "")
-    warnings.warn(f"BatchNorm layers {shown} normalise each data-parallel rank's shard with its own mean and "
-                  "variance, so training differs from one process and the running statistics differ per rank "
-                  "(the saved model has rank 0's). Pass sync_batchnorm=True (fourfold train --sync-batchnorm) "
-                  "to take them over the whole batch.", stacklevel=4)
+    if _first_rank():
+        warnings.warn(f"BatchNorm layers {_shown(norms)} normalise each data-parallel rank's shard with its own "
+                      "mean and variance, so training differs from one process and the running statistics differ "
+                      "per rank (the saved model has rank 0's). Pass sync_batchnorm=True (fourfold train "
+                      "--sync-batchnorm) to take them over the whole batch.", stacklevel=4)
+
+
+def batchnorm_for_microbatches(model: nn.Module, microbatches: int) -> None:
+    """Under a pipeline of ``microbatches`` > 1: a warning names ``model``'s BatchNorms, which see one
+    micro-batch at a time (the engine calls this; no sync spans micro-batches)."""
+    norms = batchnorm_layers(model)
+    if norms and _first_rank():
+        warnings.warn(f"BatchNorm layers {_shown(norms)} normalise each of the pipeline's {microbatches} "
+                      "micro-batches with its own mean and variance (and update the running statistics once per "
+                      "micro-batch), so training differs from one process. Use one micro-batch (fourfold train "
+                      "--strategy model), or a LayerNorm / GroupNorm, which normalise each sample on its own.",
+                      stacklevel=4)
+
+
+def _shown(norms: list[str]) -> str:
+    return ", ".join(norms[:6]) + (f" and {len(norms) - 6} more" if len(norms) > 6 else "")
+
+
+def _first_rank() -> bool:
+    """Warn once per job, not once per rank."""
+    return not dist.is_initialized() or dist.get_rank() == 0
