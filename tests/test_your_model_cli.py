@@ -295,3 +295,14 @@ def test_a_value_error_in_your_forward_keeps_its_traceback(tmp_path, monkeypatch
         train_mod.main(argv)
     assert raised.traceback[-1].path.name == "broken.py"
     assert "fourfold train: error:" not in capsys.readouterr().err
+
+
+def test_what_a_model_returns_stands_for_its_logits():
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
+    logits = torch.zeros(2, 3)
+    for out in (logits, (logits, None), [logits], {"logits": logits, "aux": 1.0},
+                transformers.modeling_outputs.CausalLMOutput(logits=logits)):
+        assert output_tensor(out) is logits
+    with pytest.raises(TypeError, match=r"got dict with keys \['hidden', 'loss'\]\. Return the logits"):
+        output_tensor({"hidden": logits, "loss": 0.0})

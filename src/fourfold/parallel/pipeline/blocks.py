@@ -20,7 +20,7 @@ naming ``transformer.wpe``, the position embedding it would silently train witho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -63,17 +63,21 @@ def positions(x: torch.Tensor) -> torch.Tensor:
 
 
 def output_tensor(out: Any) -> torch.Tensor:
-    """The tensor a module's output stands for: itself, the first element of a tuple, or ``.logits`` (Hugging
-    Face's outputs)."""
+    """The tensor a module's output stands for: itself, the first element of a tuple, ``.logits`` (Hugging
+    Face's outputs) or a dict's ``"logits"``."""
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
     if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"a piece must return a tensor (or a tuple or Hugging Face output holding one), got "
-                    f"{type(out).__name__}. Return the hidden states or logits as one tensor")
+    held = f" with keys {sorted(map(str, out))}" if isinstance(out, Mapping) else ""
+    raise TypeError(f"a model (or a pipeline piece) must return a tensor, a tuple whose first element is one, a "
+                    f"Hugging Face output or a dict with 'logits', got {type(out).__name__}{held}. Return the "
+                    "logits (or a piece's hidden states) as one tensor, or under the key 'logits'")
 
 
 class _Node(nn.Module):
