@@ -372,8 +372,21 @@ def test_the_timeline_draws_the_median_step_not_the_last():
     from fourfold.files import median_step
 
     rows = [{"step": s, "step_time_s": t} for s, t in [(1, 9.0), (2, 0.3), (3, 0.1), (4, 0.2), (5, 0.5)]]
-    assert median_step(rows) == 4  # of steps 2-5 (the first warms up): 0.1, 0.2, 0.3, 0.5 -> 0.2
-    assert median_step(rows[:1]) == 1 and median_step([]) is None
+    assert median_step(rows) == 4  # of steps 2-4 (the first warms up, the last also ends the run): 0.3, 0.1, 0.2
+    assert median_step(rows[:3]) == 2  # step 3 is the faster of 2 and 3, but the last
+    assert median_step(rows[:2]) == 2 and median_step(rows[:1]) == 1 and median_step([]) is None
+
+
+def test_the_summary_reads_one_typical_step_so_its_tokens_per_s_and_ms_per_step_agree():
+    from fourfold.files import median_row
+
+    # tokens/s of each step as the loop writes it: tokens / step time (the first step warms up)
+    rows = [{"step": s, "step_time_s": t, "tokens_per_s": 64 / t} for s, t in [(1, 9.0), (2, 0.2), (3, 0.6),
+                                                                                 (4, 0.3)]]
+    typical = median_row(rows)
+    assert typical is not None and typical["step"] == 4  # of 0.2, 0.6, 0.3 seconds
+    assert typical["tokens_per_s"] * typical["step_time_s"] == pytest.approx(64)
+    assert median_row([]) is None
 
 
 def test_the_summary_says_bytes_not_counted_rather_than_zero():

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "median_step",
-           "move_aside", "open_metrics", "run_lock", "write_text_atomic", "written_by_a_run"]
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "median_row",
+           "median_step", "move_aside", "open_metrics", "run_lock", "steady", "write_text_atomic", "written_by_a_run"]
 
 LOCK_NAME = ".fourfold.lock"
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
@@ -122,11 +122,25 @@ def drop_replaced(out: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def steady(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps that show a run's pace, from its metrics.jsonl rows: all after the first, which warms up
+    (allocations, the first collectives' checks), or the only one. Every figure a run reports per step (the
+    summary line, the demo's tables, ``bench predict``) is read over these."""
+    return rows[1:] or rows
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's typical step: the steady step of median ``step_time_s`` (of two middles the faster: a step that
+    ran, so its ms/step and tokens/s agree with each other); None without rows."""
+    timed = steady(rows)
+    return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2] if timed else None
+
+
 def median_step(rows: list[dict[str, Any]]) -> int | None:
-    """The run's typical step, from its metrics.jsonl rows: the median by ``step_time_s`` after the first (which
-    warms up), or the only one; None without rows. What ``bench predict`` measures and ``timeline.png`` draws."""
-    timed = rows[1:] or rows
-    return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2]["step"] if timed else None
+    """The step ``timeline.png`` draws: :func:`median_row` among the steady steps but the last, whose trace also
+    holds the run's end (the model gathered from every rank), unless it is the only one; None without rows."""
+    row = median_row(rows[:-1] if len(rows) > 2 else rows)
+    return row["step"] if row is not None else None
 
 
 def open_metrics(path: Path, keep_through: int) -> Any:

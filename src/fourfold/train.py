@@ -55,10 +55,12 @@ from fourfold.engine import Engine, bytes_by_axis, parallelize
 from fourfold.files import (
     OUTPUTS,
     drop_replaced,
+    median_row,
     median_step,
     move_aside,
     open_metrics,
     run_lock,
+    steady,
     write_text_atomic,
 )
 from fourfold.mesh import Mesh
@@ -98,14 +100,15 @@ class TrainResult:
 
     def summary(self) -> str:
         m = self.mesh
-        tps = statistics.median(r["tokens_per_s"] for r in self.metrics)
-        speed = f"median {tps:,.0f} tokens/s"
-        if "documents" in self.metrics[0]:  # packed: what was learned from, and what padding cost
-            real = statistics.median(r["real_tokens_per_s"] for r in self.metrics)
-            pad = statistics.median(r["padding_fraction"] for r in self.metrics)
-            speed = f"median {real:,.0f} real tokens/s of {tps:,.0f} ({pad:.1%} padding)"
-        ms = 1e3 * statistics.median(r["step_time_s"] for r in self.metrics)
-        by_axis = {a: statistics.median(r["bytes_by_axis"][a] for r in self.metrics) for a in ("dp", "tp", "pp")}
+        row = median_row(self.metrics)  # the typical step (after the first, which warms up): one step's figures
+        assert row is not None
+        speed = f"median {row['tokens_per_s']:,.0f} tokens/s"
+        if "documents" in row:  # packed: what was learned from, and what padding cost
+            speed = (f"median {row['real_tokens_per_s']:,.0f} real tokens/s of {row['tokens_per_s']:,.0f} "
+                     f"({row['padding_fraction']:.1%} padding)")
+        ms = 1e3 * row["step_time_s"]
+        by_axis = {a: statistics.median(r["bytes_by_axis"][a] for r in steady(self.metrics))
+                   for a in ("dp", "tp", "pp")}
         # a dp group that sent nothing counted used the backend's own all-reduce, whose bytes it does not report
         axes = [f"{axis} {by_axis[axis] / 1024:,.1f} KB" if by_axis[axis] or axis != "dp" else
                 "dp not counted (--allreduce native)"
@@ -312,7 +315,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
         if spans is not None:
             labels = rank_labels(engine.mesh)
             write_chrome_trace(out / "trace.json", spans, groups=labels)
-            shown = median_step(result.metrics) or cfg.train.steps  # not the last: it also gathers memory
+            shown = median_step(result.metrics) or cfg.train.steps
             draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
                       labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so

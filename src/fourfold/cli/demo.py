@@ -28,12 +28,12 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from fourfold.config import Config, TrainConfig
 from fourfold.data import ByteTokenizer
+from fourfold.files import median_row, steady
 from fourfold.models.build import DTYPES
 from fourfold.models.gpt import TinyGPT
 from fourfold.observe.trace import load_jsonl
@@ -75,20 +75,15 @@ def _rows(out: Path) -> list[dict]:
 
 def _summary(name: str, rows: list[dict], reference: list[dict], counted: bool = True) -> str:
     """One row of the table; ``counted=False``: the bytes are the backend's own (native), not 0."""
-    steady = _steady(rows, 2)
-    ms = 1e3 * statistics.median(r["step_time_s"] for r in steady)
-    tps = statistics.median(r["tokens_per_s"] for r in steady)
-    kb = statistics.median(r["comm_bytes"] for r in steady) / 1024
-    hidden = [float(r["comm_hidden_fraction"]) for r in steady if r.get("comm_hidden_fraction") is not None]
+    typical, timed = median_row(rows), steady(rows)  # as the run's own summary line reads them
+    assert typical is not None
+    ms, tps = 1e3 * typical["step_time_s"], typical["tokens_per_s"]
+    kb = statistics.median(r["comm_bytes"] for r in timed) / 1024
+    hidden = [float(r["comm_hidden_fraction"]) for r in timed if r.get("comm_hidden_fraction") is not None]
     hid = f"{100 * statistics.median(hidden):5.0f} %" if hidden else "      -"
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, reference, strict=False))
     sent = f"{kb:12,.0f}" if counted else f"{'not counted':>12}"
     return f"  {name:<28} {ms:8.1f} {tps:10,.0f} {sent} {hid}   {diff:.1e}"
-
-
-def _steady(rows: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
-    """The steps after ``warmup`` (which pay for it), or all of a run too short to have any."""
-    return rows[warmup:] or rows
 
 
 def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
@@ -187,9 +182,10 @@ def _pipelines(root: Path, flags: list[str]) -> int:
             return 1
     print(f"\n  {'run':<58} {'ms/step':>8} {'bubble':>7} {'theory':>7} {'activations per rank':>22}")
     for name, (_, text) in PIPELINES.items():
-        rows = _steady(_rows(root / f"pp2-{name}"), 2)
-        ms = 1e3 * statistics.median(r["step_time_s"] for r in rows)
-        bubble = statistics.median(statistics.mean(r["bubble_by_rank"]) for r in rows)
+        rows = _rows(root / f"pp2-{name}")
+        typical = median_row(rows)
+        assert typical is not None
+        ms, bubble = 1e3 * typical["step_time_s"], statistics.mean(typical["bubble_by_rank"])
         m = 1 if name == "model" else 8
         theory = theory_bubble("naive" if name == "model" else name, 2, m)
         mem = " / ".join(f"{b / 2**20:.1f}" for b in rows[-1]["peak_activation_bytes_by_rank"])
@@ -224,17 +220,16 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
         if train_main([*flags, "--pack", pack, "--out", str(out)]) != 0:
             print(f"fourfold demo: the pack-{pack} run failed; its error is above.", file=sys.stderr)
             return 1
-    rows = {pack: _steady(_rows(root / f"pack-{pack}"), 1) for pack in ("pad", "bfd")}
+    rows = {pack: _rows(root / f"pack-{pack}") for pack in ("pad", "bfd")}
+    typical = {pack: median_row(r) or {} for pack, r in rows.items()}
     print(f"\n  {'run':<34} {'ms/step':>8} {'real tokens/s':>14} {'padding':>8}   max |loss - padded|")
     for pack, text in (("pad", "padded to the step's longest"), ("bfd", "packed, best-fit decreasing")):
-        ms = 1e3 * statistics.median(r["step_time_s"] for r in rows[pack])
-        real = statistics.median(r["real_tokens_per_s"] for r in rows[pack])
-        pad = statistics.mean(r["padding_fraction"] for r in rows[pack])
+        ms, real = 1e3 * typical[pack]["step_time_s"], typical[pack]["real_tokens_per_s"]
+        pad = statistics.mean(r["padding_fraction"] for r in steady(rows[pack]))
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows[pack], rows["pad"], strict=True))
         print(f"  {text:<34} {ms:8.1f} {real:14,.0f} {pad:8.1%}   {diff:.1e}")
-    speedup = (statistics.median(r["real_tokens_per_s"] for r in rows["bfd"])
-               / statistics.median(r["real_tokens_per_s"] for r in rows["pad"]))
-    bound = 1 / (1 - statistics.mean(r["padding_fraction"] for r in rows["pad"]))
+    speedup = typical["bfd"]["real_tokens_per_s"] / typical["pad"]["real_tokens_per_s"]
+    bound = 1 / (1 - statistics.mean(r["padding_fraction"] for r in steady(rows["pad"])))
     above = (" (above it here: the padded step's bigger attention matrices also cost memory traffic)"
              if speedup > bound else "")
     print(f"\n  packing learns from {speedup:.1f}x the tokens per second; the bound, counting positions only, is "

@@ -16,7 +16,6 @@ steal makes a run on a shared virtual machine slower than the model can know). `
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fourfold.files import median_step
+from fourfold.files import median_row, median_step
 from fourfold.observe.costs import UnitCosts, fastest
 from fourfold.observe.predict import Layout, Links, Measured
 from fourfold.observe.trace import load_jsonl
@@ -116,7 +115,9 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
     origin = min((s.start_ns for row in spans.values() for s in row), default=0)
     spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
              for r, row in spans.items()}
-    return Measured(statistics.median(r["step_time_s"] for r in rows[1:] or rows), spans, stolen(cpu, cpu_times()))
+    typical = median_row(rows)
+    assert typical is not None
+    return Measured(typical["step_time_s"], spans, stolen(cpu, cpu_times()))
 
 
 def best_runs_and_units(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
