@@ -60,7 +60,8 @@ def _sample(cfg: Config, result: TrainResult, prompt: str, n: int, seed: int = 0
 
 NOTES = """
   KB sent/step: what rank 0 put on the wire per step, counted by fourfold's own algorithms (the backend's
-    native all-reduce sends on its own: not counted; for tp=2, the payload of its per-layer all-reduces).
+    native all-reduce sends on its own: not counted; for tp=2, what a ring sends for its per-layer
+    all-reduces).
   hidden: the share of the gradient all-reduce that overlapped backward.
   loss gap: float32 rounding only (the sums run in another order); in float64 every layout agrees with one
     process to 1e-10, which the tests check.
@@ -110,9 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out)
     base = TrainConfig(out=str(root / "single"), overwrite=True, device="cpu")
     cfg = Config(train=replace(base, steps=args.steps))
-    print(f"fourfold demo 1/5: TinyGPT trains for {args.steps} steps on one process "
+    print(f"fourfold demo 1/5: TinyGPT trains for {args.steps} steps on one process and one thread "
           f"(global batch {cfg.train.batch_size} x {cfg.model.seq_len} bytes of Python source)\n", flush=True)
-    result = train(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one device, as each of the later runs' ranks gets one thread: a fair comparison
+    try:
+        result = train(cfg)
+    finally:
+        torch.set_num_threads(threads)
     print("\n" + result.summary())
     prompt = "def "
     print(f"\nthe trained model continues {prompt!r}:\n---\n{prompt}{_sample(cfg, result, prompt, 160)}\n---\n")
@@ -123,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.train import main as train_main
 
     # 1 MB buckets: the model's ~3.3 MB of gradients go out in 4 pieces, the first while backward still runs
-    flags = ["--nproc", "2", "--steps", str(args.dp_steps), "--bucket-mb", "1", "--overwrite", "--no-progress",
-             "--device", "cpu"]
-    runs = {f"dp2-{a}": ["--allreduce", a] for a in ("native", "ring")}
+    flags = ["--nproc", "2", "--steps", str(args.dp_steps), "--overwrite", "--no-progress", "--device", "cpu"]
+    runs = {f"dp2-{a}": ["--allreduce", a, "--bucket-mb", "1"] for a in ("native", "ring")}
     runs["tp2"] = ["--tp", "2"]  # tensor parallelism: every big matmul split over the 2 ranks
     for name, extra in runs.items():
         out = root / name
