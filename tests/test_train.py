@@ -423,11 +423,14 @@ def test_flags_the_layout_does_not_read_are_named_before_launch():
         return unused_flags(parse_args(list(flags)), Mesh(**mesh))
 
     assert unused("--schedule", "interleaved", "--zero", "1", "--allreduce", "ring") == [
-        "--schedule interleaved", "--allreduce ring", "--zero 1"]  # one process: no pipeline, no data parallelism
-    assert unused("--strategy", "model", "--microbatches", "8", pp=2) == ["--microbatches 8"]
-    assert unused("--schedule", "zb", "--virtual", "3", pp=2) == ["--virtual 3"]
+        "--schedule interleaved (pp=1: no pipeline)", "--allreduce ring (dp=1: no gradient sync)",
+        "--zero 1 (dp=1: no gradient sync)"]  # one process: no pipeline, no data parallelism
+    assert unused("--strategy", "model", "--microbatches", "8", pp=2) == [
+        "--microbatches 8 (--strategy model runs one micro-batch)"]
+    assert unused("--schedule", "zb", "--virtual", "3", pp=2) == [
+        "--virtual 3 (only --schedule interleaved reads it, got --schedule zb)"]
     assert unused("--schedule", "interleaved", "--virtual", "3", "--powersgd-rank", "2", pp=2, dp=2) == [
-        "--powersgd-rank 2"]
+        "--powersgd-rank 2 (only --compress powersgd reads it, got --compress none)"]
     assert unused("--n-layer", "2", "--allreduce", "ring", dp=2) == []
 
 

@@ -173,28 +173,32 @@ DATA_FLAGS = ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_ra
 
 
 def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
-    """The flags set away from their defaults that this layout does not read (pp=1 or strategy model: the
-    schedule's; dp=1: the gradient sync's; a schedule other than interleaved: --virtual; a compression other than
-    PowerSGD: its rank and warm-up)."""
+    """The flags set away from their defaults that this layout does not read, each with why: ``"--virtual 3
+    (only --schedule interleaved reads it)"``. No pipeline (pp=1) or strategy model: the schedule's flags; no
+    data parallelism (dp=1): the gradient sync's; a schedule other than interleaved: --virtual; a compression
+    other than PowerSGD: its rank and warm-up."""
     t = cfg.train
     defaults = {f.name: f.default for f in dataclasses.fields(t)}
-    unused: list[str] = []
-    if mesh.pp == 1 or t.strategy == "model":  # strategy model at pp=1 is refused by preflight
-        unused += PIPELINE_FLAGS
+    why: dict[str, str] = {}
+    if mesh.pp == 1:
+        why.update(dict.fromkeys(PIPELINE_FLAGS, "pp=1: no pipeline"))
+    elif t.strategy == "model":  # strategy model at pp=1 is refused by preflight
+        why.update(dict.fromkeys(PIPELINE_FLAGS, "--strategy model runs one micro-batch"))
     elif t.schedule != "interleaved":
-        unused.append("virtual")
+        why["virtual"] = f"only --schedule interleaved reads it, got --schedule {t.schedule}"
     if mesh.dp == 1:
-        unused += DATA_FLAGS
+        why.update(dict.fromkeys(DATA_FLAGS, "dp=1: no gradient sync"))
     elif t.compress != "powersgd":
-        unused += ["powersgd_rank", "powersgd_warmup"]
-    return [f"--{n.replace('_', '-')} {getattr(t, n)}" for n in unused if getattr(t, n) != defaults[n]]
+        why.update(dict.fromkeys(("powersgd_rank", "powersgd_warmup"),
+                                 f"only --compress powersgd reads it, got --compress {t.compress}"))
+    return [f"--{n.replace('_', '-')} {getattr(t, n)} ({reason})" for n, reason in why.items()
+            if getattr(t, n) != defaults[n]]
 
 
 def _unused_note(cfg: Config, mesh: Mesh) -> None:
-    """Say, before launch, which flags this layout ignores (so a sweep's shared flags still run)."""
+    """Say, before launch, which flags this layout ignores and why (so a sweep's shared flags still run)."""
     unused = unused_flags(cfg, mesh)
     if unused:
-        model = " (strategy model: one micro-batch)" if mesh.pp > 1 and cfg.train.strategy == "model" else ""
-        print(f"fourfold train: note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
-              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}{model}; run.json records them as given.", file=sys.stderr,
-              flush=True)
+        one = len(unused) == 1
+        print(f"fourfold train: note: {'; '.join(unused)}: {'it has' if one else 'they have'} no effect in this "
+              f"run; run.json records {'it' if one else 'them'} as given.", file=sys.stderr, flush=True)
