@@ -98,6 +98,19 @@ def test_toml_values_are_checked_like_flags(tmp_path, capsys, toml, message):
     assert message.format(f=f) in err, err
 
 
+@pytest.mark.parametrize("toml,flags,message", [
+    ("[train]\nsteps = true", ["--steps", "1"], "steps must be an integer, got True (bool) in"),  # a flag replaces it
+    ("[train]\nout = 5", ["--out", "runs/x"], "out must be text, got 5 (int) in"),
+    ("[train]\nnproc = 2", [], "unknown key 'nproc' in [train] of {f}. It belongs under [launch]."),
+])
+def test_every_toml_value_is_checked_even_one_a_flag_replaces(tmp_path, capsys, toml, flags, message):
+    f = tmp_path / "run.toml"
+    f.write_text(toml + "\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f), *flags])
+    assert message.format(f=f) in capsys.readouterr().err
+
+
 def test_a_missing_config_file_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "nope.toml")])

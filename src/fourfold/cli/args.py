@@ -55,7 +55,9 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key in values:
             if key not in known:
-                raise ValueError(f"unknown key {key!r} in [{section}] of {path}.{_nearest(key, known)}")
+                home = _SECTION_OF.get(key)
+                hint = f" It belongs under [{home}]." if home else _nearest(key, known)
+                raise ValueError(f"unknown key {key!r} in [{section}] of {path}.{hint}")
     return data
 
 
@@ -111,6 +113,9 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if file is not None:
         for section, table in load(file).items():
+            hints = typing.get_type_hints(SECTIONS[section])
+            for key, value in table.items():  # each checked, a value a flag replaces included
+                check_value(key, value, hints[key], file)
             values[section].update(table)
     for dest, value in vars(ns).items():
         if "." in dest:
