@@ -434,6 +434,18 @@ def test_flags_the_layout_does_not_read_are_named_before_launch():
     assert unused("--n-layer", "2", "--allreduce", "ring", dp=2) == []
 
 
+def test_a_hang_threshold_the_timeout_would_beat_is_named_before_launch(capsys):
+    from fourfold.cli.args import parse_args
+    from fourfold.mesh import Mesh
+    from fourfold.preflight import before_launch_notes
+
+    cfg = parse_args(["--nproc", "2", "--timeout", "5", "--hang-threshold", "10", "--no-memory-check"])
+    before_launch_notes(cfg, Mesh(dp=2), 2)
+    assert "--hang-threshold 10 s is not below --timeout 5 s" in capsys.readouterr().err
+    before_launch_notes(parse_args(["--nproc", "2", "--no-memory-check"]), Mesh(dp=2), 2)
+    assert "hang-threshold" not in capsys.readouterr().err
+
+
 def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
     from fourfold.train import _launched_as
 

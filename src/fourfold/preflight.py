@@ -137,6 +137,12 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     _memory_line(cfg, world_size)
     _resume_note(cfg, mesh, world_size)
     _unused_note(cfg, mesh)
+    t = cfg.train
+    if world_size > 1 and t.hang_threshold >= t.timeout:
+        print(f"fourfold train: note: --hang-threshold {t.hang_threshold:g} s is not below --timeout {t.timeout:g} "
+              "s, so a stuck run ends at the timeout, whose error names the operation, before the hang doctor can "
+              "name the rank that never arrived. Pass a --hang-threshold below --timeout for both.",
+              file=sys.stderr, flush=True)
 
 
 def _memory_line(cfg: Config, world_size: int) -> None:
