@@ -276,3 +276,14 @@ def test_hidden_fraction_counts_comm_under_compute_but_not_under_a_wait() -> Non
     ]
     assert hidden_fraction(spans) == pytest.approx(30 / 50)
     assert hidden_fraction(spans[:2]) is None  # no communication at all
+
+
+def test_hidden_fraction_counts_zeros_reduce_scatters_and_all_gathers() -> None:
+    from fourfold.observe.trace import hidden_fraction
+
+    spans = [
+        _span(0, "compute", 0, 100),
+        _span(0, "comm", 40, 60, name="reduce_scatter:ring"),  # under backward: hidden
+        _span(0, "comm", 100, 120, name="all_gather:native"),  # after it: exposed
+    ]
+    assert hidden_fraction(spans) == pytest.approx(20 / 40)

@@ -48,7 +48,7 @@ from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
-from fourfold.observe.trace import Span, Tracer
+from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span, Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
@@ -391,7 +391,7 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
             out["tp"] += wire_bytes(s.name.removeprefix("tp."), s.bytes, s.args.get("ranks", 2))
         elif s.name in ("send", "tied_grads"):
             out["pp"] += s.bytes
-        elif s.name.startswith(("allreduce:", "reduce_scatter:", "all_gather:")):  # ZeRO: the ring's halves
+        elif s.name.startswith(DATA_PARALLEL_SPANS):  # ZeRO: the ring's halves
             out["dp"] += s.bytes
     return out
 

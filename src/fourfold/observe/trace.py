@@ -40,6 +40,7 @@ import torch.distributed as dist
 from fourfold.files import write_text_atomic
 
 __all__ = [
+    "DATA_PARALLEL_SPANS",
     "KINDS",
     "Kind",
     "Span",
@@ -246,11 +247,17 @@ class Tracer:
         return f"Tracer(rank={self.rank}, enabled={self.enabled}, spans={len(self.spans)}, step={self.step})"
 
 
-def hidden_fraction(spans: Sequence[Span], prefix: str = "allreduce:") -> float | None:
-    """The share of gradient-synchronisation time that overlapped computation, from one step's spans.
+DATA_PARALLEL_SPANS = ("allreduce:", "reduce_scatter:", "all_gather:")
+"""How the data-parallel collectives' comm spans are named: ``allreduce:<algorithm>`` for each bucket, and
+under ZeRO the ring's halves, ``reduce_scatter:`` of the gradients and ``all_gather:`` of the parameters."""
 
-    Only comm spans named ``prefix...`` count (the data-parallel all-reduces, which run beside backward); the
-    inline collectives of tensor parallelism block the computation they sit in and are never hidden.
+
+def hidden_fraction(spans: Sequence[Span], prefix: str | tuple[str, ...] = DATA_PARALLEL_SPANS) -> float | None:
+    """The share of data-parallel communication time that overlapped computation, from one step's spans.
+
+    Only comm spans named ``prefix...`` count (the data-parallel collectives, which run beside backward, and
+    under ZeRO-3 the parameters' all-gathers beside forward); the inline collectives of tensor parallelism
+    block the computation they sit in and are never hidden.
     Communication counts as hidden while a compute span runs and no wait span does (a wait inside backward is
     the rank blocked on communication, not computing). ``None`` when there was no such communication.
     """
