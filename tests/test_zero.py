@@ -52,6 +52,8 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
             "traced": traced, "numels": [b.numel for b in dp_module.buckets],
             "held": held, "estimate": engine.memory_estimate(), "dp": dp, "pp": pp, "zero": options["zero"],
             "counted": engine.counters()["parameter_bytes"]["total"],  # run.json's parameter_bytes_rank0
+            "adds_up": (lambda b: b["sharded"] + b["replicated"] == b["before_zero3"] >= b["total"])(
+                engine.counters()["parameter_bytes"]),
             "algorithm": options.get("allreduce", "native"),
             "model_grads": [n for n, p in engine.named_parameters() if p.grad is not None]}
 
@@ -143,6 +145,7 @@ def test_zero_equals_one_process_and_sends_the_theory(spawn, index):
                 f"{label} rank {r}: {term} {measured} measured vs {estimate} estimated"
         if got["held"] is not None:  # what run.json records is what the rank holds (ZeRO-3: its shards)
             assert got["counted"] == got["held"]["parameters"], (label, got["counted"], got["held"])
+            assert got["adds_up"], label
 
 
 @pytest.mark.slow

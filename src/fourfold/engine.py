@@ -358,9 +358,10 @@ class Engine:
         """This rank's parameter memory (sharded / replicated / total bytes) and the bytes its data-parallel
         algorithm has sent so far."""
         pb = parameter_bytes(self.model, self.named_parameters())
-        # "sharded"/"replicated": over tp; "total": what this rank holds between steps (ZeRO-3: its 1/dp shards)
+        # "sharded" + "replicated" (over tp) = "before_zero3"; "total": what this rank holds between steps, which
+        # under ZeRO-3 is its 1/dp segments of those
         held = sum(p.numel() * p.element_size() for p in self.parameters()) if self.zero >= 3 else pb.total
-        out: dict[str, Any] = {"parameter_bytes": {**pb._asdict(), "total": held}}
+        out: dict[str, Any] = {"parameter_bytes": {**pb._asdict(), "before_zero3": pb.total, "total": held}}
         if self.dp is not None:
             out["dp_sent_bytes"] = self.dp.stats.sent_bytes
         return out
