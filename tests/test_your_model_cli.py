@@ -217,12 +217,15 @@ def test_a_split_on_your_model_must_be_a_split():
     ("gpt2", ["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual", "3", "--microbatches", "2"],
      "stages must be at most the model's blocks (embedding, 2 layers, head), got pp*virtual=6 > 4"),
     ("gpt2", ["--nproc", "2", "--tp", "2", "--sequence-parallel"], "sequence_parallel is TinyGPT's"),
-    ("my_model:build", ["--vocab-size", "100"], "got vocab_size=100 in my_model:build. Set vocab_size to 256"),
+    ("my_model:build", ["--vocab-size", "100"], "got vocab_size=100 in my_model:build. Build the model with a "
+     "vocabulary of 256 (or more): its factory's keyword, in --model-config"),
     ("my_model:build", ["--seq-len", "32"], "model 'my_model:build': its forward on one sequence of --seq-len 32 "
      "tokens failed: IndexError"),  # its 16 positions: refused before launch, not a traceback on every rank
     ("my_model:build", ["--layerz", "2"], "building it with --model-config"),  # a keyword the factory lacks
-    ("gpt2", ["--n-layer", "2", "--d-model", "32"], "--n-layer, --d-model size TinyGPT only, got n_layer=2, "
+    ("gpt2", ["--n-layer", "2", "--d-model", "32"], "--n-layer, --d-model shape TinyGPT only, got n_layer=2, "
      "d_model=32 with model='gpt2'"),  # ignored, they trained a 124 M GPT-2 where a tiny model was asked for
+    ("gpt2", ["--vocab-size", "4096"], "--vocab-size shapes TinyGPT only, got vocab_size=4096 with model='gpt2', "
+     "whose size and vocabulary come from --model-config"),  # GPT-2's vocabulary is its config's
     ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a gpt2, llama or MODULE:FACTORY model"),

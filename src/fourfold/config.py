@@ -308,9 +308,11 @@ class Config:
         if sized:  # they would be ignored: a 124 M-parameter GPT-2 trained where the flags asked for a tiny model
             given = ", ".join(f"{f}={getattr(self.model, f)!r}" for f in sized)
             flags = ", ".join("--" + f.replace("_", "-") for f in sized)
-            raise ValueError(f"{flags} size TinyGPT only, got {given} with model={self.train.model!r}, whose size "
-                             "comes from --model-config (a JSON object of its config's keys, e.g. "
-                             "examples/gpt2-tiny.json). Drop them, or put the sizes in --model-config.")
+            one = len(sized) == 1
+            raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
+                             f"model={self.train.model!r}, whose size and vocabulary come from --model-config (a "
+                             "JSON object of its config's keys, e.g. examples/gpt2-tiny.json). Drop "
+                             f"{'it' if one else 'them'}, or put the values in --model-config.")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
@@ -330,8 +332,9 @@ class Config:
         return record
 
 
-TINYGPT_ONLY = ("n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")
-"""The [model] fields only TinyGPT reads (seq_len and vocab_size are every model's: the data's)."""
+TINYGPT_ONLY = ("vocab_size", "n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")
+"""The [model] fields only TinyGPT reads (seq_len is every model's: the data's). Another model's vocabulary is
+its config's, checked against the data's before launch."""
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]

@@ -113,7 +113,8 @@ def check_vocab(info: ModelInfo, tokens: int, source: str = "the tokenizer makes
     """The model's vocabulary must cover the ``tokens`` ids the data holds (``source`` says where from)."""
     if info.vocab_size is not None and info.vocab_size < tokens:
         fix = (f"Pass --vocab-size {tokens} (or more)" if info.label == "TinyGPT" else
-               f"Set vocab_size to {tokens} (or more) in the model's config")
+               f"Build the model with a vocabulary of {tokens} (or more): its factory's keyword, in --model-config"
+               if ":" in info.label else f"Set vocab_size to {tokens} (or more) in --model-config")
         raise ValueError(f"vocab_size must cover the data's tokens: {source} ids 0..{tokens - 1}, got "
                          f"vocab_size={info.vocab_size} in {info.label}. {fix}.")
 
