@@ -624,8 +624,9 @@ def model_blocks(model: nn.Module, split: Split | None) -> list[nn.Module]:
     if isinstance(model, nn.Sequential):
         return list(model)
     raise ValueError(f"activation checkpointing needs the model's blocks, got a {type(model).__name__} with no "
-                     "split and no blocks list. Pass split=fourfold.Split(blocks='path.to.ModuleList'), or "
-                     "activation_checkpointing='none'")
+                     "split and no blocks list. Pass split=fourfold.Split(blocks='path.to.ModuleList') (from "
+                     "fourfold train --model MODULE:FACTORY: set model.fourfold_split), or "
+                     "activation_checkpointing='none' (--activation-checkpointing none)")
 
 
 def _rank_mesh(mesh: RankMesh | Mesh | None, timeout_s: float) -> RankMesh:

@@ -131,7 +131,8 @@ def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module
     if family is None or family.plan is None:
         raise ValueError(f"tensor parallelism needs a plan for the model, got a {type(model).__name__} and no "
                          "plan for it. Pass tp_plan={'module.path': 'column' | 'row' | 'vocab' | 'head', ...} "
-                         "to parallelize (wildcards: 'layers.*.mlp.up'), or tp=1.")
+                         "to parallelize (wildcards: 'layers.*.mlp.up'; from fourfold train --model "
+                         "MODULE:FACTORY, set model.fourfold_tp_plan to it), or tp=1.")
     return family.plan(model)
 
 

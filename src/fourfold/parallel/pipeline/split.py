@@ -119,7 +119,9 @@ def _named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.
     if isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
         return [(str(i), m) for i, m in enumerate(model)]
     raise TypeError(f"model must be a module with layers() (TinyGPT), an nn.Sequential or a list of modules, "
-                    f"got {type(model).__name__}. Wrap its blocks in nn.Sequential(...).")
+                    f"got {type(model).__name__}. Wrap its blocks in nn.Sequential(...), or describe its split: "
+                    "parallelize(..., split=fourfold.Split(...)), or from fourfold train --model MODULE:FACTORY, "
+                    "model.fourfold_split = Split(...) (docs/your-model.md, 'The split, drawn').")
 
 
 def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
