@@ -309,3 +309,43 @@ def test_what_a_model_returns_stands_for_its_logits():
         assert output_tensor(out) is logits
     with pytest.raises(TypeError, match=r"got dict with keys \['hidden', 'loss'\]\. Return the logits"):
         output_tensor({"hidden": logits, "loss": 0.0})
+
+
+YOURS = '''
+from torch import nn
+
+
+class Tiny(nn.Module):  # no plan, no split: a model fourfold knows nothing of
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(256, 8), nn.Linear(8, 8), nn.Linear(8, 256)
+
+    def forward(self, ids):
+        return self.out(self.mid(self.emb(ids)))
+
+
+def plain():
+    return Tiny()
+
+
+def typo():
+    m = Tiny()
+    m.fourfold_tp_plan = {"mid": "column", "outt": "row"}
+    return m
+'''
+
+
+@pytest.mark.parametrize(("factory", "flags", "message"), [
+    ("typo", ["--tp", "2"], "plan names a module the model does not have, got 'outt'"),
+    ("plain", ["--tp", "2"], "set model.fourfold_tp_plan"),
+    ("plain", ["--pp", "2", "--microbatches", "2"], "a pipeline (--pp 2) cuts a model into blocks"),
+])
+def test_a_plan_or_split_this_layout_cannot_use_is_refused_before_launch(tmp_path, monkeypatch, capsys, factory,
+                                                                         flags, message):
+    (tmp_path / "yours.py").write_text(YOURS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", f"yours:{factory}", "--nproc", "2", *flags, "--steps", "1", "--seq-len", "8",
+            "--batch-size", "4", "--out", str(tmp_path / "run")]
+    assert train_mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count(message) == 1, err  # by the launcher, once: no rank started

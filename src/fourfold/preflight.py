@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,9 +27,13 @@ from fourfold.config import Config
 from fourfold.data import is_token_file, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, written_by_a_run
 from fourfold.mesh import Mesh
+from fourfold.models import family_of, tensor_plan
 from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
 from fourfold.models.gpt_plan import check_tinygpt_tp
+from fourfold.parallel.pipeline.blocks import block_paths
+from fourfold.parallel.pipeline.split import named_blocks
 from fourfold.parallel.schedule import pipeline_schedule
+from fourfold.parallel.tensor.plan import expand_plan
 
 __all__ = ["DATA_FLAGS", "PIPELINE_FLAGS", "before_launch_notes", "check_data_vocab", "preflight", "unused_flags"]
 
@@ -64,7 +69,7 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
     if info.vocab_size is None and scan_data:  # a model of your own: its vocabulary is known once it is built
-        info = _vocab_of_yours(cfg, info)
+        info = _check_yours(cfg, info, mesh, stages)
     check_data_vocab(cfg, info, scan=scan_data)
     resume = resume_from(cfg)
     if resume is not None:
@@ -103,14 +108,33 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
 
 
-def _vocab_of_yours(cfg: Config, info: ModelInfo) -> ModelInfo:
-    """``info`` with a model of your own's vocabulary, read from it built on the meta device (shapes, no
-    memory, no weights), so a vocabulary smaller than the data's is refused once, before launch."""
+def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int) -> ModelInfo:
+    """A model of your own, built on the meta device (shapes, no memory, no weights): ``info`` with its
+    vocabulary, so one smaller than the data's is refused once, before launch; and what this layout needs of it,
+    refused here rather than on every rank: under tp a plan whose every path names one of its modules, under
+    pp a split (or a blocks list) of at least the pipeline's stages."""
     try:
         with torch.device("meta"):
-            return built_info(info, build_model(cfg, "meta"))
+            model = build_model(cfg, "meta")
     except Exception:  # a model that cannot be built on meta: each rank checks it as it builds it
         return info
+    if mesh.tp > 1:
+        plan = tensor_plan(model)  # a model with none is refused, naming fourfold_tp_plan
+        if isinstance(plan, Mapping):
+            expand_plan(model, plan)  # a path naming no module, or a style fourfold lacks
+    if mesh.pp > 1:
+        family = family_of(model)
+        split = family.split(model) if family is not None and family.split is not None else None
+        try:
+            pieces = (len(block_paths(model, split.blocks)) + (split.before is not None) + (split.after is not None)
+                      if split is not None else len(named_blocks(model)))
+        except TypeError as e:  # neither a split nor a list of blocks
+            raise ValueError(f"model {cfg.train.model!r}: a pipeline (--pp {mesh.pp}) cuts a model into blocks: "
+                             f"{e}") from None
+        if stages > pieces:
+            raise ValueError(f"model {cfg.train.model!r}: stages must be at most the pieces of its split, got "
+                             f"pp*virtual={stages} > {pieces}. Use fewer --pp, or split the model finer")
+    return built_info(info, model)
 
 
 def _check_pipeline(cfg: Config, mesh: Mesh) -> int:

@@ -20,6 +20,7 @@ naming ``transformer.wpe``, the position embedding it would silently train witho
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -288,6 +289,20 @@ def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list
     return specs
 
 
+def _uncalled(model: nn.Module, label: str, e: Exception) -> str:
+    """Why piece ``label`` failed to find something of the model (a piece holds only the modules it called)."""
+    found = re.search(r"has no attribute '(\w+)'", str(e))
+    name = found.group(1) if found else None
+    own = {**dict(model.named_buffers(recurse=False)), **dict(model.named_parameters(recurse=False))}
+    if name in own:  # a tensor on the root module: no piece holds the root
+        kind = "buffer" if name in dict(model.named_buffers(recurse=False)) else "parameter"
+        return (f"split piece {label!r} reads the model's {kind} {name!r}, which sits on the root module, and a "
+                "piece holds only the submodules it calls. Move it into a submodule (a small nn.Module that holds "
+                "it and applies it, called in the piece), as every parameter and buffer a piece needs must be")
+    return (f"split piece {label!r} uses a module it did not call when its modules were found: {e}. Call "
+            "modules (m.lm_head(h)) rather than reading their weights")
+
+
 def build_pieces(model: nn.Module, specs: Sequence[PieceSpec]) -> list[Piece]:
     """The pieces of ``specs`` over ``model``'s modules as they are now (after tensor parallelism swapped some)."""
     return [Piece(s.label, [(p, model.get_submodule(p)) for p in s.paths], s.fn, s.block) for s in specs]
@@ -322,9 +337,7 @@ def check_split(model: nn.Module, specs: Sequence[PieceSpec], example: torch.Ten
                 try:
                     x = piece(x)
                 except (AttributeError, KeyError) as e:
-                    raise SplitError(f"split piece {piece.label!r} uses a module it did not call when its modules "
-                                     f"were found: {e}. Call modules (m.lm_head(h)) rather than reading their "
-                                     "weights") from e
+                    raise SplitError(_uncalled(model, piece.label, e)) from e
             got, chain = x, dict(rec.outputs)
     finally:
         rec.remove()

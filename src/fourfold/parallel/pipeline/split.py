@@ -36,7 +36,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Balance", "Stage", "TensorSpec", "partition", "plan", "split_model", "sum_tied_grads"]
+__all__ = ["Balance", "Stage", "TensorSpec", "named_blocks", "partition", "plan", "split_model", "sum_tied_grads"]
 
 Balance = Literal["params", "time"]
 
@@ -106,7 +106,7 @@ class Stage(nn.Module):
         return f"index={self.index}, stages={self.stages}, blocks={list(self.names)}"
 
 
-def _named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+def named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     named = getattr(model, "named_blocks", None)
     if isinstance(model, nn.Module) and callable(named):  # a Chain of pieces (fourfold.Split)
         return list(named())
@@ -240,7 +240,7 @@ def plan(model: nn.Module | Sequence[nn.Module], stages: int, *, balance: Balanc
     ``balance="params"`` (parameter count, a tied weight counted in each stage that holds it) or ``"time"``
     (forward time measured on ``example``; a TinyGPT defaults to one sequence of ``seq_len`` zeros).
     """
-    named = _named_blocks(model)
+    named = named_blocks(model)
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ValueError(f"stages must be a positive integer, got stages={stages!r}.")
     if stages > len(named):
@@ -265,7 +265,7 @@ def split_model(model: nn.Module | Sequence[nn.Module], stages: int, *, balance:
                 example: torch.Tensor | None = None) -> list[Stage]:
     """``stages`` contiguous :class:`Stage` s covering every block of ``model`` in order, cut by :func:`plan`."""
     starts = plan(model, stages, balance=balance, boundaries=boundaries, example=example)
-    named = _named_blocks(model)
+    named = named_blocks(model)
     examples = _examples(model, named, example)
     specs = _trace(named, examples) if examples is not None else None
     ends = (*starts[1:], len(named))
