@@ -39,6 +39,23 @@ def test_a_folder_of_text_files_is_its_files_in_path_order_joined_by_newlines(tm
         open_data(folder, ByteTokenizer())
 
 
+def test_a_byte_order_mark_is_left_out_and_a_json_file_is_not_read_as_text(tmp_path):
+    path = tmp_path / "w.jsonl"  # as Windows tools write it
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "one"}).encode() + b"\r\n")
+    assert bytes(open_data(path, ByteTokenizer()).tokens.tolist()) == b"one"
+    text = tmp_path / "w.txt"
+    text.write_bytes(b"\xef\xbb\xbfplain")
+    assert bytes(open_data(text, ByteTokenizer()).tokens.tolist()) == b"plain"
+    text.write_bytes(b"\xff")  # one file: nothing about folders
+    with pytest.raises(ValueError, match=r"bad byte at offset 0\. Convert it to UTF-8$"):
+        open_data(text, ByteTokenizer())
+    array = tmp_path / "docs.json"
+    array.write_text(json.dumps([{"text": "one"}]))
+    with pytest.raises(ValueError, match=r"docs.json is a .json file, which fourfold would read as plain text.*"
+                                         r"\.jsonl file \(JSON Lines\), or rename it .txt"):
+        open_data(array, ByteTokenizer())
+
+
 def test_json_lines_are_documents_and_a_bad_line_is_named(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["one", "two"])) + "\n\n")

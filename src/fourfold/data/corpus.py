@@ -131,11 +131,15 @@ def read_texts(path: str | os.PathLike[str] | None) -> tuple[list[str], bytes, s
             raise ValueError(f"data folder must hold text files, got none in {str(root)!r}. Pass a folder of .txt "
                              "files, or a file")
         raws = [f.read_bytes() for f in files]
-        texts = [_utf8(raw, f) for raw, f in zip(raws, files, strict=True)]
+        texts = [_utf8(raw, f, "or leave binary files out of the folder") for raw, f in zip(raws, files, strict=True)]
         return texts, b"\n".join(raws), root.name + "/"
     if not root.is_file():
         raise ValueError(f"data must be a readable file or folder, got {str(root)!r}. Check the path, or leave "
                          "--data out to use the built-in corpus")
+    if root.suffix == ".json":  # as text its brackets, keys and quotes would be trained on
+        raise ValueError(f"data {root.name} is a .json file, which fourfold would read as plain text, its brackets, "
+                         "keys and quotes included. Write one {\"text\": \"...\"} object per line in a .jsonl file "
+                         "(JSON Lines), or rename it .txt to train on it as text")
     raw = root.read_bytes()
     if root.suffix == ".jsonl":
         texts = []
@@ -155,12 +159,13 @@ def read_texts(path: str | os.PathLike[str] | None) -> tuple[list[str], bytes, s
     return [_utf8(raw, root)], raw, root.name
 
 
-def _utf8(raw: bytes, path: Path) -> str:
+def _utf8(raw: bytes, path: Path, other: str = "") -> str:
+    """``raw`` as UTF-8 text, a byte-order mark (which Windows tools write) left out."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"data must be UTF-8 text, got {path} with a bad byte at offset {e.start}. Convert it "
-                         "to UTF-8, or leave binary files out of the folder") from None
+                         f"to UTF-8{', ' + other if other else ''}") from None
 
 
 def _sha256_file(path: Path) -> str:
@@ -218,7 +223,7 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
         if path is None:
             return load_corpus()
         texts, raw, name = read_texts(path)
-        data = "\n".join(texts).encode("utf-8") if Path(path).suffix == ".jsonl" else raw
+        data = "\n".join(texts).encode("utf-8")  # the files' bytes, a byte-order mark left out
         if not data:
             raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
         return Corpus(as_uint8(data), name, hashlib.sha256(raw).hexdigest())  # the fingerprint of what was read
