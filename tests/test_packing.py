@@ -292,3 +292,16 @@ def test_cli_refuses_packing_without_document_boundaries(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--tokens-per-step", "100"])
     assert "tokens_per_step and truncate_documents arrange documents" in capsys.readouterr().err
+
+
+def test_fewer_documents_than_a_step_takes_are_named(tmp_path, capsys):
+    import json
+
+    from fourfold import train as train_mod
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": "a single document, " * 4}) + "\n")
+    argv = ["--data", str(data), "--pack", "bfd", "--batch-size", "4", "--steps", "1", "--seq-len", "16",
+            "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--no-progress", "--out", str(tmp_path / "run")]
+    assert train_mod.main(argv) == 0
+    assert "the data holds 1 document(s) and each step takes 4 (--batch-size)" in capsys.readouterr().err

@@ -171,6 +171,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         check_data_vocab(cfg, info, scan=False)
     loader, source = make_loader(cfg, out, dp_rank=ranks.coord.dp, dp_size=mesh.dp, vocab_size=info.vocab_size,
                                  is_main=ctx.is_main, wait=barrier)
+    if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and \
+            loader.docs_per_step > len(loader.documents):
+        print(f"fourfold train: note: the data holds {len(loader.documents)} document(s) and each step takes "
+              f"{loader.docs_per_step} (--batch-size): every step sees each document more than once (the "
+              "epochs are shuffled and run on end to end). Lower --batch-size, or pass more documents.",
+              file=sys.stderr, flush=True)
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
