@@ -104,3 +104,4 @@ def test_a_killed_rank_without_restarts_is_named_with_its_signal_in_the_last_lin
     last = output.strip().splitlines()[-1]
     assert last == f"fourfold: rank {victim} was killed by signal 9 (SIGKILL); the others were stopped with it.", \
         output
+    assert "failed (exitcode" not in output, output  # torchrun's own line for it, which says less

@@ -135,6 +135,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         # Restarts with gloo on torch 2.13 need the agent's rendezvous store kept apart from the workers'.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    _quiet_failed_line()
     verdict = Path(tempfile.mkdtemp(prefix="fourfold-verdict-")) / "verdict.json"
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
     done = threading.Event()
@@ -164,6 +165,19 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         done.set()
         shutil.rmtree(verdict.parent, ignore_errors=True)
     return 0
+
+
+def _no_failed(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed (exitcode")
+
+
+def _quiet_failed_line() -> None:
+    """torchrun's agent logs ``E... api.py] failed (exitcode: -9) local_rank: 1 (pid ...) of binary ...`` for a
+    rank that failed, between the rank's own error and fourfold's last line, which says the same and names the
+    fault: that one record is left out (the filter sits on the logger that makes it; added once)."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if _no_failed not in logger.filters:
+        logger.addFilter(_no_failed)
 
 
 def _no_rendezvous(launch: LaunchConfig, cause: str) -> str:
