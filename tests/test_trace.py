@@ -287,3 +287,15 @@ def test_hidden_fraction_counts_zeros_reduce_scatters_and_all_gathers() -> None:
         _span(0, "comm", 100, 120, name="all_gather:native"),  # after it: exposed
     ]
     assert hidden_fraction(spans) == pytest.approx(20 / 40)
+
+
+def test_an_interleaved_rank_is_labelled_with_every_stage_it_runs(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from fourfold.observe.visualize import _stages, timeline
+
+    assert _stages("stage 0 dp 1", [0, 2]) == "stages 0, 2 dp 1"
+    assert _stages("stage 1", [1]) == "stage 1" and _stages("dp 0", []) == "dp 0"
+    spans = {r: [_span(r, "compute", 100 * k, 100 * k + 90, name="F", microbatch=k % 2, args={"stage": r + 2 * (k // 2)})
+                 for k in range(4)] for r in range(2)}
+    timeline(spans, tmp_path / "t.png", color_by="microbatch", labels={0: "stage 0", 1: "stage 1"})
+    assert (tmp_path / "t.png").stat().st_size > 0

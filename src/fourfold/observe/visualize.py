@@ -15,6 +15,7 @@ never pyplot, so it neither switches the caller's backend nor keeps figures aliv
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -55,6 +56,14 @@ def rank_labels(mesh: Any) -> dict[int, str]:
     return labels
 
 
+def _stages(label: str, held: list[int]) -> str:
+    """A rank's row label naming every stage it runs: ``stage 0`` (its pipeline coordinate) becomes
+    ``stages 0, 2`` under an interleaved schedule."""
+    if len(held) < 2:
+        return label
+    return re.sub(r"\bstage \d+", "stages " + ", ".join(map(str, held)), label, count=1)
+
+
 def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLike[str], title: str | None = None,
              color_by: Literal["kind", "microbatch", "name"] = "kind", labels: Mapping[int, str] | None = None
              ) -> None:
@@ -83,8 +92,11 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     legend: dict[str, list[str]] = {}  # colour -> labels sharing it
+    held = {r: sorted({s.args["stage"] for s in spans_by_rank[r] if s.kind == "compute" and "stage" in s.args})
+            for r in ranks}  # the pipeline stages each rank runs (interleaved: several)
     for row, rank in enumerate(ranks):
         boxes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # one broken_barh call per colour
+        several = len(held[rank]) > 1
         for s in spans_by_rank[rank]:
             x, w = s.start_ns / 1e6 - t0, (s.end_ns - s.start_ns) / 1e6
             color, label = (_compute_color(s, color_by) if s.kind == "compute"
@@ -95,6 +107,8 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
             if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None:
                 # schedule actions are named F / B / W: "F3" reads like the schedule printouts
                 text = f"{s.name}{s.microbatch}" if len(s.name) <= 2 else str(s.microbatch)
+                if several and "stage" in s.args:  # which of the rank's stages: "F3 s2"
+                    text = f"{text} s{s.args['stage']}"
                 if w > 0.012 * span_ms * len(text):
                     ax.text(x + w / 2, row, text, ha="center", va="center", fontsize=7, color="white", zorder=4)
         for (kind, color), xw in boxes.items():
@@ -107,7 +121,7 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
             ax.broken_barh(xw, (y, h), facecolors=color, edgecolors="white", linewidth=0.4,
                            zorder=2 if kind == "compute" else 3)
 
-    names = [f"rank {r}" + (f"\n{labels[r]}" if labels and labels.get(r) else "") for r in ranks]
+    names = [f"rank {r}" + (f"\n{_stages(labels[r], held[r])}" if labels and labels.get(r) else "") for r in ranks]
     ax.set_yticks(range(len(ranks)), names, fontsize=8 if labels else None)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span_ms * 1.01)
