@@ -299,3 +299,11 @@ def test_an_interleaved_rank_is_labelled_with_every_stage_it_runs(tmp_path) -> N
                  for k in range(4)] for r in range(2)}
     timeline(spans, tmp_path / "t.png", color_by="microbatch", labels={0: "stage 0", 1: "stage 1"})
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_every_document_piece_gets_its_own_colour() -> None:
+    pytest.importorskip("matplotlib")
+    from fourfold.observe.visualize import _piece_colors
+
+    for n in (3, 20, 21, 64):  # the demo's step holds 20 pieces: 10 colours made pairs look alike
+        assert len(set(_piece_colors(list(range(n))).values())) == n

@@ -14,6 +14,7 @@ never pyplot, so it neither switches the caller's backend nor keeps figures aliv
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -189,6 +190,19 @@ def _join(labels: list[str]) -> str:
     return " / ".join(labels)
 
 
+def _piece_colors(ids: list[int]) -> dict[int, Any]:
+    """A colour per document piece, none shared: matplotlib's 20 qualitative colours, or for more pieces
+    evenly spaced hues, visited with a stride so neighbouring pieces differ."""
+    from matplotlib import colormaps
+
+    if len(ids) <= 20:
+        return {d: colormaps["tab20"](k) for k, d in enumerate(ids)}
+    n, stride = len(ids), max(1, round(len(ids) * 0.382))  # the golden section: neighbours land far apart
+    while math.gcd(stride, n) != 1:
+        stride += 1
+    return {d: colormaps["turbo"](0.05 + 0.9 * ((k * stride) % n) / (n - 1)) for k, d in enumerate(ids)}
+
+
 def draw_packing(batches: Mapping[str, Any], path: str | os.PathLike[str], title: str | None = None) -> bool:
     """One global batch per panel (``{name: Batch}``, the same documents arranged differently): a row per
     sequence, a coloured bar per document (a split one keeps its colour), padding left white. False, drawing
@@ -199,6 +213,7 @@ def draw_packing(batches: Mapping[str, Any], path: str | os.PathLike[str], title
         return False
     fig = Figure(figsize=(5 * len(batches), 5.5), layout="constrained")
     width = max(b.inputs.size(1) for b in batches.values())
+    color = _piece_colors(sorted({d for b in batches.values() for d in b.documents.unique().tolist() if d >= 0}))
     for i, (name, b) in enumerate(batches.items()):
         ax = fig.add_subplot(1, len(batches), i + 1)
         docs = b.documents
@@ -210,8 +225,7 @@ def draw_packing(batches: Mapping[str, Any], path: str | os.PathLike[str], title
                 while end < len(row) and row[end] == row[t]:
                     end += 1
                 if row[t] >= 0:
-                    ax.barh(r, end - t, left=t, height=0.85, color=_MICROBATCH_COLORS[row[t] % len(
-                        _MICROBATCH_COLORS)], edgecolor="white", linewidth=0.5)
+                    ax.barh(r, end - t, left=t, height=0.85, color=color[row[t]], edgecolor="white", linewidth=0.5)
                 t = end
         s = b.stats
         ax.set_xlim(0, width)
