@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n  parameter memory per rank (run.json):")
     for name in ("single", "dp2-ring", "tp2"):
         pb = json.loads((root / name / "run.json").read_text())["parameter_bytes_rank0"]
-        print(f"    {name:<10} {pb['total'] / 2**20:6.2f} MiB  (sharded "
-              f"{pb['sharded'] / 2**20:.2f} MiB, replicated {pb['replicated'] / 2**20:.2f} MiB)")
+        print(f"    {name:<10} {pb['total'] / 2**20:6.2f} MB  (sharded "
+              f"{pb['sharded'] / 2**20:.2f} MB, replicated {pb['replicated'] / 2**20:.2f} MB)")
     print(NOTES)
     step = max(1, args.dp_steps - 1)
     _draw(root / "single", 1, "timeline-single.png", f"one training step (step {step}), one process", step)
@@ -194,7 +194,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
         m = 1 if name == "model" else 8
         theory = theory_bubble("naive" if name == "model" else name, 2, m)
         mem = " / ".join(f"{b / 2**20:.1f}" for b in rows[-1]["peak_activation_bytes_by_rank"])
-        print(f"  {text:<58} {ms:8.1f} {100 * bubble:6.0f}% {100 * theory:6.0f}% {mem:>17} MiB")
+        print(f"  {text:<58} {ms:8.1f} {100 * bubble:6.0f}% {100 * theory:6.0f}% {mem:>17} MB")
     print("\n  bubble: the share of the step each rank is not computing (waiting for the other, its idle tail too),")
     print("  beside the schedule's theory with equal costs, (p-1)/(m+p-1) for GPipe and 1F1B. On 2 shared cores")
     print("  the measured figure also holds each message's latency and time waiting for a core (the theory")
@@ -280,7 +280,7 @@ def _memory(root: Path, steps: int = 3) -> int:
         measured = _rows(out)[-1]["memory_bytes"]
         layouts[name] = {"estimated": {t: getattr(estimated, t) for t in MEMORY_TERMS},
                          "measured": {t: measured[t] for t in MEMORY_TERMS}}
-    print(f"\n  {'MiB per rank':<16} " + " ".join(f"{t:>12}" for t in (*MEMORY_TERMS, "total")) + "   (estimated)")
+    print(f"\n  {'MB per rank':<16} " + " ".join(f"{t:>12}" for t in (*MEMORY_TERMS, "total")) + "   (estimated)")
     for name, kinds in layouts.items():
         m, e = kinds["measured"], kinds["estimated"]
         print(f"  {name:<16} " + " ".join(f"{m[t] / 2**20:12.2f}" for t in MEMORY_TERMS) +

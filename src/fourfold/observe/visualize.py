@@ -269,7 +269,7 @@ def draw_memory(layouts: Mapping[str, Mapping[str, Mapping[str, int]]], path: st
             ticks.append(x)
             labels.append(f"{name}\n{'est.' if j == 0 else 'meas.'}")
     ax.set_xticks(ticks, labels, fontsize=7)
-    ax.set(ylabel="MiB per rank")
+    ax.set(ylabel="MB per rank (MB = 2^20 B)")
     ax.legend(fontsize=8, loc="upper right")
     fig.suptitle(title or "memory per rank: estimated before launch (hatched) and measured", fontsize=10)
     with atomic_path(path) as tmp:
