@@ -113,10 +113,35 @@ def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any rank started
 
 
+def test_plan_memory_refuses_what_train_refuses(capsys, tmp_path):
+    """plan --memory runs train's own checks before launch (preflight) first: it never says "fits" for a layout
+    train refuses, and says it as train does, in one line."""
+    from fourfold.cli.plan import main
+
+    def error() -> str:
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("fourfold plan: error: "), err
+        return err
+
+    assert main(["--memory", "--nproc", "3"]) == 2
+    assert "batch_size must be divisible by dp, got batch_size=16, dp=3. Pass --batch-size 18" in error()
+    assert main(["--memory", "--nproc", "4", "--pp", "2", "--microbatches", "3"]) == 2  # not a rounded micro-batch
+    assert "each data-parallel shard must divide into micro-batches, got 8 sequences per shard and " \
+           "microbatches=3. Pass --microbatches 4" in error()
+    assert capsys.readouterr().out == ""  # no table
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # an earlier run's outputs: train's business, not the plan's
+    assert main(["--memory", "--nproc", "2", "--n-layer", "2", "--out", str(tmp_path)]) == 0
+    assert ": fits" in capsys.readouterr().out
+
+
 def test_parse_bytes():
     assert parse_bytes("80GB") == 80 * 2**30 and parse_bytes("1.5 gb") == 3 * 2**29 and parse_bytes("512") == 512
     with pytest.raises(ValueError, match="like 80GB"):
         parse_bytes("lots")
+    # where a plain number is a slip (--gpu-mem 80 meant 80GB), a unit can be required; 80B says bytes
+    with pytest.raises(ValueError, match=r"--gpu-mem must have a unit, got '80', which would be 80 bytes\. Pass 80GB"):
+        parse_bytes("80", what="--gpu-mem", unit=True)
+    assert parse_bytes("80B", unit=True) == 80 and parse_bytes("1 KiB", unit=True) == 1024
 
 
 def test_tinygpt_shards_describe_the_real_plan():

@@ -33,9 +33,12 @@ def nothing_left_behind():
 
 def test_link_rates_parse_and_bad_ones_are_refused():
     assert parse_rate("1gbit") == 10**9 and parse_rate("100mbit") == 10**8 and parse_rate("10MBps") == 8 * 10**7
+    assert parse_rate("1Gbps") == 8 * 10**9  # tc's units: bps is bytes per second, kept on purpose
     for bad in ("fast", "1gb", "0mbit", "1000gbit"):
         with pytest.raises(ValueError, match="link must be"):
             parse_rate(bad)
+    with pytest.raises(ValueError, match="gbit are bits per second; kbps, mbps, gbps bytes per second"):
+        parse_rate("1gb")  # the error says which is which
     with pytest.raises(ValueError, match="nodes must be between 1 and 64"):
         Lab(0)
 

@@ -340,6 +340,9 @@ def test_plan_ranks_layouts_of_a_model_this_machine_cannot_hold(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit() and " ms " in line]
     assert len(rows) == 5  # 16 GPUs at 8 a machine: the command for each of the 2 machines
     assert "fourfold train --nnodes 2 --node-rank K --rdzv-endpoint HOST:PORT --nproc 8 --dp " in out, out
+    # fourfold train refuses tp > 1 for a vocabulary of 50257 (odd): those layouts are left out, and said so
+    assert all(r[2] == "tp1" for r in rows), rows
+    assert "left out: " in out and "vocab_size must be divisible by tp, got vocab_size=50257" in out
     steps = [float(r[r.index("ms") - 1]) for r in rows]
     assert steps == sorted(steps)  # fastest first
     assert main([*flags[:2], "--gpu-mem", "1GB", *flags[4:]]) == 1
@@ -356,6 +359,120 @@ def test_plan_refuses_bad_flags(capsys):
     assert main(["--memory", "--gpus", "64", "--nproc", "2"]) == 2  # two modes: one layout's memory, or the ranking
     assert "error: --memory prints one layout's memory on --nproc ranks here, and --gpus belongs to ranking" in \
         capsys.readouterr().err
+    assert main(["--nproc", "2", "--link", "1gbit"]) == 2  # read on paper or in a lab, not here: not ignored
+    assert "--link is the link between machines on paper (--gpus N) or between a lab's nodes (--lab N), got it " \
+           "with neither" in capsys.readouterr().err
+    assert main(["--nproc", "2", "--gpu-mem", "80GB", "--mfu", "0.5"]) == 2
+    assert "--gpu-mem, --mfu describe the devices of a plan on paper, got them without --gpus" in \
+        capsys.readouterr().err
+
+
+SMALL = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32", "--batch-size", "8"]
+
+
+def _error(capsys) -> str:
+    """stderr's one line (a refusal is one line, never a usage block or a traceback)."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fourfold plan: error: "), err
+    return err
+
+
+def test_plan_refuses_gpus_that_whole_machines_cannot_make_up(capsys):
+    from fourfold.cli.plan import main
+
+    assert main(["--gpus", "8", "--gpus-per-node", "3", *SMALL]) == 2  # was: --nnodes 3 --nproc 3, 9 processes
+    assert "--gpus 8 must be a multiple of --gpus-per-node 3 (every machine runs --nproc 3 ranks), got 8 = 2 x 3 + " \
+           "2. Pass --gpus 6 or 9, or a --gpus-per-node that divides 8 (2, 4 or 8)." in _error(capsys)
+    assert main(["--gpus", "6", "--gpus-per-node", "3", *SMALL[:-1], "12"]) == 0  # 2 machines of 3
+    assert "--nnodes 2 --node-rank K --rdzv-endpoint HOST:PORT --nproc 3 " in capsys.readouterr().out
+    assert main(["--gpus", "4", "--gpus-per-node", "8", *SMALL]) == 0  # fewer than a machine holds: one machine
+
+
+def test_plan_says_why_no_layout_can_run_and_what_would(capsys):
+    from fourfold.cli.plan import main
+
+    assert main(["--gpus", "7", *SMALL]) == 2  # was: "0 layouts considered, 0 fit" and an empty table
+    err = _error(capsys)
+    assert "no layout of 7 GPUs can run this model and batch 8: " in err
+    assert "dp7 tp1 pp1: batch 8 does not divide by dp 7" in err and "dp1 tp7 pp1: its 2 heads do not divide" in err
+    assert "dp1 tp1 pp7: 2 block(s) do not make 7 stages" in err
+    assert err.rstrip().endswith("Pass --batch-size 14, or --gpus 4 or 8."), err
+    batch = SMALL[:-1] + ["14"]
+    assert main(["--gpus", "7", *batch]) == 0 and main(["--gpus", "4", *SMALL]) == 0  # the fixes it names work
+    assert main(["--gpus", "8", *SMALL]) == 0
+    assert main(["--gpus", "8", "--data", "no/such/file"]) == 2  # every split refused by train: train's reason
+    assert "refused by fourfold train (data must be a readable file or folder, got 'no/such/file'" in _error(capsys)
+
+
+def test_plan_says_a_bps_link_in_bits(capsys):
+    from fourfold.cli.plan import main
+
+    assert main(["--gpus", "8", "--link", "1Gbps", "--top", "1", *SMALL]) == 0  # tc's units: bytes per second
+    assert "links: 1Gbps (8 Gbit/s: tc's bps is bytes per second), 10 us" in capsys.readouterr().out
+    assert main(["--gpus", "8", "--link", "400gbit", "--node-link", "900GBps", "--top", "1", *SMALL]) == 0
+    assert "links: 400gbit, 10 us between machines, 900GBps (7.2 Tbit/s: tc's bps is bytes per second), 10 us " \
+           "within one" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_gpu_memory_without_its_unit(capsys):
+    from fourfold.cli.plan import main
+
+    assert main(["--gpus", "8", "--gpu-mem", "80", *SMALL]) == 2  # was: 80 bytes, "none fits"
+    assert "--gpu-mem must have a unit, got '80', which would be 80 bytes. Pass 80GB" in _error(capsys)
+    assert main(["--gpus", "8", "--gpu-mem", "-5GB", *SMALL]) == 2  # not argparse's "expected one argument"
+    assert "--gpu-mem must be a number with a unit B, KB, MB, GB or TB, like 80GB or 512MB, got '-5GB'." in \
+        _error(capsys)
+    assert main(["--gpus", "8", "--gpu-mem", "0GB", *SMALL]) == 2
+    assert "--gpu-mem must be more than 0 bytes, got '0GB'" in _error(capsys)
+    assert main(["--gpus", "8", "--gpu-mem", "80GB", "--top", "1", *SMALL]) == 0
+    assert "80 GB per rank (--gpu-mem)" in capsys.readouterr().out
+
+
+def _command(out: str) -> list[str]:
+    """The suggested ``fourfold train`` command's flags, K and HOST:PORT filled in as a user would."""
+    import shlex
+
+    line = next(line for line in out.splitlines() if "run the first" in line)
+    flags = shlex.split(line.split("fourfold train", 1)[1])
+    return ["0" if f == "K" else "10.0.0.1:29400" if f == "HOST:PORT" else f for f in flags]
+
+
+def test_plan_prints_a_command_that_runs_the_model_and_batch_planned(capsys):
+    from fourfold.cli.plan import main
+    from fourfold.train import parse_args
+
+    user = ["--dp", "3", "--zero", "1", "--lr", "0.01", *SMALL]  # the layout's flags replace the user's own
+    assert main(["--gpus", "16", "--gpus-per-node", "4", "--top", "1", *user]) == 0
+    out = capsys.readouterr().out
+    assert "..." not in out
+    flags = _command(out)
+    cfg = parse_args(flags)
+    first = next(line for line in out.splitlines() if line.strip().startswith("1 ")).split()
+    assert (f"dp{cfg.train.dp}", f"tp{cfg.train.tp}", f"pp{cfg.train.pp}") == tuple(first[1:4])
+    assert cfg.launch.nnodes * cfg.launch.nproc == 16 and cfg.launch.nproc == 4
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.seq_len, cfg.train.batch_size,
+            cfg.train.lr) == (2, 64, 2, 32, 8, 0.01)
+    assert flags.count("--dp") == 1 and flags.count("--zero") <= 1
+    assert main(["--gpus", "4", "--top", "1", *SMALL]) == 0  # one machine: run here
+    cfg = parse_args(_command(capsys.readouterr().out))
+    assert cfg.launch.world_size == 4 and cfg.train.batch_size == 8 and cfg.model.n_layer == 2
+
+
+def test_plan_stops_quietly_when_its_reader_goes(capsys, monkeypatch):
+    """``fourfold plan ... | head``: the pipe closes before the table is written; no BrokenPipeError traceback."""
+    import os
+    import sys
+
+    from fourfold.cli.plan import main
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    stdout = open(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["--gpus", "8", *SMALL]) == 141  # as a process stopped by SIGPIPE
+    monkeypatch.undo()
+    stdout.close()  # what was left in the buffer goes to /dev/null now: no second BrokenPipeError
+    assert capsys.readouterr().err == ""
 
 
 def test_plan_says_uncalibrated_figures_for_more_ranks_than_cores_are_optimistic(capsys, monkeypatch):
@@ -388,7 +505,7 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
     once = [Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=1),
             Layout(dp=2, pp=2, schedule="1f1b", microbatches=1)]
     assert made == once + once[::-1]  # the fastest of 2 each, in rotation (a drifting machine weighs on all)
-    assert "calibration layout dp4 tp1 pp1: skipped (batch 6 does not divide into dp x microbatches)" in out
+    assert "calibration layout dp4 tp1 pp1: skipped (batch 6 does not divide by dp 4)" in out
     assert "calibration run 4/8, dp2 tp1 pp2 1f1b m1: 840.0 ms per step, 0% of the CPU stolen" in out
     assert "calibration run 8/8, dp2 tp1 pp1: 480.0 ms per step" in out
     assert "fitted: " in out and "wake_s" in out and "contention" in out and "p2p_alpha_s" in out

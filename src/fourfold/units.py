@@ -16,12 +16,19 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GB"``, ``"512MB"``, ``"1.5GB"``, ``"64KiB"`` or a plain number of bytes -> bytes (K = 1024)."""
+def parse_bytes(text: str, *, what: str = "size", unit: bool = False) -> int:
+    """``"80GB"``, ``"512MB"``, ``"1.5GB"``, ``"64KiB"`` or a plain number of bytes -> bytes (K = 1024).
+
+    ``unit``: refuse a plain number (``--gpu-mem 80`` meant 80GB, not 80 bytes); ``what`` names the value in the
+    error (a flag, say)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size must be a number with an optional unit B, KB, MB, GB or TB, like 80GB or 512MB, "
+        units = "a unit" if unit else "an optional unit"
+        raise ValueError(f"{what} must be a number with {units} B, KB, MB, GB or TB, like 80GB or 512MB, "
                          f"got {text!r}.")
+    if unit and not m.group(2):
+        raise ValueError(f"{what} must have a unit, got {text!r}, which would be {m.group(1)} bytes. Pass "
+                         f"{m.group(1)}GB (or {m.group(1)}MB; {m.group(1)}B for bytes).")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 

@@ -7,7 +7,8 @@ Takes ``fourfold train``'s flags (the same model, data shape and layout) and pri
 bytes of parameters, gradients, optimiser state and peak activations (:mod:`fourfold.observe.estimate`; the
 formulas are in docs/memory.md), the memory available per rank and whether the layout fits; when it does not,
 the largest term and the cheapest change that fits. ``fourfold train`` runs the same check before it launches
-(``--no-memory-check`` skips it) and refuses a layout that would not fit.
+(``--no-memory-check`` skips it) and refuses a layout that would not fit; the plan runs train's checks before
+launch first (:func:`fourfold.preflight.preflight`), so it refuses what train refuses, with train's message.
 
     fourfold plan --gpus 64 --gpu-mem 80GB --link 400gbit --model gpt2 --model-config xl.json --batch-size 512
     fourfold plan --nproc 8 --batch-size 16                      # this machine, its units timed here
@@ -20,12 +21,15 @@ on the meta device (any size), each unit's time from its FLOPs at ``--gpu-flops`
 machine, the units timed here and the links from the fitted cost model (``fourfold bench allreduce``);
 with ``--lab N``, as ``fourfold lab run --nodes N --link RATE`` would run it: --nproc / N ranks per node over
 this machine's own links, the nodes joined by the lab's (its fitted model if ``fourfold lab run ... -- fourfold
-bench allreduce`` made one, else ``--link``'s rate at this machine's latency).
+bench allreduce`` made one, else ``--link``'s rate at this machine's latency). Only the layouts that
+``fourfold train``'s checks pass are ranked; the first is printed as a command that runs as it stands, with
+the model and batch flags given here.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -146,30 +150,44 @@ def layouts(world: int, blocks: int, batch_size: int, *, heads: int | None, tens
     """Every layout of ``world`` ranks worth predicting: tp within a machine dividing the heads, pp up to the
     blocks, dp dividing the batch; with pp each schedule at pp, 2pp and 4pp micro-batches (interleaved: 2
     stages per rank); ZeRO 0-3 where dp > 1."""
+    return _layouts_and_why(world, blocks, batch_size, heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0]
+
+
+def _layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
+                     per_node: int) -> tuple[list[Any], dict[str, str]]:
+    """(:func:`layouts`, {``"dpX tpY ppZ"``: why none of its layouts can run} for the dp x tp x pp splits of
+    ``world`` that make none)."""
     from fourfold.observe.predict import Layout
     from fourfold.parallel.schedule import pipeline_schedule
 
-    out = []
+    out: list[Any] = []
+    why: dict[str, str] = {}
     for tp in _divisors(world):
-        if tp > 1 and (not tensor_plan or tp > per_node or (heads is not None and heads % tp)):
-            continue
         for pp in _divisors(world // tp):
             dp = world // tp // pp
-            if pp > blocks or batch_size % dp:
+            split = f"dp{dp} tp{tp} pp{pp}"
+            reason = _cannot_run(Layout(dp, tp, pp), batch_size, blocks, tensor_plan, heads, per_node)
+            if reason:
+                why[split] = reason
                 continue
             shapes = [("1f1b", 1, 1)] if pp == 1 else [
-                (s, m, 2 if s == "interleaved" else 1) for m in (pp, 2 * pp, 4 * pp) if (batch_size // dp) % m == 0
+                (s, m, 2 if s == "interleaved" else 1) for m in (pp, 2 * pp, 4 * pp)
                 for s in ("gpipe", "1f1b", "interleaved", "zb")]
+            made = []
             for schedule, m, v in shapes:
+                if _cannot_run(Layout(dp, tp, pp, schedule, m, v), batch_size, blocks, tensor_plan, heads, per_node):
+                    continue
                 if pp > 1:
                     try:
                         pipeline_schedule("pipeline", schedule, pp, m, v)
                     except ValueError:
                         continue
-                    if pp * v > blocks:
-                        continue
-                out += [Layout(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
-    return out
+                made += [Layout(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
+            if not made:
+                why[split] = (f"a dp shard's {batch_size // dp} sequences do not divide into {pp}, {2 * pp} or "
+                              f"{4 * pp} micro-batches")
+            out += made
+    return out, why
 
 
 def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
@@ -184,7 +202,6 @@ def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: in
 
 def _ranking(argv: list[str]) -> int:
     import argparse
-    import os
 
     import torch
 
@@ -202,8 +219,9 @@ def _ranking(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fourfold plan", add_help=False)
     for flag, options in RANKING_FLAGS.items():
         parser.add_argument(flag, **options)
-    ns, rest = parser.parse_known_args(argv)
+    ns, rest = parser.parse_known_args(_negative_values_joined(argv))
     paper = ns.gpus is not None
+    given = {a.split("=", 1)[0] for a in argv}
     lab: LabShape | None = None
     try:
         if paper and ns.lab is not None:
@@ -211,19 +229,37 @@ def _ranking(argv: list[str]) -> int:
         if paper and ns.calibrate:
             raise ValueError("--calibrate fits the model to short runs on this machine; with --gpus (on paper) there "
                              "is nothing to run. Drop one of them.")
+        unread = [] if paper else [f for f in PAPER_ONLY if f in given]
+        if unread:
+            raise ValueError(f"{', '.join(unread)} describe{'s' if len(unread) == 1 else ''} the devices of a plan on "
+                             f"paper, got {'it' if len(unread) == 1 else 'them'} without --gpus: nothing would read "
+                             f"{'it' if len(unread) == 1 else 'them'}. Pass --gpus N, or drop {', '.join(unread)}.")
+        if not paper and ns.lab is None and "--link" in given:
+            raise ValueError("--link is the link between machines on paper (--gpus N) or between a lab's nodes (--lab "
+                             "N), got it with neither: nothing would read it (this machine's links come from its "
+                             "fitted cost model). Pass --gpus N or --lab N, or drop --link.")
         if paper and (ns.gpus < 1 or ns.gpus_per_node < 1 or not 0 < ns.mfu <= 1 or ns.top < 1):
             raise ValueError(f"--gpus and --gpus-per-node must be >= 1, --mfu in (0, 1], --top >= 1, got --gpus "
                              f"{ns.gpus}, --gpus-per-node {ns.gpus_per_node}, --mfu {ns.mfu}, --top {ns.top}.")
+        if paper and ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
+            raise ValueError(_uneven_machines(ns.gpus, ns.gpus_per_node))
         cfg = parse_args(rest)
         world = ns.gpus if paper else cfg.launch.world_size
         t = cfg.train
         if paper:
             def link(text: str) -> CostModel:
-                return CostModel(ns.latency, 8 / parse_rate(text, most=1e13), 0.0, f"{text}, {ns.latency * 1e6:g} us")
+                bits = parse_rate(text, most=1e13)
+                return CostModel(ns.latency, 8 / bits, 0.0, f"{_rate_words(text, bits)}, {ns.latency * 1e6:g} us")
             ns.link = ns.link or "400gbit"
             links = Links(node=link(ns.node_link or ns.link), network=link(ns.link), ranks_per_node=ns.gpus_per_node)
-            available = parse_bytes(ns.gpu_mem) if ns.gpu_mem else parse_bytes(t.memory_limit or "80GB")
-            where = "--gpu-mem" if ns.gpu_mem else "--memory-limit" if t.memory_limit else "80GB (default)"
+            if ns.gpu_mem:
+                available, where = parse_bytes(ns.gpu_mem, what="--gpu-mem", unit=True), "--gpu-mem"
+                if available <= 0:
+                    raise ValueError(f"--gpu-mem must be more than 0 bytes, got {ns.gpu_mem!r}. Pass a device's "
+                                     "memory, like 80GB.")
+            else:
+                available = parse_bytes(t.memory_limit or "80GB")
+                where = "--memory-limit" if t.memory_limit else "80GB (default)"
             if t.model == "tinygpt":  # builds shapes only on meta (its initialisation reads no data)
                 model = build_model(cfg, device="meta")
             else:
@@ -242,21 +278,32 @@ def _ranking(argv: list[str]) -> int:
             available, where = _available(cfg, world)
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
+        shards = shard_plan(model)
+        heads, tensor_plan = _heads(model), bool(shards)
+
+        def runs_some(g: int, c: Any) -> bool:
+            """Whether ``c`` can run some layout of ``g`` devices (on whole machines, or a lab's whole nodes)."""
+            if paper and g > ns.gpus_per_node and g % ns.gpus_per_node or ns.lab is not None and g % ns.lab:
+                return False
+            per_node = ns.gpus_per_node if paper else g // ns.lab if ns.lab is not None else g
+            return bool(_runnable(c, g, len(blocks), heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0])
+
+        candidates, why, refused = _runnable(cfg, world, len(blocks), heads=heads, tensor_plan=tensor_plan,
+                                             per_node=links.ranks_per_node)
+        if not candidates:
+            raise ValueError(_none_runs(cfg, world, "--gpus" if paper else "--nproc", "GPUs" if paper else "ranks",
+                                        why, runs_some))
         seq = cfg.model.seq_len
         samples = (1, max(2, t.batch_size // max(1, world)))
         costs = (flop_units(model, blocks, seq, ns.gpu_flops * ns.mfu) if paper else
                  measure_units(model, blocks, seq, samples=samples))
-        shards = shard_plan(model)
         profile = ModelProfile.of(model, blocks, seq, shards, costs)
-        candidates = layouts(world, len(blocks), t.batch_size, heads=_heads(model), tensor_plan=bool(shards),
-                             per_node=links.ranks_per_node)
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
         return 2
     if ns.calibrate:
         try:
-            profile, links = _calibrated(profile, links, rest, t.batch_size, len(blocks), bool(shards),
-                                         _heads(model), samples)
+            profile, links = _calibrated(profile, links, rest, t.batch_size, len(blocks), tensor_plan, heads, samples)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"fourfold plan: error: a calibration run failed: {e}", file=sys.stderr)
             return 1
@@ -264,9 +311,14 @@ def _ranking(argv: list[str]) -> int:
     fits = [p for p, ok in ranked if ok]
     params = sum(p.numel() for p in model.parameters())
     millions = f"{params / 1e6:,.{1 if params >= 1e7 else 2}f}"  # 0.03 M, not 0.0 M
+    link_text = links.network.source or "fitted cost model"
+    if paper and ns.node_link:
+        link_text = f"{links.network.source} between machines, {links.node.source} within one"
+    if lab is not None and lab.link.strip().lower().endswith("bps"):
+        link_text += f"; {_rate_words(lab.link, parse_rate(lab.link))}"
     print(f"fourfold plan: {t.model} ({millions} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
-          f"compute: {profile.costs.source}; links: {links.network.source or 'fitted cost model'}"
+          f"compute: {profile.costs.source}; links: {link_text}"
           f"{', with the figures fitted above' if ns.calibrate else ''}")
     print(f"{len(candidates)} layout{'s' if len(candidates) != 1 else ''} considered, {len(fits)} fit. Fastest "
           "first:")
@@ -275,28 +327,86 @@ def _ranking(argv: list[str]) -> int:
     for i, p in enumerate(fits[:ns.top], start=1):
         print(f"  {i:>3} {str(p.layout):<36} {_time(p.step_s):>10} {t.batch_size * seq / p.step_s:>12,.0f} "
               f"{p.bubble:>7.1%} {_time(p.dp_exposed_s):>11} {format_bytes(p.peak_bytes):>12}")
+    if refused:
+        layout, message = next(iter(refused.items()))
+        print(f"  left out: {len(refused)} layout{'s' if len(refused) != 1 else ''} fourfold train refuses, e.g. "
+              f"{layout}: {message}")
     if not fits:
         smallest = min((p for p, _ in ranked), key=lambda p: p.peak_bytes, default=None)
         if smallest is not None:
             print(f"  none fits: the smallest, {smallest.layout}, needs {format_bytes(smallest.peak_bytes)} per rank. "
                   "Try more devices, a smaller batch, or --activation-checkpointing full.")
         return 1
-    flags = fits[0].layout.flags()
+    first = fits[0].layout
+    flags, user = first.flags(), _user_flags(rest, first)  # the user's model and batch flags go with it
     if lab is not None:  # in a lab, --nproc counts a node's ranks: the lab's --gpus-per-node says it
-        print(f"  run the first in the lab: fourfold {' '.join(lab.command(fits[0].layout) + flags[2:])} ...")
+        print(f"  run the first in the lab: fourfold {shlex.join(lab.command(first) + flags[2:] + user)}")
     elif paper and world > ns.gpus_per_node:  # --nproc counts one machine's processes
-        nodes = -(-world // ns.gpus_per_node)
+        nodes = world // ns.gpus_per_node
         print(f"  run the first on {nodes} machines of {ns.gpus_per_node} GPUs, on machine K of 0..{nodes - 1}: "
               f"fourfold train --nnodes {nodes} --node-rank K --rdzv-endpoint HOST:PORT --nproc {ns.gpus_per_node} "
-              f"{' '.join(flags[2:])} ...")
+              f"{shlex.join(flags[2:] + user)}")
     else:
-        print(f"  run the first here: fourfold train {' '.join(flags)} ...")
+        print(f"  run the first here: fourfold {shlex.join(['train', *flags, *user])}")
     cores = links.cores
     if not paper and not ns.calibrate and lab is None and cores and world > cores:
         print(f"  note: {world} ranks share this machine's {cores} CPU cores. Uncalibrated, the figures share the "
               "cores fairly at no cost for switching ranks or waking one, so they are optimistic and may be ordered "
               "otherwise than runs measure; --calibrate fits them to short runs here first (a minute or two).")
     return 0
+
+
+def _uneven_machines(gpus: int, per_node: int) -> str:
+    """The refusal of ``--gpus`` that machines of ``per_node`` GPUs cannot make up (each runs --nproc per_node)."""
+    lower, divisors = gpus // per_node * per_node, [d for d in _divisors(gpus) if d > 1]
+    return (f"--gpus {gpus} must be a multiple of --gpus-per-node {per_node} (every machine runs --nproc {per_node} "
+            f"ranks), got {gpus} = {gpus // per_node} x {per_node} + {gpus % per_node}. Pass --gpus {lower} or "
+            f"{lower + per_node}, or a --gpus-per-node that divides {gpus} "
+            f"({', '.join(map(str, divisors[:-1]))}{' or ' if len(divisors) > 1 else ''}{divisors[-1]}).")
+
+
+def _rate_words(text: str, bits: int) -> str:
+    """``text`` as given, with its rate in bits where tc's units read it as bytes: ``1Gbps (8 Gbit/s: tc's bps is
+    bytes per second)`` (most who write Gbps mean gigabits; tc, and so the lab, do not)."""
+    if not text.strip().lower().endswith("bps"):
+        return text
+    scale, unit = next(((s, u) for s, u in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s")) if bits >= s),
+                       (1e3, "kbit/s"))
+    return f"{text} ({bits / scale:.3g} {unit}: tc's bps is bytes per second)"
+
+
+LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",
+                          "--schedule", "--microbatches", "--virtual", "--zero"})
+"""Train's flags the suggested command sets itself (the layout's, a machine's launch), each taking a value."""
+
+
+def _user_flags(rest: list[str], layout: Any) -> list[str]:
+    """The train flags given to the plan (model, batch, data, ...), for the suggested command: without those
+    :data:`LAYOUT_FLAGS` names, which the command gives itself."""
+    kept, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg in LAYOUT_FLAGS:
+            skip = True
+        elif arg.split("=", 1)[0] not in LAYOUT_FLAGS:
+            kept.append(arg)
+    if not layout.zero and layout.dp > 1 and any(a.split("=", 1)[0] == "--config" for a in rest):
+        kept += ["--zero", "0"]  # a --config file's zero would stand otherwise (flags win over the file)
+    return kept
+
+
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """``--gpu-mem -5GB`` as ``--gpu-mem=-5GB``, so that the value's own check refuses it: argparse takes a value
+    that starts with '-' for a flag and says only 'expected one argument'."""
+    out: list[str] = []
+    for arg in argv:
+        takes_value = bool(out) and out[-1] in RANKING_FLAGS and "action" not in RANKING_FLAGS[out[-1]]
+        if takes_value and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 CALIBRATION_REPEATS = 2
@@ -344,22 +454,112 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     return profile, links
 
 
-def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None) -> str | None:
-    """Why this model and batch cannot run ``layout`` (None: they can)."""
-    if batch_size % (layout.dp * layout.microbatches):
-        return f"batch {batch_size} does not divide into dp x microbatches"
-    if layout.tp > 1 and not (tensor_plan and (heads is None or heads % layout.tp == 0)):
-        return f"the model has no tensor plan, or its heads do not divide by {layout.tp}"
-    if layout.pp > blocks:
-        return f"{blocks} block(s) do not make {layout.pp} stages"
+def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None,
+                per_node: int | None = None) -> str | None:
+    """Why this model and batch cannot run ``layout`` (None: they can); ``per_node``: a machine's ranks, which a
+    tp group must stay within."""
+    dp, tp, m = layout.dp, layout.tp, layout.microbatches
+    if batch_size % (dp * m):
+        return (f"batch {batch_size} does not divide by dp {dp}" if m == 1 else
+                f"batch {batch_size} does not divide into dp x microbatches = {dp} x {m}")
+    if tp > 1 and not tensor_plan:
+        return "the model has no tensor plan"
+    if tp > 1 and heads is not None and heads % tp:
+        return f"its {heads} heads do not divide by tp {tp}"
+    if tp > 1 and per_node is not None and tp > per_node:
+        return f"tp {tp} is more than a machine's {per_node} ranks (tensor parallelism stays within one)"
+    if layout.pp * layout.virtual > blocks:
+        return f"{blocks} block(s) do not make {layout.pp * layout.virtual} stages"
     return None
+
+
+def _train_checks(cfg: Any, world_size: int, *, scan_data: bool = True) -> None:
+    """Refuse (ValueError: train's own message and fix) what ``fourfold train`` refuses before it launches: the
+    same :func:`fourfold.preflight.preflight` train calls. The plan writes nothing, so ``--out`` (writable, an
+    earlier run's outputs in it) is left to train: here the checks see a fresh directory instead."""
+    import tempfile
+    from dataclasses import replace
+
+    from fourfold.preflight import preflight
+
+    with tempfile.TemporaryDirectory(prefix="fourfold-plan-") as nowhere:
+        preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
+                  scan_data=scan_data)
+
+
+def _train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
+    """{layout: why ``fourfold train`` refuses it} for the ``candidates`` it refuses (a TinyGPT vocabulary tp does
+    not divide, --compress int8 with ZeRO, ...): each checked as train checks it, the data not read through."""
+    from dataclasses import replace
+
+    refused: dict[Any, str] = {}
+    checked: dict[Any, str | None] = {}
+    for layout in candidates:
+        try:  # the config's own checks, ZeRO's among them
+            train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
+                            microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
+        except ValueError as e:
+            refused[layout] = str(e)
+            continue
+        # preflight reads no ZeRO stage; it builds the schedule (most of its time), so once per layout besides it
+        key = replace(layout, zero=0)
+        if key not in checked:
+            try:
+                _train_checks(replace(cfg, train=train), layout.world_size, scan_data=False)
+                checked[key] = None
+            except ValueError as e:
+                checked[key] = str(e)
+        why = checked[key]
+        if why is not None:
+            refused[layout] = why
+    return refused
+
+
+def _runnable(cfg: Any, world: int, blocks: int, *, heads: int | None, tensor_plan: bool,
+              per_node: int) -> tuple[list[Any], dict[str, str], dict[Any, str]]:
+    """(the layouts of ``world`` ranks this model and batch can run, fourfold train's checks passed; {"dpX tpY
+    ppZ": why it makes none}; {layout: train's refusal} for the layouts left out by those checks)."""
+    candidates, why = _layouts_and_why(world, blocks, cfg.train.batch_size, heads=heads, tensor_plan=tensor_plan,
+                                       per_node=per_node)
+    refused = _train_refusals(cfg, candidates)
+    for layout, message in refused.items():
+        split = f"dp{layout.dp} tp{layout.tp} pp{layout.pp}"
+        if all(c in refused for c in candidates if (c.dp, c.tp, c.pp) == (layout.dp, layout.tp, layout.pp)):
+            why.setdefault(split, f"refused by fourfold train ({message.rstrip('.')})")
+    return [c for c in candidates if c not in refused], why, refused
+
+
+def _none_runs(cfg: Any, world: int, flag: str, devices: str, why: dict[str, str], runs_some: Any) -> str:
+    """The error when no layout of ``world`` ``devices`` can run: each reason with the splits it rules out, then
+    the nearest ``--batch-size`` and device counts (``flag``: --gpus or --nproc) that make one
+    (``runs_some(world, cfg) -> bool``)."""
+    from dataclasses import replace
+
+    splits: dict[str, list[str]] = {}
+    for split, reason in why.items():
+        splits.setdefault(reason, []).append(split)
+    shown = [f"{', '.join(s)}: {reason}" for reason, s in splits.items()]
+    listed = "; ".join(shown[:6]) + (f"; and {len(shown) - 6} more" if len(shown) > 6 else "")
+    t, fixes = cfg.train, []
+    batches = sorted({-(-(t.batch_size + 1) // d) * d for d in _divisors(world)})  # one per dp, the next multiple
+    batch = next((b for b in batches if runs_some(world, replace(cfg, train=replace(t, batch_size=b)))), None)
+    if batch is not None:
+        fixes.append(f"--batch-size {batch}")
+    near = [next((g for g in range(world - 1, max(world // 2, 1) - 1, -1) if runs_some(g, cfg)), None),
+            next((g for g in range(world + 1, 2 * world + 1) if runs_some(g, cfg)), None)]
+    if any(near):
+        fixes.append(f"{flag} {' or '.join(str(g) for g in near if g)}")
+    return (f"no layout of {world} {devices} can run this model and batch {t.batch_size}: {listed}."
+            + (f" Pass {', or '.join(fixes)}." if fixes else ""))
 
 
 PAPER_FLAGS = """with --gpus (on paper):
   --gpus N            devices to plan for (the model is built on the meta device: any size)
-  --gpu-mem SIZE      memory per device (default: --memory-limit, else 80GB)
-  --gpus-per-node N   devices per machine; tensor parallelism stays inside one (default: 8)
-  --link RATE         bandwidth between machines, e.g. 400gbit (default: 400gbit)
+  --gpu-mem SIZE      memory per device, with its unit: 80GB (default: --memory-limit, else 80GB)
+  --gpus-per-node N   devices per machine; tensor parallelism stays inside one, and more --gpus than
+                      this must be a multiple of it (default: 8)
+  --link RATE         bandwidth between machines in tc's units: 400gbit is bits/s, 50gbps bytes/s
+                      (default: 400gbit)
   --node-link RATE    bandwidth inside a machine (default: --link)
   --latency S         seconds per message on either link (default: 1e-05)
   --gpu-flops X       peak FLOP/s of one device (default: 9.89e14, an H100 SXM's dense bf16)
@@ -389,9 +589,24 @@ RANKING_FLAGS: dict[str, dict[str, Any]] = {
     "--top": {"type": int, "default": 10}, "--calibrate": {"action": "store_true"},
 }
 """The flags of the ranking (``fourfold plan`` without ``--memory``), beside train's model and batch flags."""
+PAPER_ONLY = ("--gpu-mem", "--gpus-per-node", "--node-link", "--latency", "--gpu-flops", "--mfu")
+"""The ranking's flags that describe devices on paper: without ``--gpus`` nothing reads them."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader gone early shows here, inside the try, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # `fourfold plan ... | head`: the reader has what it wanted
+        # the interpreter flushes stdout again at exit: into /dev/null now, not into the closed pipe
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as a process the signal stopped reports it
+
+
+def _main(argv: list[str] | None = None) -> int:
     from fourfold.observe.estimate import format_estimate
     from fourfold.train import parse_args
 
@@ -412,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         world = cfg.launch.world_size
+        _train_checks(cfg, world)  # what train refuses before launch, refused here the same: one path
         rows, options, estimate = layout_memory(cfg, world)
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)

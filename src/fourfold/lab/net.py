@@ -97,11 +97,12 @@ def signals_ignored() -> Iterator[None]:
 
 
 def parse_rate(text: str, most: float = 1e11) -> int:
-    """``"1gbit"`` -> 1_000_000_000 bits/s (tc's units: kbit, mbit, gbit, or kbps/mbps/gbps for bytes/s);
-    between 100 kbit/s and ``most`` bits/s (tc's tbf shapes up to 100 Gbit/s)."""
+    """``"1gbit"`` -> 1_000_000_000 bits/s (tc's units: kbit, mbit, gbit, or kbps/mbps/gbps for bytes/s, so
+    ``"1gbps"`` is 8 Gbit/s); between 100 kbit/s and ``most`` bits/s (tc's tbf shapes up to 100 Gbit/s)."""
     m = _RATE.match(text)
     if not m:
-        raise ValueError(f"link must be a rate such as 100mbit, 1gbit or 10gbit, got {text!r}.")
+        raise ValueError(f"link must be a rate such as 100mbit, 1gbit or 10gbit, got {text!r} (tc's units: kbit, "
+                         "mbit, gbit are bits per second; kbps, mbps, gbps bytes per second).")
     value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
     bits = int(value * (8 if m.group(3).lower() == "bps" else 1))
     if not 1e5 <= bits <= most:
