@@ -123,6 +123,7 @@ def test_a_missing_config_file_is_named(tmp_path, capsys):
     (["--timeout", "inf"], "timeout must be a finite number, got inf"),
     (["--out", ""], "out must name a directory, got an empty string"),
     (["--max-restarts", "-1"], "max_restarts must be >= 0"),
+    (["--memory-limit", "80"], "memory_limit must have a unit, got '80', which would be 80 bytes. Pass 80GB"),
 ])
 def test_non_finite_and_empty_flags_are_refused(capsys, flags, message):
     with pytest.raises(SystemExit):

@@ -39,6 +39,10 @@ def test_link_rates_parse_and_bad_ones_are_refused():
             parse_rate(bad)
     with pytest.raises(ValueError, match="gbit are bits per second; kbps, mbps, gbps bytes per second"):
         parse_rate("1gb")  # the error says which is which
+    from fourfold.lab.net import rate_words
+
+    assert rate_words("1Gbps", parse_rate("1Gbps")) == "1Gbps (8 Gbit/s: tc's bps is bytes per second)"
+    assert rate_words("1gbit", parse_rate("1gbit")) == "1gbit"  # what the lab and plan print beside the rate
     with pytest.raises(ValueError, match="nodes must be between 1 and 64"):
         Lab(0)
 

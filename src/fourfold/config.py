@@ -195,7 +195,7 @@ class TrainConfig:
         if self.memory_limit is not None:
             from fourfold.units import parse_bytes
 
-            parse_bytes(self.memory_limit)  # refuses anything but a size
+            parse_bytes(self.memory_limit, what="memory_limit", unit=True)  # a size, with its unit (80 is not 80GB)
         if self.zero and self.allreduce not in ("ring", "native"):
             raise ValueError(f"zero needs a reduce-scatter and an all-gather, which {self.allreduce} does not have, "
                              f"got zero={self.zero} with allreduce={self.allreduce!r}. Pass --allreduce ring (counted) "

@@ -121,6 +121,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
 def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str = "cubic") -> int:
     """Make the lab, run ``command`` on every node, remove the lab; the worst node's exit code."""
     from fourfold.lab import Lab
+    from fourfold.lab.net import rate_words
 
     if command and command[0] == "--":
         command = command[1:]
@@ -135,8 +136,8 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
         logs = Path(tmp)
-        print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {link} each way, TCP {tcp}, addresses "
-              f"{lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
+        print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {rate_words(link, lab.rate)} each way, TCP "
+              f"{tcp}, addresses {lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed lab run still removes its lab
         try:
             for k in range(nodes):  # node 0 speaks on this terminal; the others into a log, shown if they fail

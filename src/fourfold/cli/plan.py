@@ -207,7 +207,7 @@ def _ranking(argv: list[str]) -> int:
 
     from fourfold.comm.auto import CostModel
     from fourfold.engine import model_blocks
-    from fourfold.lab.net import parse_rate
+    from fourfold.lab.net import parse_rate, rate_words
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model
     from fourfold.observe.costs import flop_units, measure_units
@@ -249,7 +249,7 @@ def _ranking(argv: list[str]) -> int:
         if paper:
             def link(text: str) -> CostModel:
                 bits = parse_rate(text, most=1e13)
-                return CostModel(ns.latency, 8 / bits, 0.0, f"{_rate_words(text, bits)}, {ns.latency * 1e6:g} us")
+                return CostModel(ns.latency, 8 / bits, 0.0, f"{rate_words(text, bits)}, {ns.latency * 1e6:g} us")
             ns.link = ns.link or "400gbit"
             links = Links(node=link(ns.node_link or ns.link), network=link(ns.link), ranks_per_node=ns.gpus_per_node)
             if ns.gpu_mem:
@@ -315,7 +315,7 @@ def _ranking(argv: list[str]) -> int:
     if paper and ns.node_link:
         link_text = f"{links.network.source} between machines, {links.node.source} within one"
     if lab is not None and lab.link.strip().lower().endswith("bps"):
-        link_text += f"; {_rate_words(lab.link, parse_rate(lab.link))}"
+        link_text += f"; {rate_words(lab.link, parse_rate(lab.link))}"
     print(f"fourfold plan: {t.model} ({millions} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
           f"compute: {profile.costs.source}; links: {link_text}"
@@ -363,16 +363,6 @@ def _uneven_machines(gpus: int, per_node: int) -> str:
             f"ranks), got {gpus} = {gpus // per_node} x {per_node} + {gpus % per_node}. Pass --gpus {lower} or "
             f"{lower + per_node}, or a --gpus-per-node that divides {gpus} "
             f"({', '.join(map(str, divisors[:-1]))}{' or ' if len(divisors) > 1 else ''}{divisors[-1]}).")
-
-
-def _rate_words(text: str, bits: int) -> str:
-    """``text`` as given, with its rate in bits where tc's units read it as bytes: ``1Gbps (8 Gbit/s: tc's bps is
-    bytes per second)`` (most who write Gbps mean gigabits; tc, and so the lab, do not)."""
-    if not text.strip().lower().endswith("bps"):
-        return text
-    scale, unit = next(((s, u) for s, u in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s")) if bits >= s),
-                       (1e3, "kbit/s"))
-    return f"{text} ({bits / scale:.3g} {unit}: tc's bps is bytes per second)"
 
 
 LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",

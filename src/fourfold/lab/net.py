@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["LOCK", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls", "cost_model_path",
-           "holding", "leftovers", "parse_rate", "signals_ignored", "unavailable"]
+           "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored", "unavailable"]
 
 PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"
@@ -108,6 +108,16 @@ def parse_rate(text: str, most: float = 1e11) -> int:
     if not 1e5 <= bits <= most:
         raise ValueError(f"link must be between 100kbit and {most / 1e9:g}gbit, got {text!r}.")
     return bits
+
+
+def rate_words(text: str, bits: int) -> str:
+    """``text`` as given, with its rate in bits where tc's units read it as bytes: ``1Gbps (8 Gbit/s: tc's bps is
+    bytes per second)`` (most who write Gbps mean gigabits; tc, and so the lab, do not)."""
+    if not text.strip().lower().endswith("bps"):
+        return text
+    scale, unit = next(((s, u) for s, u in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s")) if bits >= s),
+                       (1e3, "kbit/s"))
+    return f"{text} ({bits / scale:.3g} {unit}: tc's bps is bytes per second)"
 
 
 def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
