@@ -318,7 +318,7 @@ def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
 
 
 def test_layouts_respect_heads_blocks_batch_and_machines():
-    from fourfold.cli.plan import layouts
+    from fourfold.observe.layouts import layouts
 
     all_ = layouts(8, 4, 16, heads=4, tensor_plan=True, per_node=8)
     assert {(L.dp, L.tp, L.pp) for L in all_} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1)}

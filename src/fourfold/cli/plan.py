@@ -34,7 +34,17 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["check_memory", "layout_memory", "layouts", "main", "rank_layouts"]
+from fourfold.observe.layouts import (
+    cannot_run,
+    model_heads,
+    none_runs,
+    rank_layouts,
+    runnable,
+    train_checks,
+    uneven_machines,
+)
+
+__all__ = ["check_memory", "layout_memory", "main"]
 
 
 def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any], Any]:
@@ -131,75 +141,6 @@ def check_memory(cfg: Any, world_size: int) -> str:
             f"{format_bytes(worst.total)} of {format_bytes(available)} ({where})")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _heads(model: Any) -> int | None:
-    """Attention heads per block, where the model says (tensor parallelism splits them)."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    if heads is None:
-        heads = next((m.n_head for m in model.modules() if isinstance(getattr(m, "n_head", None), int)),
-                     None)
-    return int(heads) if heads else None
-
-
-def layouts(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
-            per_node: int) -> list[Any]:
-    """Every layout of ``world`` ranks worth predicting: tp within a machine dividing the heads, pp up to the
-    blocks, dp dividing the batch; with pp each schedule at pp, 2pp and 4pp micro-batches (interleaved: 2
-    stages per rank); ZeRO 0-3 where dp > 1."""
-    return _layouts_and_why(world, blocks, batch_size, heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0]
-
-
-def _layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
-                     per_node: int) -> tuple[list[Any], dict[str, str]]:
-    """(:func:`layouts`, {``"dpX tpY ppZ"``: why none of its layouts can run} for the dp x tp x pp splits of
-    ``world`` that make none)."""
-    from fourfold.observe.predict import Layout
-    from fourfold.parallel.schedule import pipeline_schedule
-
-    out: list[Any] = []
-    why: dict[str, str] = {}
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // tp // pp
-            split = f"dp{dp} tp{tp} pp{pp}"
-            reason = _cannot_run(Layout(dp, tp, pp), batch_size, blocks, tensor_plan, heads, per_node)
-            if reason:
-                why[split] = reason
-                continue
-            shapes = [("1f1b", 1, 1)] if pp == 1 else [
-                (s, m, 2 if s == "interleaved" else 1) for m in (pp, 2 * pp, 4 * pp)
-                for s in ("gpipe", "1f1b", "interleaved", "zb")]
-            made = []
-            for schedule, m, v in shapes:
-                if _cannot_run(Layout(dp, tp, pp, schedule, m, v), batch_size, blocks, tensor_plan, heads, per_node):
-                    continue
-                if pp > 1:
-                    try:
-                        pipeline_schedule("pipeline", schedule, pp, m, v)
-                    except ValueError:
-                        continue
-                made += [Layout(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
-            if not made:
-                why[split] = (f"a dp shard's {batch_size // dp} sequences do not divide into {pp}, {2 * pp} or "
-                              f"{4 * pp} micro-batches")
-            out += made
-    return out, why
-
-
-def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
-    """(prediction, fits) for every candidate, fastest first (of equal times, the smaller memory); a layout that
-    does not fit after all that fit."""
-    from fourfold.observe.predict import predict
-
-    predictions = [predict(profile, layout, links, batch_size) for layout in candidates]
-    ranked = [(p, p.peak_bytes <= available) for p in predictions]
-    return sorted(ranked, key=lambda pf: (not pf[1], round(pf[0].step_s, 12), pf[0].peak_bytes))
-
-
 def _ranking(argv: list[str]) -> int:
     import argparse
 
@@ -242,7 +183,7 @@ def _ranking(argv: list[str]) -> int:
             raise ValueError(f"--gpus and --gpus-per-node must be >= 1, --mfu in (0, 1], --top >= 1, got --gpus "
                              f"{ns.gpus}, --gpus-per-node {ns.gpus_per_node}, --mfu {ns.mfu}, --top {ns.top}.")
         if paper and ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
-            raise ValueError(_uneven_machines(ns.gpus, ns.gpus_per_node))
+            raise ValueError(uneven_machines(ns.gpus, ns.gpus_per_node))
         cfg = parse_args(rest)
         world = ns.gpus if paper else cfg.launch.world_size
         t = cfg.train
@@ -279,19 +220,19 @@ def _ranking(argv: list[str]) -> int:
         family = family_of(model)
         blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
         shards = shard_plan(model)
-        heads, tensor_plan = _heads(model), bool(shards)
+        heads, tensor_plan = model_heads(model), bool(shards)
 
         def runs_some(g: int, c: Any) -> bool:
             """Whether ``c`` can run some layout of ``g`` devices (on whole machines, or a lab's whole nodes)."""
             if paper and g > ns.gpus_per_node and g % ns.gpus_per_node or ns.lab is not None and g % ns.lab:
                 return False
             per_node = ns.gpus_per_node if paper else g // ns.lab if ns.lab is not None else g
-            return bool(_runnable(c, g, len(blocks), heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0])
+            return bool(runnable(c, g, len(blocks), heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0])
 
-        candidates, why, refused = _runnable(cfg, world, len(blocks), heads=heads, tensor_plan=tensor_plan,
+        candidates, why, refused = runnable(cfg, world, len(blocks), heads=heads, tensor_plan=tensor_plan,
                                              per_node=links.ranks_per_node)
         if not candidates:
-            raise ValueError(_none_runs(cfg, world, "--gpus" if paper else "--nproc", "GPUs" if paper else "ranks",
+            raise ValueError(none_runs(cfg, world, "--gpus" if paper else "--nproc", "GPUs" if paper else "ranks",
                                         why, runs_some))
         seq = cfg.model.seq_len
         samples = (1, max(2, t.batch_size // max(1, world)))
@@ -356,15 +297,6 @@ def _ranking(argv: list[str]) -> int:
     return 0
 
 
-def _uneven_machines(gpus: int, per_node: int) -> str:
-    """The refusal of ``--gpus`` that machines of ``per_node`` GPUs cannot make up (each runs --nproc per_node)."""
-    lower, divisors = gpus // per_node * per_node, [d for d in _divisors(gpus) if d > 1]
-    return (f"--gpus {gpus} must be a multiple of --gpus-per-node {per_node} (every machine runs --nproc {per_node} "
-            f"ranks), got {gpus} = {gpus // per_node} x {per_node} + {gpus % per_node}. Pass --gpus {lower} or "
-            f"{lower + per_node}, or a --gpus-per-node that divides {gpus} "
-            f"({', '.join(map(str, divisors[:-1]))}{' or ' if len(divisors) > 1 else ''}{divisors[-1]}).")
-
-
 LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",
                           "--schedule", "--microbatches", "--virtual", "--zero"})
 """Train's flags the suggested command sets itself (the layout's, a machine's launch), each taking a value."""
@@ -419,7 +351,7 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
     runnable = []
     for layout in calibration_layouts(microbatches):
-        why = _cannot_run(layout, batch_size, blocks, tensor_plan, heads)
+        why = cannot_run(layout, batch_size, blocks, tensor_plan, heads)
         if why:
             print(f"  calibration layout {layout}: skipped ({why})", flush=True)
         else:
@@ -442,105 +374,6 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
     print("  fitted: " + (", ".join(f"{k} {v:.3g}" for k, v in fitted.items()) or "nothing (no run could be made)")
           + " (what each means: docs/simulator.md, 'What is predicted, and how')")
     return profile, links
-
-
-def _cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, heads: int | None,
-                per_node: int | None = None) -> str | None:
-    """Why this model and batch cannot run ``layout`` (None: they can); ``per_node``: a machine's ranks, which a
-    tp group must stay within."""
-    dp, tp, m = layout.dp, layout.tp, layout.microbatches
-    if batch_size % (dp * m):
-        return (f"batch {batch_size} does not divide by dp {dp}" if m == 1 else
-                f"batch {batch_size} does not divide into dp x microbatches = {dp} x {m}")
-    if tp > 1 and not tensor_plan:
-        return "the model has no tensor plan"
-    if tp > 1 and heads is not None and heads % tp:
-        return f"its {heads} heads do not divide by tp {tp}"
-    if tp > 1 and per_node is not None and tp > per_node:
-        return f"tp {tp} is more than a machine's {per_node} ranks (tensor parallelism stays within one)"
-    if layout.pp * layout.virtual > blocks:
-        return f"{blocks} block(s) do not make {layout.pp * layout.virtual} stages"
-    return None
-
-
-def _train_checks(cfg: Any, world_size: int, *, scan_data: bool = True) -> None:
-    """Refuse (ValueError: train's own message and fix) what ``fourfold train`` refuses before it launches: the
-    same :func:`fourfold.preflight.preflight` train calls. The plan writes nothing, so ``--out`` (writable, an
-    earlier run's outputs in it) is left to train: here the checks see a fresh directory instead."""
-    import tempfile
-    from dataclasses import replace
-
-    from fourfold.preflight import preflight
-
-    with tempfile.TemporaryDirectory(prefix="fourfold-plan-") as nowhere:
-        preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
-                  scan_data=scan_data)
-
-
-def _train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
-    """{layout: why ``fourfold train`` refuses it} for the ``candidates`` it refuses (a TinyGPT vocabulary tp does
-    not divide, --compress int8 with ZeRO, ...): each checked as train checks it, the data not read through."""
-    from dataclasses import replace
-
-    refused: dict[Any, str] = {}
-    checked: dict[Any, str | None] = {}
-    for layout in candidates:
-        try:  # the config's own checks, ZeRO's among them
-            train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
-                            microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
-        except ValueError as e:
-            refused[layout] = str(e)
-            continue
-        # preflight reads no ZeRO stage; it builds the schedule (most of its time), so once per layout besides it
-        key = replace(layout, zero=0)
-        if key not in checked:
-            try:
-                _train_checks(replace(cfg, train=train), layout.world_size, scan_data=False)
-                checked[key] = None
-            except ValueError as e:
-                checked[key] = str(e)
-        why = checked[key]
-        if why is not None:
-            refused[layout] = why
-    return refused
-
-
-def _runnable(cfg: Any, world: int, blocks: int, *, heads: int | None, tensor_plan: bool,
-              per_node: int) -> tuple[list[Any], dict[str, str], dict[Any, str]]:
-    """(the layouts of ``world`` ranks this model and batch can run, fourfold train's checks passed; {"dpX tpY
-    ppZ": why it makes none}; {layout: train's refusal} for the layouts left out by those checks)."""
-    candidates, why = _layouts_and_why(world, blocks, cfg.train.batch_size, heads=heads, tensor_plan=tensor_plan,
-                                       per_node=per_node)
-    refused = _train_refusals(cfg, candidates)
-    for layout, message in refused.items():
-        split = f"dp{layout.dp} tp{layout.tp} pp{layout.pp}"
-        if all(c in refused for c in candidates if (c.dp, c.tp, c.pp) == (layout.dp, layout.tp, layout.pp)):
-            why.setdefault(split, f"refused by fourfold train ({message.rstrip('.')})")
-    return [c for c in candidates if c not in refused], why, refused
-
-
-def _none_runs(cfg: Any, world: int, flag: str, devices: str, why: dict[str, str], runs_some: Any) -> str:
-    """The error when no layout of ``world`` ``devices`` can run: each reason with the splits it rules out, then
-    the nearest ``--batch-size`` and device counts (``flag``: --gpus or --nproc) that make one
-    (``runs_some(world, cfg) -> bool``)."""
-    from dataclasses import replace
-
-    splits: dict[str, list[str]] = {}
-    for split, reason in why.items():
-        splits.setdefault(reason, []).append(split)
-    shown = [f"{', '.join(s)}: {reason}" for reason, s in splits.items()]
-    listed = "; ".join(shown[:6]) + (f"; and {len(shown) - 6} more" if len(shown) > 6 else "")
-    t, fixes = cfg.train, []
-    batches = sorted({-(-(t.batch_size + 1) // d) * d for d in _divisors(world)})  # one per dp, the next multiple
-    batch = next((b for b in batches if runs_some(world, replace(cfg, train=replace(t, batch_size=b)))), None)
-    if batch is not None:
-        fixes.append(f"--batch-size {batch}")
-    near = [next((g for g in range(world - 1, max(world // 2, 1) - 1, -1) if runs_some(g, cfg)), None),
-            next((g for g in range(world + 1, 2 * world + 1) if runs_some(g, cfg)), None)]
-    if any(near):
-        fixes.append(f"{flag} {' or '.join(str(g) for g in near if g)}")
-    return (f"no layout of {world} {devices} can run this model and batch {t.batch_size}: {listed}."
-            + (f" Pass {', or '.join(fixes)}." if fixes else ""))
 
 
 PAPER_FLAGS = """with --gpus (on paper):
@@ -617,7 +450,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         world = cfg.launch.world_size
-        _train_checks(cfg, world)  # what train refuses before launch, refused here the same: one path
+        train_checks(cfg, world)  # what train refuses before launch, refused here the same: one path
         rows, options, estimate = layout_memory(cfg, world)
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
