@@ -598,23 +598,23 @@ def test_a_refused_tp_suggests_only_tp_sizes_the_launch_can_make():
 
 
 def _misplaced_heads(ctx) -> list[str]:
-    """A user's plan whose logits do not reach the loss as the loss reads them: each refused in the first step."""
+    """A user's plan whose logits do not reach the loss as the loss reads them: each refused, the first as the
+    engine is built (on the example), the second in the first step."""
     from fourfold import parallelize
 
     ranks = Mesh(tp=2).build(30)
     got = []
     # "column" on the output layer: each rank's logits are half the vocabulary, and the loss (which reads whole
-    # logits) trains each rank on its half; "head" on an inner layer: the vocabulary-parallel loss reads logits
-    # that are whole
+    # logits) would train each rank on its half; "head" on an inner layer: the vocabulary-parallel loss reads
+    # logits that are whole
+    x = torch.randint(0, 64, (2, 8))
+    y = torch.randint(0, 32, (2, 8))  # ids of the first half only, as ASCII text's bytes are under 128 of 256
     for plan in ({"1": "column", "3": "row", "4": "column"}, {"1": "head", "3": "row"}):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16),
                               nn.Linear(16, 64)).double()
-        engine = parallelize(model, ranks, tp_plan=plan, timeout_s=30)
-        x = torch.randint(0, 64, (2, 8))
-        y = torch.randint(0, 32, (2, 8))  # ids of the first half only, as ASCII text's bytes are under 128 of 256
         try:
-            engine.step(x, y)
+            parallelize(model, ranks, tp_plan=plan, example=x[:1], timeout_s=30).step(x, y)
             got.append("trained")
         except ValueError as e:
             got.append(str(e))
@@ -625,6 +625,6 @@ def _misplaced_heads(ctx) -> list[str]:
 def test_a_plan_whose_logits_reach_the_loss_split_or_whole_by_mistake_is_refused():
     for messages in run_ranks(_misplaced_heads, 2, timeout_s=90):
         split, whole = messages
-        assert "the tensor-parallel ranks of one replica computed different losses" in split, split
-        assert "mark that layer 'head'" in split
-        assert "the loss reads logits 64 wide, but the plan's 'head' layers make 1 (16 per rank)" in whole, whole
+        assert "the tensor-parallel ranks of one replica compute different logits (shape (1, 8, 32)" in split, split
+        assert "Mark that layer 'head'" in split
+        assert "the loss reads logits 64 wide, but the plan's 'head' layers make '1' (16 wide per rank)" in whole, whole

@@ -298,6 +298,17 @@ def test_a_value_error_in_your_forward_keeps_its_traceback(tmp_path, monkeypatch
         train_mod.main(argv)
     assert raised.traceback[-1].path.name == "broken.py"
     assert "fourfold train: error:" not in capsys.readouterr().err
+    # fourfold's own refusals stay one line, a library's error in a file fourfold reads included
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert train_mod.main(["--data", str(empty), "--out", str(tmp_path / "run2")]) == 2
+    assert "fourfold train: error: data empty.bin must hold at least one token" in capsys.readouterr().err
+    from fourfold.train import _raised_by_fourfold
+
+    try:
+        json.loads("{")  # a library's ValueError raised for this file: not fourfold's
+    except ValueError as e:
+        assert not _raised_by_fourfold(e)
 
 
 def test_what_a_model_returns_stands_for_its_logits():
@@ -332,6 +343,12 @@ def typo():
     m = Tiny()
     m.fourfold_tp_plan = {"mid": "column", "outt": "row"}
     return m
+
+
+def listed():
+    m = Tiny()
+    m.fourfold_split = ["emb", "mid", "out"]
+    return m
 '''
 
 
@@ -339,6 +356,7 @@ def typo():
     ("typo", ["--tp", "2"], "plan names a module the model does not have, got 'outt'"),
     ("plain", ["--tp", "2"], "set model.fourfold_tp_plan"),
     ("plain", ["--pp", "2", "--microbatches", "2"], "a pipeline (--pp 2) cuts a model into blocks"),
+    ("listed", ["--pp", "2", "--microbatches", "2"], "fourfold_split must be a fourfold.Split, got list"),
 ])
 def test_a_plan_or_split_this_layout_cannot_use_is_refused_before_launch(tmp_path, monkeypatch, capsys, factory,
                                                                          flags, message):

@@ -52,8 +52,8 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
             "traced": traced, "numels": [b.numel for b in dp_module.buckets],
             "held": held, "estimate": engine.memory_estimate(), "dp": dp, "pp": pp, "zero": options["zero"],
             "counted": engine.counters()["parameter_bytes"]["total"],  # run.json's parameter_bytes_rank0
-            "adds_up": (lambda b: b["sharded"] + b["replicated"] == b["before_zero3"] >= b["total"])(
-                engine.counters()["parameter_bytes"]),
+            "adds_up": (lambda b: b["before_zero3"] > b["total"] if options["zero"] == 3 else
+                        b["before_zero3"] == b["total"])(engine.counters()["parameter_bytes"]),
             "algorithm": options.get("allreduce", "native"),
             "model_grads": [n for n, p in engine.named_parameters() if p.grad is not None]}
 

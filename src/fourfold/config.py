@@ -311,7 +311,8 @@ class Config:
             one = len(sized) == 1
             raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
                              f"model={self.train.model!r}, whose size and vocabulary come from --model-config (a "
-                             "JSON object of its config's keys, e.g. examples/gpt2-tiny.json). Drop "
+                             "JSON object of its config's keys, e.g. examples/gpt2-tiny.json, or of your factory's "
+                             "keyword arguments). Drop "
                              f"{'it' if one else 'them'}, or put the values in --model-config.")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -55,6 +55,7 @@ from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult, build_pipeline
 from fourfold.parallel.pipeline.blocks import (
     Chain,
+    EvalMode,
     Split,
     block_paths,
     build_pieces,
@@ -127,7 +128,6 @@ class Engine:
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
-        self._tp_checked = False  # the first step compares the loss across tp ranks (_check_tp_loss)
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
 
@@ -236,33 +236,12 @@ class Engine:
             loss = loss.detach().to(torch.float64).reshape(1).cpu()
             if saved is not None:  # this shape's first step: measured (the same bytes every step after)
                 self._activations[key] = sum(saved.values())
-        if not self._tp_checked:
-            self._check_tp_loss(loss)
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
         return out_loss
-
-    def _check_tp_loss(self, loss: torch.Tensor) -> None:
-        """The first step: every tensor-parallel rank of a replica computed the same loss (vocabulary-parallel, it
-        is reduced over tp; otherwise the logits are whole on every rank). A plan that leaves the logits split
-        ("column" on the output layer) trains each rank on its own slice of the vocabulary: a loss that looks
-        plausible and is wrong, refused here."""
-        self._tp_checked = True
-        if self.mesh.tp == 1 or self.ranks.tp_group is None:
-            return
-        losses = gather_objects(float(loss.reshape(-1)[0]), self.ranks.tp_group,
-                                op="compare the loss across the tensor-parallel ranks")
-        if max(losses) - min(losses) > 1e-6 * max(1.0, max(abs(x) for x in losses)):
-            shown = ", ".join(f"{x:.6g}" for x in losses)
-            raise ValueError(
-                f"the tensor-parallel ranks of one replica computed different losses ({shown}, by tp rank): the "
-                "logits the loss reads are not the same on every rank. The plan leaves the output layer's logits "
-                "split: mark that layer 'head' (fourfold's vocabulary-parallel loss reads them split), or leave it "
-                "out of the plan (replicated). A random op outside the plan's layers (dropout) drawing differently "
-                "on each rank does the same.")
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""
@@ -498,6 +477,12 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if own is not None:
             sum_loss_fn = functools.partial(own, reduction="sum")
         loss_fn = own or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
+        if m.tp > 1 and own is None and not split_heads:  # each tp rank's loss reads its own logits: whole ones?
+            was, tracer.enabled = tracer.enabled, False  # a check, not part of any step
+            try:
+                _check_whole_logits(model, _example_of(model, example, family), ranks)
+            finally:
+                tracer.enabled = was
         # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
         pipe = None
         if m.pp > 1:
@@ -527,6 +512,41 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
                   reads_documents=reads, precision=precision)
+
+
+def _example_of(model: nn.Module, example: torch.Tensor | None, family: Any) -> torch.Tensor | None:
+    """One input to run ``model`` on: ``example``, its family's, or its own ``example_inputs()``; None if none."""
+    if example is not None:
+        return example
+    found = family.examples(model) if family is not None and family.examples is not None else None
+    own = getattr(model, "example_inputs", None)
+    if not found and callable(own):
+        found = own()
+    return found[0] if found else None
+
+
+def _check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: RankMesh) -> None:
+    """Under tp with no 'head' in the plan the logits must be whole, the same on every tp rank, as each rank's
+    loss reads them. A plan that leaves them split ("column" on the output layer) trains each rank on its own
+    slice of the vocabulary: a loss that looks plausible and is wrong. The model (sharded, still whole in
+    depth) runs once on ``example``, in eval mode, and the logits' shapes and sums are compared over tp; the
+    run is refused if they differ. (With no example to run on, nothing is checked; ``--verify`` still shows
+    it.)"""
+    if example is None:
+        return
+    with torch.no_grad(), EvalMode(model):
+        logits = output_tensor(model(example)).detach().double()
+    weights = torch.arange(1, logits.numel() + 1, dtype=torch.float64, device=logits.device).reshape(logits.shape)
+    mine = (tuple(logits.shape), float(logits.sum()), float((logits * weights).sum()))
+    everyone = gather_objects(mine, ranks.tp_group, op="compare the logits across the tensor-parallel ranks")
+    scale = max(1.0, *(abs(x) for _, *sums in everyone for x in sums))
+    if any(shape != mine[0] or any(abs(a - b) > 1e-6 * scale for a, b in zip(sums, mine[1:], strict=True))
+           for shape, *sums in everyone):
+        raise ValueError(
+            f"the tensor-parallel ranks of one replica compute different logits (shape {mine[0]} on this rank, "
+            "sums differ), and with no 'head' in the plan each rank's loss reads its own: the plan leaves the "
+            "output layer's logits split. Mark that layer 'head' (fourfold's vocabulary-parallel loss reads them "
+            "split), or leave it out of the plan (replicated).")
 
 
 @contextlib.contextmanager
@@ -571,7 +591,7 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
 
     def split_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] not in widths:  # the logits are not what a "head" layer makes: another layer's
-            named = ", ".join(f"{h.site or 'a head'} ({w} per rank)" for w, h in widths.items())
+            named = ", ".join(f"{h.site or 'a head'!r} ({w} wide per rank)" for w, h in widths.items())
             raise ValueError(f"the loss reads logits {logits.shape[-1]} wide, but the plan's 'head' layers make "
                              f"{named}: the layer that makes the logits must be the plan's 'head' (Hugging Face's "
                              "colwise_rep and colwise_gather_output mean 'head'). Mark the output layer 'head' and "

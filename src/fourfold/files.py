@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "earlier_outputs", "median_row",
-           "median_step", "move_aside", "open_metrics", "run_lock", "steady", "write_text_atomic", "written_by_a_run"]
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs",
+           "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "steady", "write_text_atomic",
+           "written_by_a_run"]
 
 LOCK_NAME = ".fourfold.lock"
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
@@ -136,10 +137,16 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return sorted(timed, key=lambda r: r["step_time_s"])[(len(timed) - 1) // 2] if timed else None
 
 
+def drawn_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The step a run draws (``timeline.png``) and ``bench predict`` reads, its time and its spans alike:
+    :func:`median_row` among the steady steps but the last, whose trace also holds the run's end (the model
+    gathered from every rank), unless it is the only one; None without rows."""
+    return median_row(rows[:-1] if len(rows) > 2 else rows)
+
+
 def median_step(rows: list[dict[str, Any]]) -> int | None:
-    """The step ``timeline.png`` draws: :func:`median_row` among the steady steps but the last, whose trace also
-    holds the run's end (the model gathered from every rank), unless it is the only one; None without rows."""
-    row = median_row(rows[:-1] if len(rows) > 2 else rows)
+    """The number of :func:`drawn_row`'s step."""
+    row = drawn_row(rows)
     return row["step"] if row is not None else None
 
 

@@ -118,14 +118,17 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int) -> Model
             model = build_model(cfg, "meta")
     except Exception:  # a model that cannot be built on meta: each rank checks it as it builds it
         return info
+    try:
+        family = family_of(model)
+    except TypeError as e:  # a fourfold_split that is not a Split
+        raise ValueError(f"model {cfg.train.model!r}: {e}") from None
     if mesh.tp > 1:
         plan = tensor_plan(model)  # a model with none is refused, naming fourfold_tp_plan
         if isinstance(plan, Mapping):
             expand_plan(model, plan)  # a path naming no module, or a style fourfold lacks
     if mesh.pp > 1:
-        family = family_of(model)
-        split = family.split(model) if family is not None and family.split is not None else None
         try:
+            split = family.split(model) if family is not None and family.split is not None else None
             pieces = (len(block_paths(model, split.blocks)) + (split.before is not None) + (split.after is not None)
                       if split is not None else len(named_blocks(model)))
         except TypeError as e:  # neither a split nor a list of blocks
@@ -165,7 +168,7 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     if world_size > 1 and t.hang_threshold >= t.timeout:
         print(f"fourfold train: note: --hang-threshold {t.hang_threshold:g} s is not below --timeout {t.timeout:g} "
               "s, so a stuck run ends at the timeout, whose error names the operation, before the hang doctor can "
-              "name the rank that never arrived. Pass a --hang-threshold below --timeout for both.",
+              "name the rank that never arrived. Pass a --hang-threshold below --timeout.",
               file=sys.stderr, flush=True)
 
 

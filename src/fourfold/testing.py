@@ -229,7 +229,7 @@ def _collect(procs: list[Any], conns: list[Connection], tmp: str, offsets: dict[
         failures.sort()
         _, rank, summary, detail = failures[0]
         lines = [f"rank {rank} of {world_size} failed: {summary}", "", detail.rstrip()]
-        lines += [f"also failed: rank {r}: {s.splitlines()[0][:300]}" for _, r, s, _ in failures[1:]]
+        lines += [f"also failed: rank {r}: {s.splitlines()[0][:500]}" for _, r, s, _ in failures[1:]]
         if still:
             lines += ["", f"{_ranks(still)} still running when rank {rank} failed (killed); their stacks:"]
         error = RankError("\n".join(lines) + _format_stacks(stacks))

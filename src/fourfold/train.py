@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -174,8 +175,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and \
             loader.docs_per_step > len(loader.documents):
         print(f"fourfold train: note: the data holds {len(loader.documents)} document(s) and each step takes "
-              f"{loader.docs_per_step} (--batch-size): every step sees each document more than once (the "
-              "epochs are shuffled and run on end to end). Lower --batch-size, or pass more documents.",
+              f"{loader.docs_per_step} (--batch-size): documents repeat within every step (the epochs are "
+              "shuffled and run on end to end). Lower --batch-size, or pass more documents.",
               file=sys.stderr, flush=True)
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
@@ -364,17 +365,28 @@ def _launched_as() -> LaunchConfig:
 
 
 def _raised_by_fourfold(e: BaseException) -> bool:
-    """True when ``e`` was raised in fourfold's own code: a refusal that names the value and the fix, printed in
-    one line. A ValueError raised in the user's model (or by torch inside it) keeps its traceback."""
+    """True when ``e`` was raised for fourfold's own code: a refusal that names the value and the fix, printed in
+    one line. The innermost frame outside the libraries (the standard library's, site-packages') decides: in
+    fourfold (itself, or numpy or json refusing a file fourfold handed them), one line; in the user's model or
+    data code (or torch inside it), the traceback, which ends there."""
+    frames = []
     tb = e.__traceback__
-    if tb is None:
-        return True
-    while tb.tb_next is not None:
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith("<"):  # <frozen importlib._bootstrap>, <string>: Python's own
+            frames.append(Path(name).resolve())
         tb = tb.tb_next
-    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+    for path in reversed(frames):
+        if path.is_relative_to(_PACKAGE):
+            return True
+        if not any(path.is_relative_to(lib) for lib in _LIBRARIES):
+            return False  # the user's own file
+    return True
 
 
 _PACKAGE = Path(__file__).resolve().parent
+_LIBRARIES = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+              if (p := sysconfig.get_paths().get(key))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -343,8 +343,9 @@ def _bubble(v: _Variant, timed: range, p: int, m: int, comm_s: float) -> dict[st
             costs.setdefault((rank, name), []).append(t1 - t0)
         elif name == "send":
             sent[(what, stage, i, it)] = t1
-    # in situ: from the later of "sent" and "receiver waiting" to "received", for every transfer of the run
-    latency = [t1 - max(t0, sent[(what, stage + (1 if what == "gradient" else -1), i, it)])
+    # in situ: from the later of "sent" and "receiver waiting" to "received", for every transfer of the run (at
+    # least 0: the ranks' clocks agree only to within the time they took to start, which a busy machine stretches)
+    latency = [max(0, t1 - max(t0, sent[(what, stage + (1 if what == "gradient" else -1), i, it)]))
                for _, kind, name, what, stage, i, it, t0, t1 in spans if kind == "comm" and name == "recv"]
     window = [b - a for a, b in zip(first, last, strict=True)]  # the step, first span to last compute, any rank
     by_round = [[1 - busy[r][k] / window[k] for k in range(len(timed))] for r in range(p)]

@@ -24,9 +24,10 @@ MODEL_KEYS = {"train": ("model", "model_config", "dtype"),
 
 
 def take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
-    """``values`` (``{section: {key: value}}``, the file's and the flags') with ``--resume``: defaults < the checkpoint's model settings < file < flags. They must equal the checkpoint's
-    anyway, so a resumed run need not repeat them; one given that differs is refused before launch. Given
-    another ``--model``, none is taken (the refusal then lists what differs)."""
+    """``values`` (``{section: {key: value}}``, the file's and the flags') with ``--resume``: defaults < the
+    checkpoint's model settings < file < flags. They must equal the checkpoint's anyway, so a resumed run need
+    not repeat them; one given that differs is refused before launch. Given another ``--model``, none is taken
+    (the refusal then lists what differs)."""
     t = values["train"]
     try:  # the checkpoint the run will load: after a restart its own newest, which --resume's may be pruned for
         manifest = starting_manifest(t["resume"], t.get("out", _train_default("out")))

@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _quiet_cpp_warnings() -> Iterator[None]:
-    """This process (a launcher) logs only C++ errors: torchrun's store client otherwise prints a warning and ~20
-    C++ stack frames each time it retries a machine that has not joined, before fourfold's one line saying so.
-    c10 reads ``TORCH_CPP_LOG_LEVEL`` once, as torch loads (while the command imports), so the variable is
-    removed again after: the ranks, started later, log as the user's environment says. A level the user set is
-    kept."""
+    """This process logs only C++ errors (a launcher; with --nproc 1 the one rank too): torchrun's store client
+    otherwise prints a warning and ~20 C++ stack frames each time it retries a machine that has not joined,
+    before fourfold's one line saying so. c10 reads ``TORCH_CPP_LOG_LEVEL`` once, as torch loads (while the
+    command imports), so the variable is removed again after: the ranks, started later, log as the user's
+    environment says. A level the user set is kept."""
     if "TORCH_CPP_LOG_LEVEL" in os.environ:
         yield
         return

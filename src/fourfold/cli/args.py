@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["add_flags", "check_value", "from_namespace", "load", "make_parser", "parse_args",
+__all__ = ["add_flags", "check_value", "from_namespace", "load", "make_parser", "parse_args", "without_flags",
            "without_section_flags"]
 
 
@@ -188,13 +188,17 @@ def make_parser(prog: str, description: str, **kwargs: Any) -> argparse.Argument
 
 def without_section_flags(argv: list[str], section: str) -> list[str]:
     """``argv`` minus the flags of one section (``--nproc 2`` and ``--nproc=2`` forms)."""
-    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SECTIONS[section])}
+    return without_flags(argv, {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SECTIONS[section])})
+
+
+def without_flags(argv: list[str], flags: typing.Collection[str]) -> list[str]:
+    """``argv`` minus ``flags``, each taking a value (``--nproc 2`` and ``--nproc=2`` forms)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
             skip = False
         elif arg in flags:
-            skip = True  # every launch flag takes a value
+            skip = True
         elif arg.split("=", 1)[0] not in flags:
             kept.append(arg)
     return kept

@@ -305,14 +305,9 @@ LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint
 def _user_flags(rest: list[str], layout: Any) -> list[str]:
     """The train flags given to the plan (model, batch, data, ...), for the suggested command: without those
     :data:`LAYOUT_FLAGS` names, which the command gives itself."""
-    kept, skip = [], False
-    for arg in rest:
-        if skip:
-            skip = False
-        elif arg in LAYOUT_FLAGS:
-            skip = True
-        elif arg.split("=", 1)[0] not in LAYOUT_FLAGS:
-            kept.append(arg)
+    from fourfold.cli.args import without_flags
+
+    kept = without_flags(rest, LAYOUT_FLAGS)
     if not layout.zero and layout.dp > 1 and any(a.split("=", 1)[0] == "--config" for a in rest):
         kept += ["--zero", "0"]  # a --config file's zero would stand otherwise (flags win over the file)
     return kept

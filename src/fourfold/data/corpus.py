@@ -181,6 +181,8 @@ def _token_file(path: Path, dtype: str) -> Corpus:
     file is never written."""
     if not path.is_file():
         raise ValueError(f"data must be a readable file, got {str(path)!r}. Check the path")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data {path.name} must hold at least one token, got an empty file. Pass a non-empty file")
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="c")

@@ -83,9 +83,9 @@ def read_model_config(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:
             values = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"model_config must be a readable JSON file, got {str(path)!r}: {e}. Write the keys "
                          "as one JSON object (see docs/your-model.md)") from None
     if not isinstance(values, dict):

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fourfold.files import median_row, median_step
+from fourfold.files import drawn_row
 from fourfold.observe.costs import UnitCosts, fastest
 from fourfold.observe.predict import Layout, Links, Measured
 from fourfold.observe.trace import load_jsonl
@@ -95,8 +95,9 @@ class LabShape:
 
 def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout: float,
                 lab: LabShape | None = None) -> Measured:
-    """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps (in ``lab`` when given): its median
-    step after the first, with that step's spans on every rank, and the CPU time stolen meanwhile."""
+    """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps (in ``lab`` when given): its
+    typical step (:func:`~fourfold.files.drawn_row`: neither the first nor the last), that step's spans on every
+    rank, and the CPU time stolen meanwhile."""
     cpu = cpu_times()
     with tempfile.TemporaryDirectory(prefix="fourfold-run-") as out:
         flags = layout.flags() if lab is None else layout.flags()[2:]  # in a lab --nproc counts a node's ranks
@@ -109,14 +110,14 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
             raise RuntimeError(f"fourfold train for {layout} failed (exit {done.returncode}):\n"
                                f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
         rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-        middle = median_step(rows)
+        typical = drawn_row(rows)  # its time and its spans: one step's
+        assert typical is not None
+        middle = typical["step"]
         spans = {r: [s for s in load_jsonl(Path(out, f"trace-rank{r}.jsonl")) if s.step == middle]
                  for r in range(layout.world_size)}
     origin = min((s.start_ns for row in spans.values() for s in row), default=0)
     spans = {r: [replace(s, start_ns=s.start_ns - origin, end_ns=s.end_ns - origin) for s in row]
              for r, row in spans.items()}
-    typical = median_row(rows)
-    assert typical is not None
     return Measured(typical["step_time_s"], spans, stolen(cpu, cpu_times()))
 
 

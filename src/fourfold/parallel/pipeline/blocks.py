@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Chain", "Piece", "Split", "SplitError", "block_paths", "check_split", "output_tensor", "positions",
-           "resolve_split"]
+__all__ = ["Chain", "EvalMode", "Piece", "Split", "SplitError", "block_paths", "check_split", "output_tensor",
+           "positions", "resolve_split"]
 
 PieceFn = Callable[[nn.Module, torch.Tensor], Any]
 BlockFn = Callable[[nn.Module, nn.Module, torch.Tensor], Any]
@@ -219,8 +219,8 @@ class _Recorder:
             h.remove()
 
 
-class _EvalMode:
-    """Dropout off for the check, and every module's training flag put back after."""
+class EvalMode:
+    """Dropout off for a check on an example, and every module's training flag put back after."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.modes = model, [(m, m.training) for m in model.modules()]
@@ -250,7 +250,7 @@ def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list
     rec = _Recorder(model)
     specs: list[PieceSpec] = []
     try:
-        with _EvalMode(model):
+        with EvalMode(model):
             h = example
 
             def run(label: str, fn: Callable[..., Any], *args: Any, block: str | None = None) -> torch.Tensor:
@@ -327,7 +327,7 @@ def check_split(model: nn.Module, specs: Sequence[PieceSpec], example: torch.Ten
     module in the model's order the pieces never call, or whose output differs."""
     rec = _Recorder(model)
     try:
-        with _EvalMode(model):
+        with EvalMode(model):
             want = output_tensor(model(example))
             ref_order, ref = list(rec.order), dict(rec.outputs)
             rec.clear()
