@@ -101,15 +101,20 @@ def test_an_out_under_a_file_is_refused_before_start(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "mine"
 
 
-def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
+def _alone(tmp_path, node_rank: int, timeout_s: int) -> list[str]:
+    """``fourfold train`` flags for machine ``node_rank`` of 2, whose rendezvous is a free port nobody joins."""
     import socket
 
-    with socket.socket() as s:  # a free port that nobody will join
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    return ["--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-timeout", str(timeout_s), "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+
+
+def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
     start = time.perf_counter()
-    argv = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
-            "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    argv = _alone(tmp_path, 0, 2)
     assert train_mod.main(argv) == 1
     err = capsys.readouterr().err
     assert "machine 0 of 2: waiting up to 2 s for the others" in err
@@ -119,14 +124,9 @@ def test_a_machine_with_no_peer_says_it_waits_and_gives_up(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_a_machine_other_than_0_gives_up_in_one_line_without_cpp_frames(tmp_path):
-    import socket
     import subprocess
 
-    with socket.socket() as s:  # a free port that nobody will join
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "fourfold.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    argv = [sys.executable, "-m", "fourfold.cli", "train", *_alone(tmp_path, 1, 2)]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
     assert done.returncode == 1, done.stderr
@@ -138,14 +138,9 @@ def test_a_machine_other_than_0_gives_up_in_one_line_without_cpp_frames(tmp_path
 @pytest.mark.timeout(120)
 def test_ctrl_c_ends_a_machine_waiting_for_the_others_at_once(tmp_path):
     import signal
-    import socket
     import subprocess
 
-    with socket.socket() as s:  # a free port that nobody will join
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "fourfold.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-timeout", "60", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL]
+    argv = [sys.executable, "-m", "fourfold.cli", "train", *_alone(tmp_path, 1, 60)]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stderr is not None
     for line in proc.stderr:  # the rendezvous has begun: the main thread waits inside the store's C++ code
