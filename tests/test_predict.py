@@ -329,6 +329,20 @@ def test_layouts_respect_heads_blocks_batch_and_machines():
     assert all(L.zero == 0 for L in all_ if L.dp == 1)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_plan_ranks_a_hugging_face_model_on_paper(capsys, family):
+    # built on the meta device, where transformers' causal mask would read values: given as a 4-D mask
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from fourfold.cli.plan import main
+
+    config = Path(__file__).resolve().parent.parent / "examples" / f"{family}-tiny.json"
+    assert main(["--gpus", "8", "--model", family, "--model-config", str(config), "--seq-len", "16",
+                 "--batch-size", "16", "--top", "2"]) == 0
+    assert f"--model {family} --model-config {config}" in capsys.readouterr().out  # the command, as given
+
+
 def test_plan_ranks_layouts_of_a_model_this_machine_cannot_hold(capsys):
     from fourfold.cli.plan import main
 

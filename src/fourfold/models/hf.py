@@ -26,7 +26,7 @@ from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
 __all__ = ["GPT2_PLAN", "build_hf", "check_tp", "examples", "gpt2_split", "hf_family", "llama_split",
-           "prepare", "read_documents", "shard_fixups"]
+           "meta_kwargs", "prepare", "read_documents", "shard_fixups"]
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -45,6 +45,18 @@ def hf_family(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     return kind if kind in FAMILIES and hasattr(model, "lm_head") else None
+
+
+def meta_kwargs(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments a Hugging Face model needs to run on the ``meta`` device (shapes only: FLOPs and
+    activations counted for a model this machine cannot hold); none for another model. transformers reads
+    values to build its causal mask (a packed-sequence test on the positions, a padding test on a 2-D mask),
+    which meta tensors have none of; given the causal mask itself, 4-D, it reads none, and the attention it
+    runs is the same."""
+    if hf_family(model) is None:
+        return {}
+    t = ids.size(-1)
+    return {"attention_mask": torch.ones(1, 1, t, t, dtype=torch.bool, device=ids.device).tril()}
 
 
 def prepare(model: nn.Module) -> None:

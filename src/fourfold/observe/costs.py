@@ -230,6 +230,7 @@ def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_pe
     from torch.utils.flop_counter import FlopCounterMode
 
     from fourfold.loss import lm_loss
+    from fourfold.models.hf import meta_kwargs
     from fourfold.parallel.pipeline.blocks import output_tensor
 
     if not flops_per_s > 0:
@@ -244,9 +245,10 @@ def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_pe
     handles = [h for i, block in enumerate(blocks, start=1)
                for h in (block.register_forward_pre_hook(mark(i)), block.register_forward_hook(mark(i + 1)))]
     x = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
+    kwargs = meta_kwargs(model, x) if x.device.type == "meta" else {}
     try:
         with torch.no_grad(), counter:
-            (loss_fn or lm_loss)(output_tensor(model(x)), x)
+            (loss_fn or lm_loss)(output_tensor(model(x, **kwargs)), x)
             at[n] = counter.get_total_flops()
     finally:
         for h in handles:

@@ -125,6 +125,7 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     :class:`Probe` holds (parameters left out; the loss's saved tensors go to the last unit). ``shards``: the
     tensor-parallel plan, to tell which layers are column-parallel."""
     from fourfold.loss import lm_loss
+    from fourfold.models.hf import meta_kwargs
     from fourfold.parallel.pipeline.blocks import output_tensor
 
     device = next(model.parameters()).device
@@ -178,7 +179,7 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = output_tensor(model(x))
+            out = output_tensor(model(x, **(meta_kwargs(model, x) if x.device.type == "meta" else {})))
             (loss_fn or lm_loss)(out, torch.zeros(1, seq_len, dtype=torch.long, device=device))
     finally:
         model.train(was)
