@@ -63,6 +63,8 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_un
     assert proc.returncode == 0, output
     run = json.loads((out / "run.json").read_text())
     assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 5, run
+    assert run["pipeline"] == ({"schedule": "1f1b", "microbatches": 2, "virtual": 1, "stages": 2}
+                               if "--pp" in LAYOUTS[layout] else None), run  # the schedule that ran
     launch = run["config"]["launch"]  # the launcher's flags, though its ranks are started without them
     assert launch["nproc"] == int(LAYOUTS[layout][1]) and launch["max_restarts"] == 1, launch
     assert [r["step"] for r in rows(out)] == list(range(1, 41))

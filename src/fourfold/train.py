@@ -142,7 +142,10 @@ def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
     own = ctx is None
     ctx = ctx or launch.init(cfg.train.device, timeout_s=cfg.train.timeout, hang_s=cfg.train.hang_threshold)
     try:
-        return _train(cfg, ctx)
+        result = _train(cfg, ctx)
+        if own and ctx.world_size > 1:  # every rank done before any tears its connections down
+            barrier("finish the run together")
+        return result
     except Exception as e:
         if ctx.doctor is not None and ctx.doctor.verdict_given():  # a consequence: the finder's line says why
             raise HangFound(f"rank {ctx.rank}: ended by the hang doctor ({type(e).__name__}: {e})") from e
@@ -191,6 +194,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                "pp": mesh.pp}, "corpus": source,
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
                "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
+               "pipeline": _pipeline_run(engine),
                "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
                "restarts": restart_count()}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
@@ -260,6 +264,15 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if ctx.is_main:  # this run is complete: the earlier one it replaces can go
         drop_replaced(out)
     return result
+
+
+def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
+    """The schedule the run used, as run.json records it beside the flags given (--strategy model runs
+    ``naive`` on one micro-batch whatever --microbatches says); None without a pipeline."""
+    if engine.pipeline is None:
+        return None
+    s = engine.pipeline.schedule
+    return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages}
 
 
 def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
