@@ -65,8 +65,9 @@ NOTES = """
   hidden: the share of the gradient all-reduce that overlapped backward.
   loss gap: float32 rounding only (the sums run in another order); in float64 every layout agrees with one
     process to 1e-10, which the tests check.
-  Two ranks on 2 cores get one core each, so expect no speed-up here: the point is that the numbers match
-  and you can see what each layout costs: bytes, waiting, memory.
+  One process runs on one thread (one core: one device); each of 2 ranks gets a core of its own, as 2 GPUs
+  would, so a speed-up below 2x is what the layout costs: bytes sent, waiting, memory. On a machine busy
+  with other work the figures move; the loss column does not.
 """
 
 
