@@ -454,9 +454,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         pieces, examples = None, None
         if m.pp > 1:
             if split is not None:
-                found = family.examples(model) if family and family.examples and example is None else None
-                examples = found or ([example, torch.cat([example, example])] if example is not None else None)
-                if examples is None:
+                examples = _examples(model, example, family)
+                if not examples:
                     raise ValueError("a split is checked on an example input, got example=None. Pass "
                                      "example=<one micro-batch of inputs> to parallelize")
                 pieces = resolve_split(model, split, examples[0])
@@ -480,7 +479,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if m.tp > 1 and own is None and not split_heads:  # each tp rank's loss reads its own logits: whole ones?
             was, tracer.enabled = tracer.enabled, False  # a check, not part of any step
             try:
-                _check_whole_logits(model, _example_of(model, example, family), ranks)
+                found = _examples(model, example, family)
+                _check_whole_logits(model, found[0] if found else None, ranks)
             finally:
                 tracer.enabled = was
         # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
@@ -514,15 +514,15 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                   reads_documents=reads, precision=precision)
 
 
-def _example_of(model: nn.Module, example: torch.Tensor | None, family: Any) -> torch.Tensor | None:
-    """One input to run ``model`` on: ``example``, its family's, or its own ``example_inputs()``; None if none."""
+def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:
+    """Inputs to run ``model`` on, first the one a check uses: ``example`` and a batch of two of it, its
+    family's, or its own ``example_inputs()``; None when there is none."""
     if example is not None:
-        return example
-    found = family.examples(model) if family is not None and family.examples is not None else None
+        return [example, torch.cat([example, example])]
+    if family is not None and family.examples is not None:
+        return list(family.examples(model))
     own = getattr(model, "example_inputs", None)
-    if not found and callable(own):
-        found = own()
-    return found[0] if found else None
+    return list(own()) if callable(own) else None
 
 
 def _check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: RankMesh) -> None:

@@ -255,8 +255,8 @@ def _ranking(argv: list[str]) -> int:
     link_text = links.network.source or "fitted cost model"
     if paper and ns.node_link:
         link_text = f"{links.network.source} between machines, {links.node.source} within one"
-    if lab is not None and lab.link.strip().lower().endswith("bps"):
-        link_text += f"; {rate_words(lab.link, parse_rate(lab.link))}"
+    if lab is not None and (words := rate_words(lab.link, parse_rate(lab.link))) != lab.link:  # a bps link in bits
+        link_text += f"; {words}"
     print(f"fourfold plan: {t.model} ({millions} M parameters), batch {t.batch_size} x {seq}, on {world} "
           f"{'GPUs' if paper else 'ranks'}; {format_bytes(available)} per rank ({where}); "
           f"compute: {profile.costs.source}; links: {link_text}"

@@ -48,12 +48,12 @@ def hf_family(model: nn.Module) -> str | None:
 
 
 def meta_kwargs(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
-    """The keyword arguments a Hugging Face model needs to run on the ``meta`` device (shapes only: FLOPs and
-    activations counted for a model this machine cannot hold); none for another model. transformers reads
-    values to build its causal mask (a packed-sequence test on the positions, a padding test on a 2-D mask),
-    which meta tensors have none of; given the causal mask itself, 4-D, it reads none, and the attention it
-    runs is the same."""
-    if hf_family(model) is None:
+    """The keyword arguments to call ``model`` with on ``ids``: for a Hugging Face model on the ``meta`` device
+    (shapes only: FLOPs and activations counted for a model this machine cannot hold) its causal mask, 4-D;
+    none otherwise. transformers reads values to build that mask (a packed-sequence test on the positions, a
+    padding test on a 2-D mask), which meta tensors have none of; given the mask itself it reads none, and the
+    attention it runs is the same."""
+    if ids.device.type != "meta" or hf_family(model) is None:
         return {}
     t = ids.size(-1)
     return {"attention_mask": torch.ones(1, 1, t, t, dtype=torch.bool, device=ids.device).tril()}

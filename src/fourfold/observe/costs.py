@@ -245,10 +245,9 @@ def flop_units(model: nn.Module, blocks: list[nn.Module], seq_len: int, flops_pe
     handles = [h for i, block in enumerate(blocks, start=1)
                for h in (block.register_forward_pre_hook(mark(i)), block.register_forward_hook(mark(i + 1)))]
     x = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
-    kwargs = meta_kwargs(model, x) if x.device.type == "meta" else {}
     try:
         with torch.no_grad(), counter:
-            (loss_fn or lm_loss)(output_tensor(model(x, **kwargs)), x)
+            (loss_fn or lm_loss)(output_tensor(model(x, **meta_kwargs(model, x))), x)
             at[n] = counter.get_total_flops()
     finally:
         for h in handles:

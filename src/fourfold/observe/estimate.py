@@ -179,7 +179,7 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
     model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = output_tensor(model(x, **(meta_kwargs(model, x) if x.device.type == "meta" else {})))
+            out = output_tensor(model(x, **meta_kwargs(model, x)))
             (loss_fn or lm_loss)(out, torch.zeros(1, seq_len, dtype=torch.long, device=device))
     finally:
         model.train(was)

@@ -113,14 +113,24 @@ def train_checks(cfg: Any, world_size: int, *, scan_data: bool = True) -> None:
     """Refuse (ValueError: train's own message and fix) what ``fourfold train`` refuses before it launches: the
     same :func:`fourfold.preflight.preflight` train calls. The plan writes nothing, so ``--out`` (writable, an
     earlier run's outputs in it) is left to train: here the checks see a fresh directory instead."""
+    with _nowhere() as out:
+        _preflight(cfg, world_size, out, scan_data=scan_data)
+
+
+def _nowhere() -> Any:
+    """A fresh directory the checks may take for ``--out``, removed after."""
     import tempfile
+
+    return tempfile.TemporaryDirectory(prefix="fourfold-plan-")
+
+
+def _preflight(cfg: Any, world_size: int, nowhere: str, *, scan_data: bool) -> None:
     from dataclasses import replace
 
     from fourfold.preflight import preflight
 
-    with tempfile.TemporaryDirectory(prefix="fourfold-plan-") as nowhere:
-        preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
-                  scan_data=scan_data)
+    preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
+              scan_data=scan_data)
 
 
 def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
@@ -130,24 +140,25 @@ def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
 
     refused: dict[Any, str] = {}
     checked: dict[Any, str | None] = {}
-    for layout in candidates:
-        try:  # the config's own checks, ZeRO's among them
-            train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
-                            microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
-        except ValueError as e:
-            refused[layout] = str(e)
-            continue
-        # preflight reads no ZeRO stage; it builds the schedule (most of its time), so once per layout besides it
-        key = replace(layout, zero=0)
-        if key not in checked:
-            try:
-                train_checks(replace(cfg, train=train), layout.world_size, scan_data=False)
-                checked[key] = None
+    with _nowhere() as out:  # one directory for every candidate's checks
+        for layout in candidates:
+            try:  # the config's own checks, ZeRO's among them
+                train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
+                                microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
             except ValueError as e:
-                checked[key] = str(e)
-        why = checked[key]
-        if why is not None:
-            refused[layout] = why
+                refused[layout] = str(e)
+                continue
+            # preflight reads no ZeRO stage; it builds the schedule (most of its time): once per layout besides it
+            key = replace(layout, zero=0)
+            if key not in checked:
+                try:
+                    _preflight(replace(cfg, train=train), layout.world_size, out, scan_data=False)
+                    checked[key] = None
+                except ValueError as e:
+                    checked[key] = str(e)
+            why = checked[key]
+            if why is not None:
+                refused[layout] = why
     return refused
 
 

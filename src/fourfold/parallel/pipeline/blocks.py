@@ -293,9 +293,9 @@ def _uncalled(model: nn.Module, label: str, e: Exception) -> str:
     """Why piece ``label`` failed to find something of the model (a piece holds only the modules it called)."""
     found = re.search(r"has no attribute '(\w+)'", str(e))
     name = found.group(1) if found else None
-    own = {**dict(model.named_buffers(recurse=False)), **dict(model.named_parameters(recurse=False))}
-    if name in own:  # a tensor on the root module: no piece holds the root
-        kind = "buffer" if name in dict(model.named_buffers(recurse=False)) else "parameter"
+    buffers, params = dict(model.named_buffers(recurse=False)), dict(model.named_parameters(recurse=False))
+    if name in buffers or name in params:  # a tensor on the root module: no piece holds the root
+        kind = "buffer" if name in buffers else "parameter"
         return (f"split piece {label!r} reads the model's {kind} {name!r}, which sits on the root module, and a "
                 "piece holds only the submodules it calls. Move it into a submodule (a small nn.Module that holds "
                 "it and applies it, called in the piece), as every parameter and buffer a piece needs must be")
