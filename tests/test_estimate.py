@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fourfold import Mesh, parallelize
-from fourfold.engine import model_blocks
+from fourfold.compose import model_blocks
 from fourfold.models import GPTConfig, TinyGPT, shard_plan
 from fourfold.observe.estimate import estimate_memory, probe_activations
 from fourfold.observe.memory import held_bytes

@@ -18,13 +18,14 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "Mesh", "Split", "SplitError", "__version__", "launch", "parallelize"]
 
-_LAZY = {"Engine": "fourfold.engine", "parallelize": "fourfold.engine", "Mesh": "fourfold.mesh",
+_LAZY = {"Engine": "fourfold.engine", "parallelize": "fourfold.compose", "Mesh": "fourfold.mesh",
          "launch": "fourfold.launch", "Split": "fourfold.parallel.pipeline.blocks",
          "SplitError": "fourfold.parallel.pipeline.blocks"}
 
 if TYPE_CHECKING:
     from fourfold import launch
-    from fourfold.engine import Engine, parallelize
+    from fourfold.compose import parallelize
+    from fourfold.engine import Engine
     from fourfold.mesh import Mesh
     from fourfold.parallel.pipeline.blocks import Split, SplitError
 

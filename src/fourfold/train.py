@@ -45,6 +45,7 @@ from fourfold.cli.args import parse_args, without_section_flags
 from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
 from fourfold.comm.wait import CommError, barrier, gather_objects
+from fourfold.compose import parallelize
 from fourfold.config import Config, LaunchConfig
 from fourfold.data import (
     BatchLoader,
@@ -52,7 +53,7 @@ from fourfold.data import (
     Documents,
     run_corpus,
 )
-from fourfold.engine import Engine, bytes_by_axis, parallelize
+from fourfold.engine import Engine, bytes_by_axis
 from fourfold.files import (
     OUTPUTS,
     drop_replaced,

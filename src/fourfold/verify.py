@@ -111,7 +111,7 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     step and after each (``steps + 1`` states)."""
     from pathlib import Path
 
-    from fourfold.engine import parallelize
+    from fourfold.compose import parallelize
     from fourfold.models.build import build_model
     from fourfold.train import make_loader, make_optimizer
 

@@ -212,7 +212,8 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from fourfold.engine import Loss, parallelize
+    from fourfold.compose import parallelize
+    from fourfold.engine import Loss
     from fourfold.observe.trace import Tracer
 
     model, tracer = w.build(), Tracer(ranks.rank)

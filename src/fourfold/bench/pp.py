@@ -150,7 +150,7 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], ranks: Any)
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from fourfold.engine import parallelize
+    from fourfold.compose import parallelize
     from fourfold.models import TinyGPT
     from fourfold.models.gpt import lm_loss
     from fourfold.observe.trace import Tracer

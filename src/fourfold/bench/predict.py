@@ -114,7 +114,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fourfold.comm.auto import CostModel
-    from fourfold.engine import model_blocks
+    from fourfold.compose import model_blocks
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
     from fourfold.observe.calibrate import calibrate

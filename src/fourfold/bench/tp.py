@@ -210,7 +210,7 @@ def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, time
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from fourfold.engine import parallelize
+    from fourfold.compose import parallelize
     from fourfold.models.gpt import MLP
     from fourfold.observe.trace import Tracer
     from fourfold.parallel.tensor import Layout

@@ -49,7 +49,7 @@ __all__ = ["check_memory", "layout_memory", "main"]
 
 def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any], Any]:
     """(rows, the estimate's options, a function of options -> rows) for ``cfg`` on ``world_size`` ranks."""
-    from fourfold.engine import model_blocks
+    from fourfold.compose import model_blocks
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model, check_forward
@@ -147,7 +147,7 @@ def _ranking(argv: list[str]) -> int:
     import torch
 
     from fourfold.comm.auto import CostModel
-    from fourfold.engine import model_blocks
+    from fourfold.compose import model_blocks
     from fourfold.lab.net import parse_rate, rate_words
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model
