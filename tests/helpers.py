@@ -67,14 +67,20 @@ def optimizer(params) -> torch.optim.Optimizer:
 
 
 def reference_run(cfg: GPTConfig, steps: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.float64,
-                  seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole batch, the model's own forward: the losses and final state to reproduce."""
+                  seed: int = 0, max_norm: float | None = None,
+                  norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole batch, the model's own forward: the losses and final state to reproduce.
+    ``max_norm``: torch's own ``clip_grad_norm_`` before each optimiser step, its norms appended to ``norms``."""
     model = TinyGPT(cfg, seed=seed, dtype=dtype)
     opt = optimizer(model.parameters())
     losses = []
     for x, y in steps:
         _, loss = model(x, y)
         loss.backward()
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+            if norms is not None:
+                norms.append(norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -2,6 +2,10 @@
 
 Spawns are the expensive part, so each runs several layouts (module-level caches):
 
+Every layout clips its gradients' global norm (``engine.clip_grad_norm_``) before each AdamW step, and its
+norms must equal torch's ``clip_grad_norm_`` on one process: a wrong count of tp-replicated parameters, tied
+copies or ZeRO segments shows up there first.
+
 * ``three_d`` (8 ranks, dp=2 x tp=2 x pp=2): gpipe, 1f1b, interleaved (v=2) and zb, float64, 3 AdamW steps;
   1f1b with fourfold's ring all-reduce and sequence parallelism too.
 * ``four`` (4 ranks): tp=2 x pp=2 with and without sequence parallelism; dp=2 x pp=2 with the ring all-reduce
@@ -16,6 +20,7 @@ released before its last backward); only with sequence_parallel at the partial-g
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -29,6 +34,7 @@ from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 MICRO = 2
+MAX_NORM = 0.7  # every layout clips its gradients by their global norm, as torch clips one process's
 
 
 def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
@@ -40,16 +46,18 @@ def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict
                          timeout_s=30, **options)
     opt = optimizer(engine.parameters())
     losses = []
+    norms = []
     for x, y in batches(CFG):
         first = len(tracer.spans)
         loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))
+        norms.append(engine.clip_grad_norm_(MAX_NORM))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     state = engine.state_dict()
     groups = {axis: ranks.group(axis) is not None for axis in ("dp", "tp", "pp")}
     return {"label": label, "losses": losses, "state": state if ctx.rank == 0 else None, "groups": groups,
-            "bytes": bytes_by_axis(tracer.spans[first:])}
+            "bytes": bytes_by_axis(tracer.spans[first:]), "norms": norms}
 
 
 def _three_d(ctx) -> list[dict]:
@@ -76,16 +84,22 @@ def _spawn(name: str) -> list[list[dict]]:
 
 
 @functools.cache
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference_run(CFG, batches(CFG))
+def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    norms: list[float] = []
+    losses, state = reference_run(CFG, batches(CFG), max_norm=MAX_NORM, norms=norms)
+    assert max(norms) > MAX_NORM, f"the reference never clipped (norms {norms}): the test would not test clipping"
+    return losses, state, norms
 
 
 def _check(per_rank: list[list[dict]], index: int) -> None:
-    want_losses, want = _reference()
+    want_losses, want, want_norms = _reference()
     label = per_rank[0][index]["label"]
     for r, layouts in enumerate(per_rank):
         errs = [abs(a - b) for a, b in zip(layouts[index]["losses"], want_losses, strict=True)]
         assert max(errs) <= TOL64, f"{label} rank {r}: losses {layouts[index]['losses']} vs one process {want_losses}"
+        errs = [abs(a - b) for a, b in zip(layouts[index]["norms"], want_norms, strict=True)]
+        assert max(errs) <= TOL64, f"{label} rank {r}: gradient norms {layouts[index]['norms']} vs one process's " \
+                                   f"{want_norms}"
     state = per_rank[0][index]["state"]
     assert list(state) == list(want), f"{label}: state names {list(state)} vs the model's {list(want)}"
     name, err = max_error(state, want)
@@ -128,9 +142,27 @@ def test_one_process_engine_is_plain_training():
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    want_losses, want = _reference()
+    want_losses, want = reference_run(CFG, batches(CFG))
     assert losses == want_losses  # bitwise: the same forward and backward
     assert max_error(engine.state_dict(), want)[1] == 0.0
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_one_process_clip_grad_norm_is_torchs(norm_type):
+    x, y = batches(CFG)[0]
+    model = TinyGPT(CFG, seed=0, dtype=torch.float64)
+    model(x, y)[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type).item()
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))
+    engine.step(x, y)
+    assert engine.grad_norm(norm_type) == pytest.approx(want, rel=1e-12)
+    assert engine.clip_grad_norm_(0.1, norm_type) == pytest.approx(want, rel=1e-12)
+    for (name, p), q in zip(model.named_parameters(), engine.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-15, msg=name)
+    assert engine.grad_norm(norm_type) == pytest.approx(0.1, rel=1e-5)  # clipped to max_norm
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="max_norm must be > 0"):
+            engine.clip_grad_norm_(bad)
 
 
 def test_bad_layouts_are_refused_with_the_fix():

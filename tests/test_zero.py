@@ -3,7 +3,7 @@ process, send exactly the bytes the theory says, and hold what the formula says.
 
 Two spawns (module-level caches): 4 ranks (dp=4 every stage, ring and native; dp=2 x pp=2 every schedule at
 stages 2 and 3; dp=2 x tp=2 with sequence parallelism at stage 3) and 2 ranks (dp=2 every stage; a checkpoint
-saved under one stage and loaded under another). float64, 3 AdamW steps, TinyGPT with its tied head.
+saved under one stage and loaded under another). float64, 3 AdamW steps, TinyGPT with its tied head; the gradients clipped by their global norm before each.
 
 Reading a failure: right losses but wrong ``embed.wte.weight`` under a pipeline points at the tied copies (summed
 across stages before their reduce-scatter, as late parameters); wrong only at stage 3 without a pipeline at the
@@ -28,6 +28,7 @@ from fourfold.testing import run_ranks
 from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+MAX_NORM = 0.7  # every run clips its gradients' global norm as torch clips one process's (steps 1-2 clip)
 
 
 def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
@@ -36,10 +37,11 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
     engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, microbatches=2, tracer=tracer,
                          timeout_s=30, **options)
     opt = optimizer(engine.parameters())
-    losses, sent, held, traced = [], [], None, 0
+    losses, sent, held, traced, norms = [], [], None, 0, []
     for x, y in batches(CFG):
         before, first = engine.dp.stats.sent_bytes, len(tracer.spans)
         loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))
+        norms.append(engine.clip_grad_norm_(MAX_NORM))  # each rank's segments: weighted by the copies they have
         opt.step()
         held = held_bytes(engine.parameters(), opt)
         opt.zero_grad(set_to_none=True)
@@ -48,7 +50,7 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
         traced = bytes_by_axis(tracer.spans[first:])["dp"]
     dp_module = engine.dp
     assert isinstance(dp_module, ShardedDataParallel)
-    return {"label": label, "losses": losses, "state": engine.state_dict(), "sent": sent,
+    return {"label": label, "losses": losses, "state": engine.state_dict(), "sent": sent, "norms": norms,
             "traced": traced, "numels": [b.numel for b in dp_module.buckets],
             "held": held, "estimate": engine.memory_estimate(), "dp": dp, "pp": pp, "zero": options["zero"],
             "counted": engine.counters()["parameter_bytes"]["total"],  # run.json's parameter_bytes_rank0
@@ -90,12 +92,13 @@ def _resumed(ctx, root: str) -> dict:
             load(f"{root}/step-000002", engine, opt)
         for x, y in todo:
             losses.append(engine.step(shard(x, ranks.coord.dp, 2), shard(y, ranks.coord.dp, 2)).item())
+            engine.clip_grad_norm_(MAX_NORM)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if zero == 3:
             save(root, 2, engine, opt, config={})
     return {"label": "dp2 zero3 -> checkpoint -> zero1", "losses": losses, "state": engine.state_dict(),
-            "sent": None, "zero": 1, "algorithm": "resumed", "model_grads": [], "held": None}
+            "sent": None, "norms": None, "zero": 1, "algorithm": "resumed", "model_grads": [], "held": None}
 
 
 @functools.cache
@@ -107,8 +110,11 @@ def _spawn(name: str) -> list[list[dict]]:
 
 
 @functools.cache
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference_run(CFG, batches(CFG))
+def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    norms: list[float] = []
+    losses, state = reference_run(CFG, batches(CFG), max_norm=MAX_NORM, norms=norms)
+    assert min(norms) < MAX_NORM < max(norms), f"norms {norms}: the test should clip some steps, not all"
+    return losses, state, norms
 
 
 CASES = [("four", i) for i in range(13)] + [("two", i) for i in range(5)]
@@ -119,12 +125,15 @@ CASES = [("four", i) for i in range(13)] + [("two", i) for i in range(5)]
 @pytest.mark.parametrize("spawn,index", CASES)
 def test_zero_equals_one_process_and_sends_the_theory(spawn, index):
     per_rank = _spawn(spawn)
-    want_losses, want = _reference()
+    want_losses, want, want_norms = _reference()
     label = per_rank[0][index]["label"]
     for r, runs in enumerate(per_rank):
         got = runs[index]
         errs = [abs(a - b) for a, b in zip(got["losses"], want_losses, strict=True)]
         assert max(errs) <= TOL64, f"{label} rank {r}: losses {got['losses']} vs {want_losses}"
+        if got["norms"] is not None:
+            errs = [abs(a - b) for a, b in zip(got["norms"], want_norms, strict=True)]
+            assert max(errs) <= TOL64, f"{label} rank {r}: gradient norms {got['norms']} vs one process's {want_norms}"
         name, err = max_error(got["state"], want)
         assert err <= TOL64, f"{label} rank {r}: worst {name}: {err:.3g}"
         assert got["model_grads"] == [], f"{label}: the model's parameters keep no gradient under ZeRO"

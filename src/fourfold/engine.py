@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold import gradnorm
 from fourfold.comm.wait import bounded_wait
 from fourfold.data.packing import document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
@@ -91,6 +92,11 @@ class Engine:
     @property
     def mesh(self) -> Mesh:
         return self.ranks.mesh
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (and its losses and norms are reduced)."""
+        return self._device
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -280,6 +286,18 @@ class Engine:
         if self.mesh.tp > 1:  # gather_full makes new tensors
             return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group).items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The whole model's gradient norm, as one process computes it (:mod:`fourfold.gradnorm`): every copy
+        of a value counted once, summed over the world. A collective: every rank calls it, after :meth:`step`."""
+        return gradnorm.grad_norm(self, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole model under this layout: scale every rank's
+        gradients so the global norm is at most ``max_norm``; the norm before clipping. A collective; call it
+        after :meth:`step` and before the optimiser step. (torch's on ``engine.parameters()`` would see only
+        this rank's pieces, and clip each rank differently.)"""
+        return gradnorm.clip_grad_norm_(self, max_norm, norm_type)
 
     def train(self, mode: bool = True) -> Engine:
         (self.pipeline if self.pipeline is not None else self.model).train(mode)

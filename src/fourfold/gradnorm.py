@@ -1,0 +1,118 @@
+"""The gradients' global norm under any layout, and clipping by it: what ``torch.nn.utils.clip_grad_norm_``
+computes on one process's whole model.
+
+Each rank holds pieces of the gradient, and some pieces more than once across the world: a parameter that
+tensor parallelism leaves replicated is whole on every tp rank, a tied weight has a copy on each pipeline
+stage that uses it (both holding the summed gradient), and every data-parallel replica holds the same
+averaged gradients (under ZeRO each holds only its own segment instead). Each piece's ``|g|^p`` is weighted
+by one over its number of copies, summed on every rank, and the sums are added over the world in one
+all-reduce: every element of the one-process gradient is then counted exactly once. The infinity norm needs
+no weights: the largest element is the largest wherever it lies.
+
+    total = engine.clip_grad_norm_(1.0)       # after engine.step(), before optimizer.step(); every rank
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fourfold.comm.wait import bounded_wait
+from fourfold.parallel.zero import ShardedDataParallel
+
+if TYPE_CHECKING:
+    from fourfold.engine import Engine
+
+__all__ = ["clip_grad_norm_", "grad_norm", "pieces"]
+
+
+def copies(engine: Engine) -> dict[int, int]:
+    """How many ranks of one data-parallel replica hold each of this rank's parameters (by ``id``): the tp
+    ranks for a parameter tensor parallelism leaves whole, times the stages holding a tied weight's copy."""
+    tp = engine.mesh.tp
+
+    def over_tp(name: str) -> int:
+        layout = engine.layouts.get(name)
+        return tp if layout is None or layout.dim is None else 1
+
+    if engine.pipeline is None:
+        return {id(p): over_tp(n) for n, p in engine.model.named_parameters()}
+    out: dict[int, int] = {}
+    for st in engine.pipeline.stages:
+        for local, p in st.named_parameters():
+            holders = st.tied[local][1] if local in st.tied else (st.index,)
+            out[id(p)] = over_tp(st.model_name(local)) * len(holders)
+    return out
+
+
+def pieces(engine: Engine) -> Iterator[tuple[torch.Tensor, int]]:
+    """This rank's gradient pieces, each with the number of ranks in the world that hold the same values.
+
+    Under ZeRO the gradients are the segments' (``shard.grad``), each a run of several parameters; a segment is
+    this rank's alone over dp, so only the run's own tp and tied copies count. Otherwise ``p.grad`` of every
+    parameter this rank holds, replicated over dp too."""
+    held = copies(engine)
+    dp = engine.dp
+    if isinstance(dp, ShardedDataParallel):
+        for b in dp.buckets:
+            grad = b.zero.shard.grad
+            if grad is None:
+                continue
+            lo, hi = b.zero.offset, b.zero.offset + b.zero.length  # this rank's segment of the bucket
+            for p, start in zip(b.params, b.offsets, strict=True):
+                a, z = max(start, lo), min(start + p.numel(), hi, b.numel)
+                if a < z:
+                    yield grad[a - lo:z - lo], held[id(p)]
+        return
+    replicas = engine.mesh.dp
+    for p in engine.parameters():
+        if p.grad is not None:
+            yield p.grad, held.get(id(p), 1) * replicas
+
+
+def grad_norm(engine: Engine, norm_type: float = 2.0) -> float:
+    """The ``norm_type``-norm of the whole model's gradient, as one process computes it: the same on every rank
+    (an all-reduce over the world, bounded by the engine's timeout)."""
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be > 0 (2.0, or math.inf for the largest element), got {norm_type}.")
+    device = engine.device
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g, n in pieces(engine):
+        if g.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            total = torch.maximum(total, g.detach().abs().max().to(torch.float64))
+        else:
+            total += torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) ** norm_type / n
+    if dist.is_initialized() and engine.mesh.world_size > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        start = engine.tracer.now_ns()
+        work = dist.all_reduce(total, op=op, async_op=True)
+        bounded_wait(work, engine.timeout_s, rank=dist.get_rank(), op="gradient norm all-reduce",
+                     awaited="every rank of", group_ranks=tuple(range(engine.mesh.world_size)))
+        engine.tracer.record("comm", "grad_norm_all_reduce", start, engine.tracer.now_ns(), tensor_bytes=8)
+    value = total.item()
+    return value if math.isinf(norm_type) else value ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(engine: Engine, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale every gradient piece by ``max_norm / (norm + 1e-6)`` when that is below 1, as
+    ``torch.nn.utils.clip_grad_norm_`` does on one process; the norm before clipping. ``max_norm=math.inf``
+    only measures it."""
+    if not (max_norm > 0):
+        raise ValueError(f"max_norm must be > 0 (math.inf: measure the norm, clip nothing), got {max_norm}.")
+    total = grad_norm(engine, norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        dp = engine.dp
+        grads = [b.zero.shard.grad for b in dp.buckets] if isinstance(dp, ShardedDataParallel) else [
+            p.grad for p in engine.parameters()]
+        for g in grads:
+            if g is not None:
+                g.mul_(coef)
+    return total
