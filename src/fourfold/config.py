@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,6 +59,15 @@ class TrainConfig:
         "parameter and activation dtype (float64 for exact comparisons)"))
     lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    warmup_steps: int = field(default=0, metadata=_help(
+        "raise the learning rate linearly over the first N steps, to --lr at step N"))
+    lr_decay: Literal["none", "linear", "cosine"] = field(default="none", metadata=_help(
+        "after the warm-up, lower the learning rate from --lr to --min-lr at the last step (--steps)"))
+    min_lr: float = field(default=0.0, metadata=_help("with --lr-decay linear|cosine: the last step's learning rate"))
+    max_grad_norm: float = field(default=0.0, metadata=_help(
+        "clip the gradients before each step so their global norm (the whole model's, as one process computes "
+        "it, under any layout) is at most this; metrics.jsonl records grad_norm, and a non-finite norm stops "
+        "the run before the step (0: off)"))
     dp: int | None = field(default=None, metadata=_help(
         "data-parallel size (default: the world size divided by tp*pp)"))
     tp: int = field(default=1, metadata=_help("tensor-parallel size"))
@@ -204,6 +214,15 @@ class TrainConfig:
             raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got lr={self.lr}.")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps must be between 0 and steps, got warmup_steps={self.warmup_steps}, "
+                             f"steps={self.steps}. Pass --warmup-steps {min(max(self.warmup_steps, 0), self.steps)}.")
+        if not 0 <= self.min_lr < self.lr:
+            raise ValueError(f"min_lr must be >= 0 and below lr, got min_lr={self.min_lr}, lr={self.lr}. Pass "
+                             f"--min-lr {self.lr / 10:g} (a tenth of --lr), say.")
+        if not 0 <= self.max_grad_norm < math.inf:  # NaN too; and run.json stays JSON
+            raise ValueError(f"max_grad_norm must be finite and >= 0 (0: off), got max_grad_norm={self.max_grad_norm}. "
+                             "Pass --max-grad-norm 1.0, say (a value it never reaches records the norm only).")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got timeout={self.timeout}.")
         if self.hang_threshold < 0:

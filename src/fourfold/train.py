@@ -77,6 +77,7 @@ from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
+from fourfold.optim import NonFiniteLoss, lr_at, make_optimizer, update
 from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
@@ -132,10 +133,6 @@ class TrainResult:
         names = [notes.get(n, n) for n in ("metrics.jsonl", "trace.json", "timeline.png", "model.pt", "checkpoints",
                                            "run.json") if (self.out / n).exists()]
         return f"outputs in {self.out}: {', '.join(names)}"
-
-
-class NonFiniteLoss(RuntimeError):
-    """The global loss became NaN or infinite: the run stops at that step with exit code 1."""
 
 
 def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
@@ -214,16 +211,17 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             batch = loader.batch(step - 1)  # windows of a stream, or packed documents
             args, kwargs = batch.step_args(ctx.device)
             loss = engine.step(*args, **kwargs)
-            with tracer.span("compute", "optimizer"):
-                optimizer.step()
-                if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
-                    held = held_bytes(engine.parameters(), optimizer)
-                optimizer.zero_grad(set_to_none=True)
+            grad_norm = update(engine, optimizer, t, step)  # clip, the step's learning rate, the optimiser step
+            if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
+                held = held_bytes(engine.parameters(), optimizer)
+            optimizer.zero_grad(set_to_none=True)
             global_loss = loss.item()  # the loss all-reduce ran during the optimiser step
             _synchronize(ctx.device)  # time the step, not the launch of its kernels
             elapsed = time.perf_counter() - start
             spans = tracer.spans[first_span:]
-            row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), t.lr)
+            row = _metrics_row(step, global_loss, elapsed, batch.stats, tracer.totals(first_span), lr_at(t, step))
+            if grad_norm is not None:
+                row["grad_norm"] = grad_norm  # before clipping: the same on every rank
             row["comm_hidden_fraction"] = hidden_fraction(spans)
             row["bytes_by_axis"] = bytes_by_axis(spans)
             row["comm_bytes"] = sum(row["bytes_by_axis"].values())  # one count of what was sent: tp as a ring
@@ -276,8 +274,6 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
     return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages}
 
 
-def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:

@@ -113,7 +113,8 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
 
     from fourfold.compose import parallelize
     from fourfold.models.build import build_model
-    from fourfold.train import make_loader, make_optimizer
+    from fourfold.optim import make_optimizer, update
+    from fourfold.train import make_loader
 
     engine = parallelize(build_model(cfg), None, precision=cfg.train.precision)  # one process, no strategy
     optimizer = make_optimizer(cfg, engine.parameters())
@@ -122,7 +123,7 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     for step in range(1, steps + 1):
         args, kwargs = loader.batch(step - 1).step_args("cpu")  # the whole global batch
         loss = engine.step(*args, **kwargs)
-        optimizer.step()
+        update(engine, optimizer, cfg.train, step)  # the run's clipping and learning rate, as its ranks did
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         states.append(engine.state_dict())

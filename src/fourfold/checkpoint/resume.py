@@ -92,8 +92,8 @@ def _same_model_config(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     return path is not None and os.path.abspath(path) == here["train"]["model_config"]
 
 
-CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "precision", "data", "tokenizer", "data_dtype", "pack",
-             "tokens_per_step", "truncate_documents")
+CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_decay", "min_lr", "max_grad_norm",
+             "precision", "data", "tokenizer", "data_dtype", "pack", "tokens_per_step", "truncate_documents")
 """The training settings whose change makes a resumed run differ from the uninterrupted one (the layout's do
 not: a checkpoint loads exactly under any layout)."""
 
@@ -102,4 +102,7 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
     saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
-    return [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if k in saved and saved[k] != here[k]]
+    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if k in saved and saved[k] != here[k]]
+    if here.get("lr_decay", "none") != "none" and saved.get("steps", here["steps"]) != here["steps"]:
+        out.append(f"steps {here['steps']} (was {saved['steps']}: the learning rate's decay now ends there)")
+    return out

@@ -1,0 +1,65 @@
+"""The optimiser and its step: AdamW, the learning rate of each step, and clipping by the global gradient norm.
+
+:func:`update` is the one optimiser step every loop takes (``fourfold train``'s and ``--verify``'s one-process
+re-run), so a layout and its reference clip and schedule alike. The learning rate is a function of the step
+alone (:func:`lr_at`): a resumed run continues the same schedule with nothing else to restore.
+
+    --lr 3e-3 --warmup-steps 100 --lr-decay cosine --min-lr 3e-4 --max-grad-norm 1.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from fourfold.config import Config, TrainConfig
+    from fourfold.engine import Engine
+
+__all__ = ["NonFiniteLoss", "lr_at", "make_optimizer", "update"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The global loss (or, when clipping, the gradients' norm) became NaN or infinite: the run stops at that
+    step with exit code 1."""
+
+
+def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr_at(cfg.train, 1), weight_decay=cfg.train.weight_decay)
+
+
+def lr_at(t: TrainConfig, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (1-based).
+
+    Warm-up: ``lr * step / warmup_steps`` for the first ``warmup_steps`` steps. Then ``lr_decay``: ``none``
+    keeps ``lr``; ``linear`` and ``cosine`` go from ``lr`` to ``min_lr``, reached at the last step
+    (``--steps``).
+    """
+    if step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    if t.lr_decay == "none":
+        return t.lr
+    span = t.steps - t.warmup_steps
+    done = 1.0 if span <= 0 else (step - t.warmup_steps) / span
+    done = min(max(done, 0.0), 1.0)
+    left = 1.0 - done if t.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return t.min_lr + (t.lr - t.min_lr) * left
+
+
+def update(engine: Engine, optimizer: torch.optim.Optimizer, t: TrainConfig, step: int) -> float | None:
+    """Optimiser step ``step`` after ``engine.step``: clip the gradients by their global norm (with
+    ``--max-grad-norm``), set the step's learning rate, step. The norm before clipping (None without
+    clipping). The caller zeroes the gradients."""
+    norm = engine.clip_grad_norm_(t.max_grad_norm) if t.max_grad_norm else None
+    if norm is not None and not math.isfinite(norm):  # every rank has the same norm: all stop here together
+        raise NonFiniteLoss(f"step {step}: the gradients' norm is {norm}; training stopped before the optimiser "
+                            "step, so the weights and checkpoints are those of the step before. Lower --lr (now "
+                            f"{t.lr:g}) or add --warmup-steps, or resume from an earlier checkpoint with --resume.")
+    lr = lr_at(t, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with engine.tracer.span("compute", "optimizer"):
+        optimizer.step()
+    return norm
