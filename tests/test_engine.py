@@ -9,7 +9,7 @@ copies or ZeRO segments shows up there first.
 * ``three_d`` (8 ranks, dp=2 x tp=2 x pp=2): gpipe, 1f1b, interleaved (v=2) and zb, float64, 3 AdamW steps;
   1f1b with fourfold's ring all-reduce and sequence parallelism too.
 * ``four`` (4 ranks): tp=2 x pp=2 with and without sequence parallelism; dp=2 x pp=2 with the ring all-reduce
-  (1f1b and zb); dp=2 x tp=2 + sequence parallelism.
+  (1f1b and zb); dp=2 x tp=2 + sequence parallelism, also with 2 micro-batches of gradient accumulation.
 
 Reading a failure: labels are ``dp x tp x pp schedule``. Right losses but wrong weights only in
 ``embed.wte.weight`` / ``head.lm_head.weight`` point at the tied copies (summed across stages after the dp
@@ -57,7 +57,8 @@ def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict
     state = engine.state_dict()
     groups = {axis: ranks.group(axis) is not None for axis in ("dp", "tp", "pp")}
     return {"label": label, "losses": losses, "state": state if ctx.rank == 0 else None, "groups": groups,
-            "bytes": bytes_by_axis(tracer.spans[first:]), "norms": norms}
+            "bytes": bytes_by_axis(tracer.spans[first:]), "norms": norms,
+            "forwards": sum(s.name == "forward" for s in tracer.spans[first:])}
 
 
 def _three_d(ctx) -> list[dict]:
@@ -74,7 +75,9 @@ def _four(ctx) -> list[dict]:
             _train_layout(ctx, 1, 2, 2, "1x2x2 1f1b sp", schedule="1f1b", sequence_parallel=True),
             _train_layout(ctx, 2, 1, 2, "2x1x2 1f1b ring", schedule="1f1b", allreduce="ring"),
             _train_layout(ctx, 2, 1, 2, "2x1x2 zb ring", schedule="zb", allreduce="ring"),
-            _train_layout(ctx, 2, 2, 1, "2x2x1 ring sp", allreduce="ring", sequence_parallel=True)]
+            _train_layout(ctx, 2, 2, 1, "2x2x1 ring sp", allreduce="ring", sequence_parallel=True),
+            _train_layout(ctx, 2, 2, 1, "2x2x1 ring sp accum2", allreduce="ring", sequence_parallel=True,
+                          grad_accum=2)]
 
 
 @functools.cache
@@ -100,6 +103,8 @@ def _check(per_rank: list[list[dict]], index: int) -> None:
         errs = [abs(a - b) for a, b in zip(layouts[index]["norms"], want_norms, strict=True)]
         assert max(errs) <= TOL64, f"{label} rank {r}: gradient norms {layouts[index]['norms']} vs one process's " \
                                    f"{want_norms}"
+    forwards = 2 if "accum2" in label else 1 if label.split()[0].endswith("x1") else 0  # pipelines: F spans
+    assert forwards == 0 or per_rank[0][index]["forwards"] == forwards, (label, per_rank[0][index]["forwards"])
     state = per_rank[0][index]["state"]
     assert list(state) == list(want), f"{label}: state names {list(state)} vs the model's {list(want)}"
     name, err = max_error(state, want)
@@ -115,7 +120,7 @@ def test_dp2_tp2_pp2_every_schedule_equals_one_process(index):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_two_axes_at_a_time_equal_one_process(index):
     _check(_spawn("four"), index)
 
@@ -145,6 +150,31 @@ def test_one_process_engine_is_plain_training():
     want_losses, want = reference_run(CFG, batches(CFG))
     assert losses == want_losses  # bitwise: the same forward and backward
     assert max_error(engine.state_dict(), want)[1] == 0.0
+
+
+def test_gradient_accumulation_is_the_whole_batchs_step_with_half_the_activations():
+    runs = {}
+    for k in (1, 2):
+        tracer = Tracer(0)
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=k, tracer=tracer)
+        opt = optimizer(engine.parameters())
+        losses, saved = [], []
+        for x, y in batches(CFG):
+            loss = engine.step(x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            saved.append(loss.activation_bytes)
+        forwards = sum(s.name == "forward" for s in tracer.spans) / len(losses)
+        runs[k] = losses, engine.state_dict(), saved[-1], forwards
+    (l1, s1, a1, f1), (l2, s2, a2, f2) = runs[1], runs[2]
+    assert max(abs(a - b) for a, b in zip(l1, l2, strict=True)) <= 1e-12, (l1, l2)
+    assert max_error(s2, s1)[1] <= TOL64
+    assert (f1, f2) == (1, 2) and 0.4 < a2 / a1 < 0.6, (f1, f2, a1, a2)  # two forwards, each of half the batch
+    with pytest.raises(ValueError, match="a batch of a multiple of 3 rows per rank"):
+        parallelize(TinyGPT(CFG, seed=0), grad_accum=3).step(*batches(CFG)[0])
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
+        parallelize(TinyGPT(CFG, seed=0), grad_accum=0)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])

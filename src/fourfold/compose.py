@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
                 activation_checkpointing: str = "none", zero: int = 0, precision: str = "full",
                 reduce_dtype: torch.dtype | None = None, compress: str | Compressor = "none",
-                balance: Balance = "params",
+                balance: Balance = "params", grad_accum: int = 1,
                 boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
@@ -121,6 +121,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     bytes). ``compress``: ``"bf16"`` (the same as ``reduce_dtype=torch.bfloat16``), ``"int8"`` or ``"powersgd"``
     (or a :class:`~fourfold.comm.compress.PowerSGD` of your rank and warm-up): lossy gradient compression with
     error feedback under dp (:mod:`fourfold.comm.compress`), not with ZeRO.
+
+    ``grad_accum`` (no pipeline): :meth:`Engine.step` cuts this rank's batch into that many equal micro-batches
+    and runs their forward and backward one after another, the gradients accumulated and synchronised once,
+    during the last backward: the step of the whole batch, holding one micro-batch's activations. (A pipeline
+    cuts its batch into ``microbatches`` already.)
     """
     from fourfold.models import family_of
 
@@ -140,6 +145,13 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: allreduce {' or '.join(ZERO_ALGORITHMS)}, "
                          f"got {allreduce!r} (an all-reduce only). Pass allreduce='ring' or 'native' with zero.")
     compressor, reduce_dtype = _compression(compress, reduce_dtype, zero)
+    if not (isinstance(grad_accum, int) and grad_accum >= 1):
+        raise ValueError(f"grad_accum must be an integer >= 1 (1: none), got {grad_accum!r}.")
+    if grad_accum > 1 and m.pp > 1:
+        raise ValueError(f"grad_accum={grad_accum} with a pipeline (pp={m.pp}): the pipeline cuts the batch into "
+                         "micro-batches already. Pass microbatches= (fourfold train --microbatches) instead.")
+    if grad_accum > 1:
+        batchnorm_for_microbatches(model, grad_accum, accumulated=True)
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
@@ -213,7 +225,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         reads = True
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
-                  reads_documents=reads, precision=precision)
+                  reads_documents=reads, precision=precision, grad_accum=grad_accum)
 
 
 def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:

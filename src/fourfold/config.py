@@ -77,6 +77,10 @@ class TrainConfig:
     microbatches: int = field(default=4, metadata=_help(
         "with --pp: micro-batches each data-parallel shard is cut into"))
     virtual: int = field(default=2, metadata=_help("with --schedule interleaved: stages per pipeline rank"))
+    grad_accum: int = field(default=1, metadata=_help(
+        "without --pp: cut each data-parallel shard into N micro-batches run one after another, their gradients "
+        "accumulated and synchronised once: the same step, with 1/N of the activation memory (a pipeline cuts "
+        "its shard into --microbatches instead)"))
     strategy: Literal["pipeline", "model"] = field(default="pipeline", metadata=_help(
         "with --pp: 'model' places layers on ranks with one micro-batch (model parallelism: one rank busy "
         "at a time)"))
@@ -162,7 +166,7 @@ class TrainConfig:
         "(docs: README); a mismatch exits with status 1 (0: off)"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual"):
+        for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
         if self.verify < 0 or self.verify > self.steps:
@@ -175,6 +179,10 @@ class TrainConfig:
             raise ValueError(f"verify re-runs a run's first steps from its initial weights; a resumed run starts "
                              f"from a checkpoint, got verify={self.verify} with resume={self.resume!r}. Drop "
                              "--verify, or verify the run that wrote the checkpoint.")
+        if self.grad_accum > 1 and self.pp > 1:
+            raise ValueError(f"grad_accum cuts a shard into micro-batches without a pipeline, got grad_accum="
+                             f"{self.grad_accum} with pp={self.pp}, whose schedule does that already. Pass "
+                             f"--microbatches {self.grad_accum * self.microbatches} instead of --grad-accum.")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
         parse_policy(self.activation_checkpointing)  # refuses anything but none, full, every-N

@@ -74,13 +74,15 @@ class Engine:
     def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
                  tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
-                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full") -> None:
+                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full",
+                 grad_accum: int = 1) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
         self.precision = precision
+        self.grad_accum = grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
         self.zero = dp.zero if isinstance(dp, ShardedDataParallel) else 0
         group = ranks.dp_group
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
@@ -178,33 +180,56 @@ class Engine:
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
-            weights: set[int] | Callable[[], set[int]] = self._param_storages
-            if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
-                dp = self.dp
-
-                def moving() -> set[int]:
-                    return self._param_storages | dp.storages()
-
-                weights = moving
-
-            key = (tuple(inputs.shape), documents is not None, torch.is_grad_enabled())
-            with self.tracer.span("compute", "forward"), document_layout(documents), \
-                    saved_bytes_once(self._activations, key, weights) as saved, self._compute():
-                out = self.dp(inputs) if self.dp is not None else self.model(inputs)
-                loss = loss_fn(output_tensor(out), targets)  # a Hugging Face output: its .logits
-            with self.tracer.span("compute", "backward"):
-                loss.backward()  # bucket all-reduces start inside, as gradients become ready
-            if self.dp is not None:
-                self.dp.finish()  # the engine owns the end of backward
-            loss = loss.detach().to(torch.float64).reshape(1).cpu()
-            if saved is not None:  # this shape's first step: measured (the same bytes every step after)
-                self._activations[key] = sum(saved.values())
+            loss, key = self._forward_backward(inputs, targets, loss_fn, documents)
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
         return out_loss
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+                          documents: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """No pipeline: one forward and backward, or with ``grad_accum`` k, k in turn over equal parts of the
+        batch, each mean loss divided by k (a token-normalised one is the global batch's already), the
+        gradients accumulating. dp synchronises them once, in the last backward (``no_sync`` before it). The
+        loss (float64, CPU) and the key of the activations measured."""
+        k = self.grad_accum
+        if inputs.shape[0] % k:
+            raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
+                             f"{inputs.shape[0]} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
+                             f"train: --batch-size a multiple of dp x {k}).")
+        weights: set[int] | Callable[[], set[int]] = self._param_storages
+        if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
+            dp = self.dp
+
+            def moving() -> set[int]:
+                return self._param_storages | dp.storages()
+
+            weights = moving
+
+        parts = zip(inputs.chunk(k), targets.chunk(k),
+                    documents.chunk(k) if documents is not None else [None] * k, strict=True)
+        total = torch.zeros(1, dtype=torch.float64)
+        for i, (x, y, d) in enumerate(parts):
+            quiet = self.dp.no_sync() if self.dp is not None and i < k - 1 else contextlib.nullcontext()
+            key = (tuple(x.shape), d is not None, torch.is_grad_enabled())
+            which = {"microbatch": i} if k > 1 else {}
+            with quiet:
+                with self.tracer.span("compute", "forward", **which), document_layout(d), \
+                        saved_bytes_once(self._activations, key, weights) as saved, self._compute():
+                    out = self.dp(x) if self.dp is not None else self.model(x)
+                    loss = loss_fn(output_tensor(out), y)  # a Hugging Face output: its .logits
+                    if k > 1 and d is None:
+                        loss = loss / k
+                with self.tracer.span("compute", "backward", **which):
+                    loss.backward()  # bucket all-reduces start inside the last, as gradients become ready
+            total += loss.detach().to(torch.float64).reshape(1).cpu()
+            if saved is not None:  # this shape's first step: measured (the same bytes every step after)
+                self._activations[key] = sum(saved.values())
+        if self.dp is not None:
+            self.dp.finish()  # the engine owns the end of backward
+        return total, key
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""

@@ -61,6 +61,12 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if t.pack == "none" and t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
+    if t.pack == "none" and (t.batch_size // mesh.dp) % t.grad_accum:  # packed rows are padded to a multiple
+        each, k = mesh.dp * t.grad_accum, t.grad_accum
+        raise ValueError(f"each data-parallel shard must divide into --grad-accum micro-batches, got {t.batch_size // mesh.dp} "
+                         f"sequences per shard (batch_size={t.batch_size}, dp={mesh.dp}) and grad_accum={k}. Pass "
+                         f"--batch-size {-(-t.batch_size // each) * each} or --grad-accum "
+                         f"{_divisor_near(t.batch_size // mesh.dp, k)}.")
     if t.data is not None and not (Path(t.data).is_file() or Path(t.data).is_dir()):
         raise ValueError(f"data must be a readable file or folder, got {t.data!r}. Leave --data out to use the "
                          "built-in corpus.")

@@ -282,7 +282,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
             "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing,
-            "zero": t.zero, "precision": t.precision,
+            "zero": t.zero, "precision": t.precision, "grad_accum": t.grad_accum,
             "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype),
             "compress": PowerSGD(t.powersgd_rank, t.powersgd_warmup) if t.compress == "powersgd" else t.compress}
 
@@ -303,7 +303,7 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
         budget = {"tokens_per_step": t.tokens_per_step} if t.tokens_per_step else {"docs_per_step": t.batch_size}
         loader: BatchLoader | DocumentLoader = DocumentLoader(
             corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
-            row_multiple=t.microbatches if t.pp > 1 else 1, width_multiple=t.tp if t.sequence_parallel else 1,
+            row_multiple=t.microbatches if t.pp > 1 else t.grad_accum, width_multiple=t.tp if t.sequence_parallel else 1,
             truncate=t.truncate_documents, vocab_size=vocab_size, **budget)
         size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}
     else:

@@ -73,7 +73,7 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
         raise  # the estimate's own failure
 
     options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size,
-               "microbatches": t.microbatches if mesh.pp > 1 else 1, "schedule": t.schedule, "virtual": t.virtual,
+               "microbatches": t.microbatches if mesh.pp > 1 else t.grad_accum,  # without a pipeline: accumulation "schedule": t.schedule, "virtual": t.virtual,
                "strategy": t.strategy, "zero": t.zero if mesh.dp > 1 else 0,
                "checkpoint_every": parse_policy(t.activation_checkpointing), "shards": shards,
                "sequence_parallel": t.sequence_parallel, "probe": probe}

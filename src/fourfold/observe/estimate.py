@@ -1,6 +1,6 @@
 """Memory per rank, known before launch: what ``fourfold plan --memory`` prints and every run checks first.
 
-    blocks = list(model.blocks)                                   # engine.model_blocks(model, split)
+    blocks = list(model.blocks)                                   # compose.model_blocks(model, split)
     probe = probe_activations(model, blocks, seq_len=64, shards=shard_plan(model))
     rows = estimate_memory(model, blocks, dp=2, tp=2, pp=2, batch_size=16, microbatches=4, schedule="1f1b",
                            zero=1, shards=shard_plan(model), probe=probe)
@@ -18,7 +18,8 @@ Per rank (one row per pipeline rank: data-parallel replicas and tensor-parallel 
   micro-batch of b samples saves b times that (every saved tensor of a transformer grows with the batch); under
   tensor parallelism each rank holds 1/tp of it (exact with sequence parallelism; without it the layer norms'
   inputs are whole on every tp rank, so the estimate is low there). Without a pipeline a rank holds one
-  forward of its B/dp samples; with one, the schedule's peak of micro-batches in flight on that rank
+  forward of its B/dp samples (B/dp/k with k micro-batches of gradient accumulation: ``microbatches`` says k
+  there); with one, the schedule's peak of micro-batches in flight on that rank
   (:func:`~fourfold.parallel.schedule.peak_in_flight`: until W for zero-bubble) times its stages' share.
 
 The measured figures (``memory_bytes`` in metrics.jsonl) are within 5 % (held terms) and 15 % (activations) of
@@ -249,8 +250,8 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     if pp == 1:
         held = estimate_held(numel([p for u in units for p in u]), itemsize, dp=dp, zero=zero,
                              optimizer_slots=optimizer_slots)
-        rows.append(RankMemory(0, held["parameters"], held["gradients"], held["optimizer"],
-                               sum(per_sample) * (batch_size // dp)))
+        rows.append(RankMemory(0, held["parameters"], held["gradients"], held["optimizer"],  # one micro-batch of
+                               sum(per_sample) * (batch_size // dp // microbatches)))  # gradient accumulation
         return rows
     sched = pipeline_schedule(strategy, schedule, pp, microbatches, virtual)
     stage_units = cut_units([numel(u) for u in units], sched.stages)
@@ -301,16 +302,17 @@ def format_estimate(rows: list[RankMemory], available: int | None = None, where:
 def suggest(estimate: Any, available: int, options: dict[str, Any]) -> str:
     """The cheapest change to ``options`` (estimate_memory's keyword arguments) that fits ``available``, in
     order of what it costs: a higher ZeRO stage (communication only), activation checkpointing (one more
-    forward), more micro-batches (a smaller micro-batch), a smaller batch; else more tensor/pipeline ranks."""
+    forward), more micro-batches (a smaller micro-batch: the pipeline's, or gradient accumulation's), a smaller
+    batch; else more tensor/pipeline ranks."""
     tries: list[tuple[str, dict[str, Any]]] = []
     if options.get("dp", 1) > 1:
         tries += [(f"--zero {z}", {"zero": z}) for z in range(options.get("zero", 0) + 1, 4)]
     if not options.get("checkpoint_every"):
         tries.append(("--activation-checkpointing full", {"checkpoint_every": 1}))
-    if options.get("pp", 1) > 1:
-        m = options.get("microbatches", 1)
-        per = options["batch_size"] // options.get("dp", 1)
-        tries += [(f"--microbatches {k}", {"microbatches": k}) for k in (2 * m, 4 * m) if per % k == 0]
+    m = options.get("microbatches", 1)  # without a pipeline: gradient accumulation's
+    per = options["batch_size"] // options.get("dp", 1)
+    flag = "--microbatches" if options.get("pp", 1) > 1 else "--grad-accum"
+    tries += [(f"{flag} {k}", {"microbatches": k}) for k in (2 * m, 4 * m) if per % k == 0]
     b = options["batch_size"]
     tries += [(f"--batch-size {b // k}", {"batch_size": b // k}) for k in (2, 4)
               if b // k >= options.get("dp", 1) and (b // k) % options.get("dp", 1) == 0]

@@ -141,16 +141,18 @@ def batchnorm_for_data_parallel(model: nn.Module, sync: bool, group: dist.Proces
                       "--sync-batchnorm) to take them over the whole batch.", stacklevel=4)
 
 
-def batchnorm_for_microbatches(model: nn.Module, microbatches: int) -> None:
-    """Under a pipeline of ``microbatches`` > 1: a warning names ``model``'s BatchNorms, which see one
-    micro-batch at a time (the engine calls this; no sync spans micro-batches)."""
+def batchnorm_for_microbatches(model: nn.Module, microbatches: int, accumulated: bool = False) -> None:
+    """Under a pipeline of ``microbatches`` > 1 (or ``accumulated``: gradient accumulation over that many): a
+    warning names ``model``'s BatchNorms, which see one micro-batch at a time (the engine calls this; no sync
+    spans micro-batches)."""
     norms = batchnorm_layers(model)
     if norms and _first_rank():
-        warnings.warn(f"BatchNorm layers {_shown(norms)} normalise each of the pipeline's {microbatches} "
-                      "micro-batches with its own mean and variance (and update the running statistics once per "
-                      "micro-batch), so training differs from one process. Use one micro-batch (fourfold train "
-                      "--strategy model), or a LayerNorm / GroupNorm, which normalise each sample on its own.",
-                      stacklevel=4)
+        whose, fix = (("gradient accumulation's", "no accumulation (fourfold train --grad-accum 1)") if accumulated
+                      else ("the pipeline's", "one micro-batch (fourfold train --strategy model)"))
+        warnings.warn(f"BatchNorm layers {_shown(norms)} normalise each of {whose} {microbatches} micro-batches "
+                      "with its own mean and variance (and update the running statistics once per micro-batch), so "
+                      f"training differs from one process. Use {fix}, or a LayerNorm / GroupNorm, which "
+                      "normalise each sample on its own.", stacklevel=4)
 
 
 def _shown(norms: list[str]) -> str:
