@@ -34,6 +34,7 @@ from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 MICRO = 2
+EVAL_BATCH = batches(CFG, steps=1, seed=99)[0]  # every layout evaluates its final weights on it
 MAX_NORM = 0.7  # every layout clips its gradients by their global norm, as torch clips one process's
 
 
@@ -54,11 +55,13 @@ def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    x, y = EVAL_BATCH
+    evaluated = engine.evaluate(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp)).item()
     state = engine.state_dict()
     groups = {axis: ranks.group(axis) is not None for axis in ("dp", "tp", "pp")}
     return {"label": label, "losses": losses, "state": state if ctx.rank == 0 else None, "groups": groups,
             "bytes": bytes_by_axis(tracer.spans[first:]), "norms": norms,
-            "forwards": sum(s.name == "forward" for s in tracer.spans[first:])}
+            "forwards": sum(s.name == "forward" for s in tracer.spans[first:]), "evaluated": evaluated}
 
 
 def _three_d(ctx) -> list[dict]:
@@ -94,6 +97,14 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     return losses, state, norms
 
 
+@functools.cache
+def _reference_eval() -> float:
+    model = TinyGPT(CFG, seed=0, dtype=torch.float64).eval()
+    model.load_state_dict(_reference()[1])
+    with torch.no_grad():
+        return model(*EVAL_BATCH)[1].item()
+
+
 def _check(per_rank: list[list[dict]], index: int) -> None:
     want_losses, want, want_norms = _reference()
     label = per_rank[0][index]["label"]
@@ -105,6 +116,9 @@ def _check(per_rank: list[list[dict]], index: int) -> None:
                                    f"{want_norms}"
     forwards = 2 if "accum2" in label else 1 if label.split()[0].endswith("x1") else 0  # pipelines: F spans
     assert forwards == 0 or per_rank[0][index]["forwards"] == forwards, (label, per_rank[0][index]["forwards"])
+    want_eval = _reference_eval()
+    for r, layouts in enumerate(per_rank):  # evaluate(): the final weights' loss on a held-out batch, forward only
+        assert abs(layouts[index]["evaluated"] - want_eval) <= TOL64, (label, r, layouts[index]["evaluated"], want_eval)
     state = per_rank[0][index]["state"]
     assert list(state) == list(want), f"{label}: state names {list(state)} vs the model's {list(want)}"
     name, err = max_error(state, want)
@@ -175,6 +189,34 @@ def test_gradient_accumulation_is_the_whole_batchs_step_with_half_the_activation
         parallelize(TinyGPT(CFG, seed=0), grad_accum=3).step(*batches(CFG)[0])
     with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
         parallelize(TinyGPT(CFG, seed=0), grad_accum=0)
+
+
+def test_evaluate_is_the_eval_mode_loss_and_leaves_training_as_it_was():
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, dropout=0.2)  # dropout: train and eval mode differ, and draw from the RNG
+    steps = batches(cfg)
+    runs = []
+    for evaluate in (False, True):
+        torch.manual_seed(7)
+        engine = parallelize(TinyGPT(cfg, seed=0, dtype=torch.float64))
+        opt = optimizer(engine.parameters())
+        losses, evaluated = [], []
+        for x, y in steps:
+            losses.append(engine.step(x, y).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if evaluate:
+                evaluated.append(engine.evaluate(*EVAL_BATCH).item())
+        runs.append((losses, evaluated, engine))
+    (plain, _, _), (losses, evaluated, engine) = runs
+    assert losses == plain  # bitwise: evaluating drew nothing from the RNG and put train mode back
+    assert engine.model.training
+    model = TinyGPT(cfg, seed=0, dtype=torch.float64).eval()
+    model.load_state_dict(engine.state_dict())
+    with torch.no_grad():
+        assert evaluated[-1] == model(*EVAL_BATCH)[1].item()
+    assert all(p.grad is None for p in engine.parameters())  # nothing accumulated for a backward
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])

@@ -48,9 +48,12 @@ def _train(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
         losses.append(loss.item())
         sent.append(engine.dp.stats.sent_bytes - before)
         traced = bytes_by_axis(tracer.spans[first:])["dp"]
+    x, y = batches(CFG, steps=1, seed=99)[0]  # forward only, the parameters gathered for it and freed after
+    evaluated = [engine.evaluate(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp)).item() for _ in "ab"]
     dp_module = engine.dp
     assert isinstance(dp_module, ShardedDataParallel)
     return {"label": label, "losses": losses, "state": engine.state_dict(), "sent": sent, "norms": norms,
+            "evaluated": evaluated,
             "traced": traced, "numels": [b.numel for b in dp_module.buckets],
             "held": held, "estimate": engine.memory_estimate(), "dp": dp, "pp": pp, "zero": options["zero"],
             "accum": options.get("grad_accum", 1),
@@ -100,7 +103,7 @@ def _resumed(ctx, root: str) -> dict:
         if zero == 3:
             save(root, 2, engine, opt, config={})
     return {"label": "dp2 zero3 -> checkpoint -> zero1", "losses": losses, "state": engine.state_dict(),
-            "sent": None, "norms": None, "zero": 1, "algorithm": "resumed", "model_grads": [], "held": None}
+            "sent": None, "norms": None, "evaluated": None, "zero": 1, "algorithm": "resumed", "model_grads": [], "held": None}
 
 
 @functools.cache
@@ -117,6 +120,14 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     losses, state = reference_run(CFG, batches(CFG), max_norm=MAX_NORM, norms=norms)
     assert min(norms) < MAX_NORM < max(norms), f"norms {norms}: the test should clip some steps, not all"
     return losses, state, norms
+
+
+@functools.cache
+def _reference_eval() -> float:
+    model = TinyGPT(CFG, seed=0, dtype=torch.float64).eval()
+    model.load_state_dict(_reference()[1])
+    with torch.no_grad():
+        return model(*batches(CFG, steps=1, seed=99)[0])[1].item()
 
 
 CASES = [("four", i) for i in range(13)] + [("two", i) for i in range(7)]
@@ -138,6 +149,9 @@ def test_zero_equals_one_process_and_sends_the_theory(spawn, index):
             assert max(errs) <= TOL64, f"{label} rank {r}: gradient norms {got['norms']} vs one process's {want_norms}"
         name, err = max_error(got["state"], want)
         assert err <= TOL64, f"{label} rank {r}: worst {name}: {err:.3g}"
+        if got["evaluated"] is not None:  # twice: the first evaluation left the shards as they were
+            want_eval = _reference_eval()
+            assert all(abs(e - want_eval) <= TOL64 for e in got["evaluated"]), (label, got["evaluated"], want_eval)
         assert got["model_grads"] == [], f"{label}: the model's parameters keep no gradient under ZeRO"
         # Bytes: exactly one reduce-scatter and one all-gather per bucket per step (two gathers at stage 3
         # without a pipeline: forward and backward), (G-1)/G of each padded bucket each.

@@ -121,6 +121,40 @@ class Engine:
                 return self._step(inputs, targets, self.loss_fn, None)
             return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, *, documents: torch.Tensor | None = None,
+                 num_tokens: int | None = None) -> Loss:
+        """The loss of this rank's shard of a global batch without training on it: forward only, in eval mode
+        (no dropout; BatchNorm reads its running statistics), no gradient, nothing changed. The same loss as
+        ``model.eval()`` on one process, reduced like :meth:`step`'s; a collective like it (every rank calls
+        it). Under ZeRO the parameters are gathered for it (:meth:`gathered`). Gradient accumulation does
+        not apply: nothing is kept for backward."""
+        held = self.pipeline.stages[0] if self.pipeline is not None else self.model
+        was = held.training
+        self.eval()
+        try:
+            with self._split_logits(), self.gathered():
+                loss_fn = self.loss_fn if documents is None else self._token_loss(inputs, targets, documents,
+                                                                                   num_tokens)
+                if self.pipeline is not None:
+                    parts = self.pipeline.microbatches("documents", documents, need=False)
+
+                    @contextlib.contextmanager
+                    def around(i: int) -> Iterator[None]:
+                        with self._compute(), document_layout(parts[i] if parts is not None else None):
+                            yield
+
+                    value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
+                                                   around=around)
+                    loss = torch.tensor([value], dtype=torch.float64)
+                else:
+                    with document_layout(documents), self._compute():
+                        loss = loss_fn(output_tensor(self.model(inputs)), targets)
+                    loss = loss.to(torch.float64).reshape(1).cpu()
+        finally:
+            self.train(was)
+        return self._reduce_loss(loss, None, 1 if documents is not None else self.mesh.dp)
+
     def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor,
                     num_tokens: int | None) -> LossFn:
         if not self.reads_documents or self.sum_loss_fn is None:

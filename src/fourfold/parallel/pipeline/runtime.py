@@ -262,6 +262,30 @@ class Pipeline:
         end = time.perf_counter_ns()
         return self._result(start, end)
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
+                 loss_fn: LossFn | None = None, mean: bool = True,
+                 around: Callable[[int], AbstractContextManager[Any]] | None = None) -> float:
+        """The batch's loss, forward only: the schedule's F actions in its order (the B and W left out), no
+        gradient, nothing for the data-parallel sync; the loss gathered over the pipeline group as in
+        :meth:`step`. Put the stages in eval mode first for dropout-free numbers."""
+        m = self.schedule.microbatches
+        xs = self.microbatches("inputs", inputs, need=0 in self._stage)
+        ys = self.microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
+        self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
+        self._s = _StepState()
+        self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
+        self._param_storage = parameter_storages(p for ps in self._params.values() for p in ps)
+        forwards = [a for a in self.actions if a.op == "F"]
+        start = time.perf_counter_ns()
+        self.links.begin(forwards, self._expect)
+        for action in forwards:
+            self._forward(action, xs, ys, m)
+        self.links.end()
+        result = self._result(start, time.perf_counter_ns())
+        self._s = _StepState()  # the held outputs go now
+        return result.loss
+
     def microbatches(self, what: str, batch: torch.Tensor | None, need: bool) -> tuple[torch.Tensor, ...] | None:
         """``batch`` cut into the schedule's m equal micro-batches along dim 0, on this rank's device (None when
         not given and not ``need``-ed); a batch that does not divide is refused naming ``what``."""
@@ -303,7 +327,7 @@ class Pipeline:
                                 f"{describe(x)}{source}: {e}") from e
         finally:
             self._calls = None
-        if self.schedule.split_backward and a.stage not in self._local_w:
+        if self.schedule.split_backward and a.stage not in self._local_w and torch.is_grad_enabled():
             self._local_w[a.stage] = weight_grads_are_local(out, calls, self._params[a.stage])
             self._ncalls[a.stage] = len(calls)
         local = self._local_w.get(a.stage, False) and len(calls) == self._ncalls[a.stage]  # same graph as checked
