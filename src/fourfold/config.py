@@ -160,6 +160,11 @@ class TrainConfig:
         "continue from the newest complete checkpoint of this run directory (or this checkpoint) up to "
         "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
         "are the checkpoint's"))
+    eval_every: int = field(default=0, metadata=_help(
+        "every N steps and at the last, the loss on held-out data (the last --eval-batches x --batch-size "
+        "windows or documents, which training then never reads), forward only in eval mode: metrics.jsonl "
+        "eval_loss (0: off)"))
+    eval_batches: int = field(default=2, metadata=_help("with --eval-every: held-out batches per evaluation"))
     verify: int = field(default=0, metadata=_help(
         "after the run, re-run its first N steps in one process (rank 0) and print the loss and parameter "
         "differences per step, judged by float64's 1e-10, or float32's 1e-5 of the loss and 1e-3 of the update "
@@ -169,6 +174,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"eval_every must be >= 0 (0: off) and eval_batches >= 1, got eval_every="
+                             f"{self.eval_every}, eval_batches={self.eval_batches}.")
         if self.verify < 0 or self.verify > self.steps:
             raise ValueError(f"verify must be between 0 and steps, got verify={self.verify}, steps={self.steps}. "
                              f"Pass --verify {min(max(self.verify, 0), self.steps)}.")

@@ -227,6 +227,8 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
         why["virtual"] = f"only --schedule interleaved reads it, got --schedule {t.schedule}"
     if t.lr_decay == "none":
         why["min_lr"] = "only --lr-decay linear or cosine reads it"
+    if not t.eval_every:
+        why["eval_batches"] = "only --eval-every reads it"
     if mesh.dp == 1:
         why.update(dict.fromkeys(DATA_FLAGS, "dp=1: no gradient sync"))
     elif t.compress != "powersgd":

@@ -120,9 +120,11 @@ class TrainResult:
             axes = ["not counted (--no-trace)"] if axes else []
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
+        evals = [r["eval_loss"] for r in self.metrics if "eval_loss" in r]
+        held = f", held-out loss {evals[-1]:.4f}" if evals else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
-                f"{self.losses[-1]:.4f}, {speed}, {ms:.1f} ms/step\n{sent}{self.outputs()}")
+                f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}{self.outputs()}")
 
     def outputs(self) -> str:
         """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
@@ -173,9 +175,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         check_data_vocab(cfg, info, scan=False)
     loader, source = make_loader(cfg, out, dp_rank=ranks.coord.dp, dp_size=mesh.dp, vocab_size=info.vocab_size,
                                  is_main=ctx.is_main, wait=barrier)
-    if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and \
-            loader.docs_per_step > len(loader.documents):
-        print(f"fourfold train: note: the data holds {len(loader.documents)} document(s) and each step takes "
+    trained = len(loader.documents) - loader.held_out if isinstance(loader, DocumentLoader) else 0
+    if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and loader.docs_per_step > trained:
+        print(f"fourfold train: note: the data holds {trained} document(s) to train on and each step takes "
               f"{loader.docs_per_step} (--batch-size): documents repeat within every step (the epochs are "
               "shuffled and run on end to end). Lower --batch-size, or pass more documents.",
               file=sys.stderr, flush=True)
@@ -242,6 +244,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 raise NonFiniteLoss(f"step {step}: the loss is {global_loss}; training stopped (the weights are "
                                     f"no longer usable). Lower --lr (now {t.lr:g}), or resume from an earlier "
                                     "checkpoint with --resume.")
+            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                row["eval_loss"] = _evaluate(engine, loader, t.eval_batches, ctx.device, tracer)
             if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
                 result.snapshots.append(engine.state_dict())
             result.losses.append(global_loss)
@@ -254,6 +258,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             bar.update(1)
             shown = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if batch.documents is None else {
                 "real_tok_s": f"{row['real_tokens_per_s']:,.0f}", "pad": f"{row['padding_fraction']:.0%}"}
+            if "eval_loss" in row:
+                shown["eval"] = f"{row['eval_loss']:.4f}"
             bar.set_postfix(loss=f"{global_loss:.4f}", **shown, refresh=False)
     finally:
         bar.close()
@@ -263,6 +269,21 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if ctx.is_main:  # this run is complete: the earlier one it replaces can go
         drop_replaced(out)
     return result
+
+
+def _evaluate(engine: Engine, loader: BatchLoader | DocumentLoader, batches: int, device: torch.device,
+              tracer: Tracer) -> float:
+    """The mean loss of the held-out batches (``--eval-batches``), forward only (:meth:`Engine.evaluate`),
+    untraced: a step's spans and time are its training's alone."""
+    was, tracer.enabled = tracer.enabled, False
+    try:
+        losses = []
+        for i in range(batches):
+            args, kwargs = loader.eval_batch(i).step_args(device)
+            losses.append(engine.evaluate(*args, **kwargs).item())
+    finally:
+        tracer.enabled = was
+    return sum(losses) / len(losses)
 
 
 def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
@@ -304,13 +325,19 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
         loader: BatchLoader | DocumentLoader = DocumentLoader(
             corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
             row_multiple=t.microbatches if t.pp > 1 else t.grad_accum, width_multiple=t.tp if t.sequence_parallel else 1,
-            truncate=t.truncate_documents, vocab_size=vocab_size, **budget)
+            truncate=t.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t),
+            eval_docs=t.batch_size, **budget)
         size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}
     else:
         loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=dp_rank, dp_size=dp_size,
-                             vocab_size=vocab_size)
+                             vocab_size=vocab_size, eval_batches=held_batches(t))
         size = {"tokens": len(corpus)}
     return loader, {"name": corpus.name, "sha256": corpus.sha256, **size, "tokenizer": corpus.tokenizer}
+
+
+def held_batches(t: Any) -> int:
+    """The held-out batches the data keeps from training: --eval-batches when --eval-every evaluates."""
+    return t.eval_batches if t.eval_every else 0
 
 
 def _metrics_row(step: int, loss: float, elapsed: float, data: dict[str, Any], totals: dict[str, Any],

@@ -103,6 +103,10 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
     saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
     out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if k in saved and saved[k] != here[k]]
+    held, was = (t.get("eval_batches", 2) if t.get("eval_every") else 0 for t in (here, saved))
+    if held != was:  # the held-out data are not trained on: the training order differs
+        out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "
+                   "documents)")
     if here.get("lr_decay", "none") != "none" and saved.get("steps", here["steps"]) != here["steps"]:
         out.append(f"steps {here['steps']} (was {saved['steps']}: the learning rate's decay now ends there)")
     return out

@@ -11,6 +11,8 @@ epoch order, the id check, the step as the whole state, :class:`Batch`).
 The corpus is cut into n = N // (T+1) windows of T+1 tokens, epoch e visits them in the order randperm(n) drawn
 from seed*1_000_003 + e, and step s takes positions [s*B, (s+1)*B) of the endless concatenation of epochs.
 Resuming is setting the step. Only the windows a batch takes are read (a memory-mapped corpus stays on disk).
+With ``eval_batches=E`` the last E*B windows are held out: training visits the others, and ``eval_batch(i)``
+reads held-out batch i.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from fourfold.data.corpus import Corpus
 
-__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_ids"]
+__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_ids", "held_out"]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -98,6 +100,16 @@ def check_ids(ids: torch.Tensor, vocab_size: int | None, name: str) -> None:
                          "tokenizer / --data-dtype the data was made with")
 
 
+def held_out(n: int, wanted: int, what: str, name: str) -> int:
+    """``wanted`` of the ``n`` items (windows or documents) of ``name`` held out for evaluation, refused when
+    that would leave training fewer than half of them."""
+    if wanted and n - wanted < max(1, n // 2):
+        raise ValueError(f"evaluation would hold out {wanted} of the {n} {what}s of {name!r} (--eval-batches x "
+                         f"--batch-size), leaving training {n - wanted}. Pass fewer --eval-batches, a smaller "
+                         "--batch-size, or more data.")
+    return wanted
+
+
 class StepLoader:
     """What every loader shares: the step it is at (its whole state: batches are pure functions of (seed,
     step), so resuming is setting it) and iteration over :meth:`shard`."""
@@ -140,8 +152,10 @@ class BatchLoader(StepLoader):
         dp_rank: int = 0,
         dp_size: int = 1,
         vocab_size: int | None = None,
+        eval_batches: int = 0,
     ) -> None:
         _check_int("batch_size", batch_size, 1)
+        _check_int("eval_batches", eval_batches, 0)
         _check_int("seq_len", seq_len, 1)
         _check_int("seed", seed, 0, 2**32)
         _check_int("dp_size", dp_size, 1)
@@ -169,7 +183,17 @@ class BatchLoader(StepLoader):
         self.num_windows = n
         # Non-overlapping windows, stride T+1: window k is tokens[k(T+1) : (k+1)(T+1)].
         self._windows = corpus.tokens[: n * (seq_len + 1)].view(n, seq_len + 1)  # (n, T+1) uint8
-        self.order = EpochOrder(n, seed)
+        self.held_out = held_out(n, eval_batches * batch_size, "window", corpus.name)
+        self.order = EpochOrder(n - self.held_out, seed)  # training never reads the held-out windows
+
+    def eval_batch(self, i: int) -> Batch:
+        """Held-out batch ``i`` (this rank's rows): the last ``eval_batches * batch_size`` windows of the
+        corpus, in order, which training never takes."""
+        _check_int("i", i, 0, max(self.held_out // self.batch_size, 1))
+        first = self.num_windows - self.held_out + i * self.batch_size + self.dp_rank * self.shard_size
+        x, y = self._batch(torch.arange(first, first + self.shard_size))
+        n = self.batch_size * self.seq_len
+        return Batch(x, y, stats={"real_tokens": n, "slots": n, "padding_fraction": 0.0})
 
     def window_indices(self, step: int) -> torch.Tensor:
         """Window ids of global batch ``step``: positions [step*B, (step+1)*B) of the epoch sequence, (B,)."""

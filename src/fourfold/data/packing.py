@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from fourfold.data.documents import Documents
-from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_ids
+from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_ids, held_out
 from fourfold.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
@@ -122,7 +122,7 @@ class DocumentLoader(StepLoader):
     def __init__(self, documents: Documents, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, *,
                  docs_per_step: int | None = None, tokens_per_step: int | None = None, packing: Packing = "bfd",
                  row_multiple: int = 1, width_multiple: int = 1, truncate: bool = False,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, eval_batches: int = 0, eval_docs: int = 0) -> None:
         if (docs_per_step is None) == (tokens_per_step is None):
             raise ValueError(f"pass one of docs_per_step and tokens_per_step, got docs_per_step={docs_per_step}, "
                              f"tokens_per_step={tokens_per_step}.")
@@ -139,7 +139,9 @@ class DocumentLoader(StepLoader):
         self.row_multiple, self.width_multiple, self.vocab_size = row_multiple, width_multiple, vocab_size
         self._lengths = documents.lengths.tolist()
         self._starts = [0]  # with tokens_per_step: where each step begins in the endless sequence
-        self.order = EpochOrder(len(documents), seed)
+        self.eval_docs = eval_docs  # documents per held-out batch
+        self.held_out = held_out(len(documents), eval_batches * eval_docs, "document", documents.name)
+        self.order = EpochOrder(len(documents) - self.held_out, seed)  # training never reads the held-out ones
 
     def doc_indices(self, step: int) -> list[int]:
         """The documents of global batch ``step``, in the step's order."""
@@ -160,7 +162,16 @@ class DocumentLoader(StepLoader):
 
     def global_batch(self, step: int) -> Batch:
         """Every row of global batch ``step``, as one process trains on it."""
-        docs = self.doc_indices(step)
+        return self._packed(self.doc_indices(step))
+
+    def eval_batch(self, i: int) -> Batch:
+        """Held-out batch ``i`` (this rank's rows): ``eval_docs`` of the last documents, in order, packed as a
+        step's are; training never takes them."""
+        first = len(self.documents) - self.held_out + i * self.eval_docs
+        return self._shard(self._packed(list(range(first, first + self.eval_docs))))
+
+    def _packed(self, docs: list[int]) -> Batch:
+        """The documents ``docs`` packed into the rows of one global batch."""
         parts = pieces([self._lengths[d] for d in docs], self.seq_len, truncate=self.truncate)
         rows = pack([p.length for p in parts], self.seq_len, self.packing)
         multiple = self.dp_size * self.row_multiple
@@ -190,7 +201,9 @@ class DocumentLoader(StepLoader):
 
     def shard(self, step: int) -> Batch:
         """This dp rank's rows of global batch ``step``; ``num_tokens`` is still the whole batch's."""
-        g = self.global_batch(step)
+        return self._shard(self.global_batch(step))
+
+    def _shard(self, g: Batch) -> Batch:
         n = g.inputs.size(0) // self.dp_size
         rows = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
         return Batch(g.inputs[rows], g.targets[rows], g.documents[rows] if g.documents is not None else None,

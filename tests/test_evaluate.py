@@ -1,0 +1,72 @@
+"""Held-out evaluation (``--eval-every N --eval-batches K``, ``Engine.evaluate``): the data that training never
+reads, and its loss the same under a layout as on one process.
+
+``Engine.evaluate`` itself equals ``model.eval()`` on one process in every layout of ``test_engine`` and
+``test_zero``; here: the loaders hold data out, and ``fourfold train`` reports the held-out loss alike on a
+pipeline (windows) and under dp with packed documents.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold import train as train_mod
+from fourfold.data import BatchLoader, DocumentLoader, Documents, load_corpus
+
+SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--no-progress", "--device", "cpu", "--dtype", "float64", "--steps", "3"]
+
+
+def test_held_out_windows_are_never_trained_on_and_shards_make_the_batch():
+    corpus = load_corpus(max_bytes=4096)
+    whole = BatchLoader(corpus, 4, 15, seed=0, eval_batches=2)
+    n, held = whole.num_windows, whole.held_out
+    assert held == 8 and whole.order.n == n - held
+    trained = {int(i) for step in range(3 * n // 4) for i in whole.window_indices(step)}
+    assert trained == set(range(n - held)), "training visits every window but the held-out ones"
+    shards = [BatchLoader(corpus, 4, 15, seed=0, dp_rank=r, dp_size=2, eval_batches=2) for r in (0, 1)]
+    for i in range(2):
+        x = torch.cat([s.eval_batch(i).inputs for s in shards])
+        assert torch.equal(x, whole.eval_batch(i).inputs)  # rank order: the global held-out batch
+        assert torch.equal(whole.eval_batch(i).inputs[0], corpus.tokens[(n - held + 4 * i) * 16:][:15].long())
+    with pytest.raises(ValueError, match="Pass fewer --eval-batches"):
+        BatchLoader(corpus, 4, 15, seed=0, eval_batches=n // 8 + 1)
+
+
+def test_held_out_documents_are_the_last_ones_packed_as_a_step_is():
+    docs = Documents.from_list([torch.arange(2, 2 + k) for k in range(3, 23)], "twenty")
+    loader = DocumentLoader(docs, 8, seed=0, docs_per_step=3, eval_batches=2, eval_docs=3)
+    assert loader.held_out == 6
+    taken = {d for step in range(10) for d in loader.doc_indices(step)}
+    assert taken == set(range(14)), taken
+    batch = loader.eval_batch(1)
+    assert set(batch.documents.unique().tolist()) - {-1} and batch.num_tokens == sum(k - 1 for k in (20, 21, 22))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [["--pp", "2", "--microbatches", "2"], ["--pack", "bfd", "--allreduce", "ring"]],
+                         ids=["pp2 windows", "dp2 packed"])
+def test_the_held_out_loss_under_a_layout_is_one_processs(tmp_path: Path, layout: list[str]):
+    common = [*SMALL, "--eval-every", "2", "--eval-batches", "2", *layout]
+    one = tmp_path / "one"
+    assert train_mod.main([*common, "--out", str(one), "--pp", "1"] if "--pp" in layout else
+                          [*common, "--out", str(one)]) == 0
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", *common, "--out", str(two)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "held-out loss" in proc.stdout + proc.stderr
+    rows = {}
+    for name in ("one", "two"):
+        rows[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval_loss" in r) for r in rows["two"]] == [False, True, True]  # every 2 steps, and the last
+    for a, b in zip(rows["one"], rows["two"], strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-10, (a["loss"], b["loss"])
+        assert abs(a.get("eval_loss", 0.0) - b.get("eval_loss", 0.0)) < 1e-10, (a, b)
