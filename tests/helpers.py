@@ -87,6 +87,14 @@ def reference_run(cfg: GPTConfig, steps: list[tuple[torch.Tensor, torch.Tensor]]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def reference_eval(cfg: GPTConfig, state: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """One process's eval-mode loss of ``batch`` under ``state``: what ``engine.evaluate`` must give."""
+    model = TinyGPT(cfg, seed=0, dtype=next(iter(state.values())).dtype).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(*batch)[1].item()
+
+
 def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[str, float]:
     """The tensor of ``want`` that ``got`` misses by most, and by how much (inf: missing or reshaped)."""
     worst, err = "", -1.0

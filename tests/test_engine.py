@@ -30,7 +30,7 @@ from fourfold.engine import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer
 from fourfold.testing import run_ranks
-from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
+from helpers import TOL64, batches, max_error, optimizer, reference_eval, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 MICRO = 2
@@ -99,10 +99,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 @functools.cache
 def _reference_eval() -> float:
-    model = TinyGPT(CFG, seed=0, dtype=torch.float64).eval()
-    model.load_state_dict(_reference()[1])
-    with torch.no_grad():
-        return model(*EVAL_BATCH)[1].item()
+    return reference_eval(CFG, _reference()[1], EVAL_BATCH)
 
 
 def _check(per_rank: list[list[dict]], index: int) -> None:
@@ -212,10 +209,7 @@ def test_evaluate_is_the_eval_mode_loss_and_leaves_training_as_it_was():
     (plain, _, _), (losses, evaluated, engine) = runs
     assert losses == plain  # bitwise: evaluating drew nothing from the RNG and put train mode back
     assert engine.model.training
-    model = TinyGPT(cfg, seed=0, dtype=torch.float64).eval()
-    model.load_state_dict(engine.state_dict())
-    with torch.no_grad():
-        assert evaluated[-1] == model(*EVAL_BATCH)[1].item()
+    assert evaluated[-1] == reference_eval(cfg, engine.state_dict(), EVAL_BATCH)
     assert all(p.grad is None for p in engine.parameters())  # nothing accumulated for a backward
 
 

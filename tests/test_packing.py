@@ -304,4 +304,4 @@ def test_fewer_documents_than_a_step_takes_are_named(tmp_path, capsys):
     argv = ["--data", str(data), "--pack", "bfd", "--batch-size", "4", "--steps", "1", "--seq-len", "16",
             "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--no-progress", "--out", str(tmp_path / "run")]
     assert train_mod.main(argv) == 0
-    assert "the data holds 1 document(s) and each step takes 4 (--batch-size)" in capsys.readouterr().err
+    assert "the data holds 1 document(s) to train on and each step takes 4 (--batch-size)" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from fourfold.observe.memory import held_bytes
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.zero import ShardedDataParallel, padded, theory_bytes
 from fourfold.testing import run_ranks
-from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
+from helpers import TOL64, batches, max_error, optimizer, reference_eval, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
 MAX_NORM = 0.7  # every run clips its gradients' global norm as torch clips one process's (steps 1-2 clip)
@@ -124,10 +124,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 @functools.cache
 def _reference_eval() -> float:
-    model = TinyGPT(CFG, seed=0, dtype=torch.float64).eval()
-    model.load_state_dict(_reference()[1])
-    with torch.no_grad():
-        return model(*batches(CFG, steps=1, seed=99)[0])[1].item()
+    return reference_eval(CFG, _reference()[1], batches(CFG, steps=1, seed=99)[0])
 
 
 CASES = [("four", i) for i in range(13)] + [("two", i) for i in range(7)]

@@ -229,12 +229,7 @@ class Pipeline:
         divided by the global batch's token count); ``around(i)`` is entered around every forward of
         micro-batch i (the engine makes its documents current there).
         """
-        m = self.schedule.microbatches
-        xs = self.microbatches("inputs", inputs, need=0 in self._stage)
-        ys = self.microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
-        self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
-        self._s = _StepState()
-        self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
+        xs, ys, m = self._prepare(inputs, targets, loss_fn, mean, around)
         start = time.perf_counter_ns()
         if self.grad_sync is not None:
             self.grad_sync.begin(gated=True)  # (ZeRO: gathers the parameters, so their storages are known after)
@@ -269,12 +264,7 @@ class Pipeline:
         """The batch's loss, forward only: the schedule's F actions in its order (the B and W left out), no
         gradient, nothing for the data-parallel sync; the loss gathered over the pipeline group as in
         :meth:`step`. Put the stages in eval mode first for dropout-free numbers."""
-        m = self.schedule.microbatches
-        xs = self.microbatches("inputs", inputs, need=0 in self._stage)
-        ys = self.microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
-        self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
-        self._s = _StepState()
-        self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
+        xs, ys, m = self._prepare(inputs, targets, loss_fn, mean, around)
         self._param_storage = parameter_storages(p for ps in self._params.values() for p in ps)
         forwards = [a for a in self.actions if a.op == "F"]
         start = time.perf_counter_ns()
@@ -285,6 +275,19 @@ class Pipeline:
         result = self._result(start, time.perf_counter_ns())
         self._s = _StepState()  # the held outputs go now
         return result.loss
+
+    def _prepare(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn | None,
+                 mean: bool, around: Callable[[int], AbstractContextManager[Any]] | None
+                 ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, int]:
+        """What a step and an evaluation share before their first action: the batch cut into micro-batches
+        (checked on every rank), the loss, a fresh step state, each stage's trainable parameters."""
+        m = self.schedule.microbatches
+        xs = self.microbatches("inputs", inputs, need=0 in self._stage)
+        ys = self.microbatches("targets", targets, need=self.schedule.stages - 1 in self._stage)
+        self._loss, self._divide, self._around = loss_fn or self.loss_fn, (m if mean else 1), around
+        self._s = _StepState()
+        self._params = {st.index: [p for p in st.parameters() if p.requires_grad] for st in self.stages}
+        return xs, ys, m
 
     def microbatches(self, what: str, batch: torch.Tensor | None, need: bool) -> tuple[torch.Tensor, ...] | None:
         """``batch`` cut into the schedule's m equal micro-batches along dim 0, on this rank's device (None when
