@@ -70,6 +70,8 @@ def test_accumulation_through_train_verifies_against_the_whole_batch_on_one_proc
     assert "verify: OK, every difference within tolerance" in output and "tolerance 1e-10" in output, output
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["train"]["grad_accum"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 0.5 for r in rows), [r["grad_norm"] for r in rows]  # clipped: verified too
     spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
              if e.get("name") == "forward" and e.get("ph") == "X"]
     assert len(spans) == 3 * 2 * 2, len(spans)  # 3 steps x 2 ranks x 2 micro-batches

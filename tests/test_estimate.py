@@ -174,3 +174,24 @@ def test_each_machine_shares_its_own_memory_among_its_own_ranks():
     assert _available(one, 4)[1] == "the machine's available memory / 4 rank(s)"
     two = parse_args(["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "10.0.0.1:29400"])
     assert _available(two, 4)[1] == "the machine's available memory / 2 rank(s)"  # not the world's 4
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"pp": 2, "schedule": "gpipe", "microbatches": 8}, {"schedule": "gpipe", "microbatches": 8}),
+    ({"pp": 2, "schedule": "interleaved", "virtual": 3, "microbatches": 4},
+     {"schedule": "interleaved", "virtual": 3, "microbatches": 4}),
+    ({"grad_accum": 4}, {"microbatches": 4, "pp": 1}),  # without a pipeline: accumulation's micro-batches
+])
+def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
+    """``layout_memory`` (what ``plan --memory`` prints and ``train`` checks first) builds the estimate's options
+    from the flags: a lost schedule once estimated every pipeline as 1F1B."""
+    from fourfold.cli.plan import layout_memory
+    from fourfold.config import Config, TrainConfig
+
+    cfg = Config(model=GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16),
+                 train=TrainConfig(batch_size=16, **flags))
+    rows, options, estimate = layout_memory(cfg, 2 if flags.get("pp") else 1)
+    assert {k: options[k] for k in want} == want
+    assert rows == estimate(options)
+    if flags.get("schedule") == "gpipe":  # GPipe holds every micro-batch's activations: more than 1F1B's peak
+        assert rows[0].activations > estimate({**options, "schedule": "1f1b"})[0].activations

@@ -35,8 +35,12 @@ def test_held_out_windows_are_never_trained_on_and_shards_make_the_batch():
         x = torch.cat([s.eval_batch(i).inputs for s in shards])
         assert torch.equal(x, whole.eval_batch(i).inputs)  # rank order: the global held-out batch
         assert torch.equal(whole.eval_batch(i).inputs[0], corpus.tokens[(n - held + 4 * i) * 16:][:15].long())
-    with pytest.raises(ValueError, match="Pass fewer --eval-batches"):
+    with pytest.raises(ValueError, match=f"more than half of them. Pass --eval-batches {n // 2 // 4} at most"):
         BatchLoader(corpus, 4, 15, seed=0, eval_batches=n // 8 + 1)
+    with pytest.raises(ValueError, match=r"i must be an integer in \[0, 2\)"):
+        whole.eval_batch(2)
+    with pytest.raises(ValueError, match="got none held out"):
+        BatchLoader(corpus, 4, 15, seed=0).eval_batch(0)
 
 
 def test_held_out_documents_are_the_last_ones_packed_as_a_step_is():
@@ -45,6 +49,10 @@ def test_held_out_documents_are_the_last_ones_packed_as_a_step_is():
     assert loader.held_out == 6
     taken = {d for step in range(10) for d in loader.doc_indices(step)}
     assert taken == set(range(14)), taken
+    with pytest.raises(ValueError, match=r"i must be an integer in \[0, 2\)"):
+        loader.eval_batch(-1)
+    with pytest.raises(ValueError, match="eval_docs must be >= 1"):
+        DocumentLoader(docs, 8, seed=0, docs_per_step=3, eval_batches=2)
     batch = loader.eval_batch(1)
     assert set(batch.documents.unique().tolist()) - {-1} and batch.num_tokens == sum(k - 1 for k in (20, 21, 22))
 

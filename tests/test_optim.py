@@ -99,5 +99,32 @@ def test_a_resume_names_a_changed_schedule_and_the_decays_new_end():
     now = Config(train=TrainConfig(steps=20, lr_decay="cosine", max_grad_norm=0.5))
     assert changed_settings(now, manifest) == [
         "max_grad_norm 0.5 (was 1.0)", "steps 20 (was 10: the learning rate's decay now ends there)"]
+    older = Config(train=TrainConfig(steps=10)).to_dict()  # a checkpoint of a fourfold without these settings
+    for key in ("warmup_steps", "lr_decay", "min_lr", "max_grad_norm"):
+        del older["train"][key]
+    assert changed_settings(Config(train=TrainConfig(steps=10, max_grad_norm=1.0)), {"config": older}) == [
+        "max_grad_norm 1.0 (was 0.0)"]  # what it ran with then: the defaults
     constant = Config(train=TrainConfig(steps=20))  # no decay: more steps are the same run, continued
     assert changed_settings(constant, {"config": Config(train=TrainConfig(steps=10)).to_dict()}) == []
+
+
+def test_a_run_stopped_by_its_gradient_norm_says_so_in_metrics_and_exits_1(tmp_path, monkeypatch, capsys):
+    from fourfold import train as train_mod
+
+    real = train_mod.update
+
+    def nan_at_step_2(engine, opt, t, step):
+        if step == 2:
+            engine.parameters()[0].grad.fill_(math.nan)
+        return real(engine, opt, t, step)
+
+    monkeypatch.setattr(train_mod, "update", nan_at_step_2)
+    out = tmp_path / "run"
+    argv = ["--steps", "3", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size",
+            "4", "--no-progress", "--max-grad-norm", "1.0", "--warmup-steps", "1", "--out", str(out)]
+    assert train_mod.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "step 2: the gradients' norm is nan; training stopped before the optimiser step" in err, err
+    assert "--warmup-steps" not in err.split("step 2:")[1]  # already warming up: not advised again
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and math.isfinite(rows[1]["loss"]) and "nan" in rows[1]["error"]

@@ -127,33 +127,48 @@ class Engine:
         """The loss of this rank's shard of a global batch without training on it: forward only, in eval mode
         (no dropout; BatchNorm reads its running statistics), no gradient, nothing changed. The same loss as
         ``model.eval()`` on one process, reduced like :meth:`step`'s; a collective like it (every rank calls
-        it). Under ZeRO the parameters are gathered for it (:meth:`gathered`). Gradient accumulation does
-        not apply: nothing is kept for backward."""
+        it). It holds no more than a training step: the forward runs in ``grad_accum`` parts as step's does,
+        and under ZeRO-3 each block is gathered and freed in turn (a pipeline's stages gathered once, as in a
+        step)."""
         held = self.pipeline.stages[0] if self.pipeline is not None else self.model
         was = held.training
         self.eval()
         try:
-            with self._split_logits(), self.gathered():
+            with self._split_logits():
                 loss_fn = self.loss_fn if documents is None else self._token_loss(inputs, targets, documents,
                                                                                    num_tokens)
-                if self.pipeline is not None:
-                    parts = self.pipeline.microbatches("documents", documents, need=False)
-
-                    @contextlib.contextmanager
-                    def around(i: int) -> Iterator[None]:
-                        with self._compute(), document_layout(parts[i] if parts is not None else None):
-                            yield
-
-                    value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
-                                                   around=around)
-                    loss = torch.tensor([value], dtype=torch.float64)
-                else:
-                    with document_layout(documents), self._compute():
-                        loss = loss_fn(output_tensor(self.model(inputs)), targets)
-                    loss = loss.to(torch.float64).reshape(1).cpu()
+                loss = self._evaluate(inputs, targets, loss_fn, documents)
         finally:
             self.train(was)
         return self._reduce_loss(loss, None, 1 if documents is not None else self.mesh.dp)
+
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+                  documents: torch.Tensor | None) -> torch.Tensor:
+        if self.pipeline is not None:
+            parts = self.pipeline.microbatches("documents", documents, need=False)
+
+            @contextlib.contextmanager
+            def around(i: int) -> Iterator[None]:
+                with self._compute(), document_layout(parts[i] if parts is not None else None):
+                    yield
+
+            with self.gathered():
+                value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
+                                               around=around)
+            return torch.tensor([value], dtype=torch.float64)
+        k = self.grad_accum if inputs.shape[0] % self.grad_accum == 0 else 1
+        total = torch.zeros(1, dtype=torch.float64)
+        # through the data-parallel wrapper, not syncing: ZeRO gathers what a forward needs, and no more
+        forward = self.dp if self.dp is not None else self.model
+        quiet = (self.dp.forward_only() if isinstance(self.dp, ShardedDataParallel) else
+                 self.dp.no_sync() if self.dp is not None else contextlib.nullcontext())
+        with quiet:
+            for x, y, d in zip(inputs.chunk(k), targets.chunk(k),
+                               documents.chunk(k) if documents is not None else [None] * k, strict=True):
+                with document_layout(d), self._compute():
+                    loss = loss_fn(output_tensor(forward(x)), y)
+                total += loss.to(torch.float64).reshape(1).cpu() / (k if d is None else 1)
+        return total
 
     def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor,
                     num_tokens: int | None) -> LossFn:
@@ -226,8 +241,10 @@ class Engine:
                           documents: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """No pipeline: one forward and backward, or with ``grad_accum`` k, k in turn over equal parts of the
         batch, each mean loss divided by k (a token-normalised one is the global batch's already), the
-        gradients accumulating. dp synchronises them once, in the last backward (``no_sync`` before it). The
-        loss (float64, CPU) and the key of the activations measured."""
+        gradients accumulating. dp synchronises them once, in the last backward (``no_sync`` before it); ZeRO-2
+        and -3 reduce-scatter every micro-batch's into the shards instead, so no rank ever holds the whole
+        gradient (nor, at stage 3, the whole model). The loss (float64, CPU) and the key of the activations
+        measured."""
         k = self.grad_accum
         if inputs.shape[0] % k:
             raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
@@ -246,7 +263,8 @@ class Engine:
                     documents.chunk(k) if documents is not None else [None] * k, strict=True)
         total = torch.zeros(1, dtype=torch.float64)
         for i, (x, y, d) in enumerate(parts):
-            quiet = self.dp.no_sync() if self.dp is not None and i < k - 1 else contextlib.nullcontext()
+            quiet = (self.dp.no_sync() if self.dp is not None and i < k - 1 and self.zero < 2  # ZeRO-2/3: synced
+                     else contextlib.nullcontext())
             key = (tuple(x.shape), d is not None, torch.is_grad_enabled())
             which = {"microbatch": i} if k > 1 else {}
             with quiet:

@@ -54,9 +54,10 @@ def update(engine: Engine, optimizer: torch.optim.Optimizer, t: TrainConfig, ste
     clipping). The caller zeroes the gradients."""
     norm = engine.clip_grad_norm_(t.max_grad_norm) if t.max_grad_norm else None
     if norm is not None and not math.isfinite(norm):  # every rank has the same norm: all stop here together
+        warm = " or add --warmup-steps" if not t.warmup_steps else ""
         raise NonFiniteLoss(f"step {step}: the gradients' norm is {norm}; training stopped before the optimiser "
                             "step, so the weights and checkpoints are those of the step before. Lower --lr (now "
-                            f"{t.lr:g}) or add --warmup-steps, or resume from an earlier checkpoint with --resume.")
+                            f"{t.lr:g}){warm}, or resume from an earlier checkpoint with --resume.")
     lr = lr_at(t, step)
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -213,7 +213,14 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             batch = loader.batch(step - 1)  # windows of a stream, or packed documents
             args, kwargs = batch.step_args(ctx.device)
             loss = engine.step(*args, **kwargs)
-            grad_norm = update(engine, optimizer, t, step)  # clip, the step's learning rate, the optimiser step
+            try:
+                grad_norm = update(engine, optimizer, t, step)  # clip, the step's learning rate, the optimiser step
+            except NonFiniteLoss as e:  # a NaN or infinite gradient: no update made; every rank stops here
+                value = loss.item()  # the loss all-reduce in flight: waited for on every rank
+                if metrics_file is not None:  # metrics.jsonl stays JSON (NaN is not)
+                    metrics_file.write(json.dumps({"step": step, "loss": value if math.isfinite(value) else None,
+                                                   "error": str(e)}) + "\n")
+                raise
             if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
                 held = held_bytes(engine.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)

@@ -102,7 +102,9 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
     saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
-    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if k in saved and saved[k] != here[k]]
+    # a key the checkpoint's run did not record (an older fourfold's) had its default then
+    saved = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved}
+    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if saved[k] != here[k]]
     held, was = (t.get("eval_batches", 2) if t.get("eval_every") else 0 for t in (here, saved))
     if held != was:  # the held-out data are not trained on: the training order differs
         out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "

@@ -72,8 +72,10 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
         check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
         raise  # the estimate's own failure
 
+    # "microbatches": the pipeline's, or without one gradient accumulation's (a rank holds one at a time)
     options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size,
-               "microbatches": t.microbatches if mesh.pp > 1 else t.grad_accum,  # without a pipeline: accumulation "schedule": t.schedule, "virtual": t.virtual,
+               "microbatches": t.microbatches if mesh.pp > 1 else t.grad_accum,
+               "schedule": t.schedule, "virtual": t.virtual,
                "strategy": t.strategy, "zero": t.zero if mesh.dp > 1 else 0,
                "checkpoint_every": parse_policy(t.activation_checkpointing), "shards": shards,
                "sequence_parallel": t.sequence_parallel, "probe": probe}
@@ -187,6 +189,10 @@ def _ranking(argv: list[str]) -> int:
         cfg = parse_args(rest)
         world = ns.gpus if paper else cfg.launch.world_size
         t = cfg.train
+        if t.grad_accum > 1:
+            raise ValueError(f"the ranking compares layouts without gradient accumulation (a pipeline's micro-batches "
+                             f"do that job), got --grad-accum {t.grad_accum}. Rank without it, then see what it saves "
+                             f"on the layout you choose: fourfold plan --memory --grad-accum {t.grad_accum} ...")
         if paper:
             def link(text: str) -> CostModel:
                 bits = parse_rate(text, most=1e13)
@@ -453,7 +459,8 @@ def _main(argv: list[str] | None = None) -> int:
     t = cfg.train
     available, where = _available(cfg, world)
     layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
-        f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else "") + (
+        f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else
+        f" grad-accum {options['microbatches']}" if options["microbatches"] > 1 else "") + (
         f" zero={options['zero']}" if options["zero"] else "") + (
         f" checkpointing={t.activation_checkpointing}" if options["checkpoint_every"] else "")
     print(f"memory per rank, {t.model} on {world} rank(s), {layout}, batch {t.batch_size} x {cfg.model.seq_len}, "

@@ -25,7 +25,7 @@ import torch
 
 from fourfold.data.corpus import Corpus
 
-__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_ids", "held_out"]
+__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_eval_batch", "check_ids", "held_out"]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -100,14 +100,23 @@ def check_ids(ids: torch.Tensor, vocab_size: int | None, name: str) -> None:
                          "tokenizer / --data-dtype the data was made with")
 
 
-def held_out(n: int, wanted: int, what: str, name: str) -> int:
-    """``wanted`` of the ``n`` items (windows or documents) of ``name`` held out for evaluation, refused when
-    that would leave training fewer than half of them."""
-    if wanted and n - wanted < max(1, n // 2):
-        raise ValueError(f"evaluation would hold out {wanted} of the {n} {what}s of {name!r} (--eval-batches x "
-                         f"--batch-size), leaving training {n - wanted}. Pass fewer --eval-batches, a smaller "
-                         "--batch-size, or more data.")
+def held_out(n: int, batches: int, size: int, what: str, name: str) -> int:
+    """The items (windows or documents) of ``name``'s ``n`` held out for evaluation: ``batches`` of ``size``,
+    refused when that would leave training fewer than half of them."""
+    wanted = batches * size
+    if wanted and wanted > n // 2:
+        most = n // 2 // size
+        fix = f"--eval-batches {most} at most" if most else f"a --batch-size of {n // 2} at most"
+        raise ValueError(f"evaluation would hold out {wanted} of the {n} {what}s of {name!r} (--eval-batches "
+                         f"{batches} x {size}), more than half of them. Pass {fix}, or more data.")
     return wanted
+
+
+def check_eval_batch(i: int, batches: int) -> None:
+    if batches < 1:
+        raise ValueError("eval_batch reads held-out data, got none held out. Pass eval_batches >= 1 to the loader "
+                         "(fourfold train --eval-every N).")
+    _check_int("i", i, 0, batches)
 
 
 class StepLoader:
@@ -183,13 +192,14 @@ class BatchLoader(StepLoader):
         self.num_windows = n
         # Non-overlapping windows, stride T+1: window k is tokens[k(T+1) : (k+1)(T+1)].
         self._windows = corpus.tokens[: n * (seq_len + 1)].view(n, seq_len + 1)  # (n, T+1) uint8
-        self.held_out = held_out(n, eval_batches * batch_size, "window", corpus.name)
+        self.eval_batches = eval_batches
+        self.held_out = held_out(n, eval_batches, batch_size, "window", corpus.name)
         self.order = EpochOrder(n - self.held_out, seed)  # training never reads the held-out windows
 
     def eval_batch(self, i: int) -> Batch:
         """Held-out batch ``i`` (this rank's rows): the last ``eval_batches * batch_size`` windows of the
         corpus, in order, which training never takes."""
-        _check_int("i", i, 0, max(self.held_out // self.batch_size, 1))
+        check_eval_batch(i, self.eval_batches)
         first = self.num_windows - self.held_out + i * self.batch_size + self.dp_rank * self.shard_size
         x, y = self._batch(torch.arange(first, first + self.shard_size))
         n = self.batch_size * self.seq_len

@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from fourfold.data.documents import Documents
-from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_ids, held_out
+from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_eval_batch, check_ids, held_out
 from fourfold.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
@@ -139,8 +139,11 @@ class DocumentLoader(StepLoader):
         self.row_multiple, self.width_multiple, self.vocab_size = row_multiple, width_multiple, vocab_size
         self._lengths = documents.lengths.tolist()
         self._starts = [0]  # with tokens_per_step: where each step begins in the endless sequence
-        self.eval_docs = eval_docs  # documents per held-out batch
-        self.held_out = held_out(len(documents), eval_batches * eval_docs, "document", documents.name)
+        if eval_batches and eval_docs < 1:
+            raise ValueError(f"eval_docs must be >= 1 (documents per held-out batch) with eval_batches="
+                             f"{eval_batches}, got {eval_docs}.")
+        self.eval_batches, self.eval_docs = eval_batches, eval_docs  # held-out batches, documents in each
+        self.held_out = held_out(len(documents), eval_batches, eval_docs, "document", documents.name)
         self.order = EpochOrder(len(documents) - self.held_out, seed)  # training never reads the held-out ones
 
     def doc_indices(self, step: int) -> list[int]:
@@ -167,6 +170,7 @@ class DocumentLoader(StepLoader):
     def eval_batch(self, i: int) -> Batch:
         """Held-out batch ``i`` (this rank's rows): ``eval_docs`` of the last documents, in order, packed as a
         step's are; training never takes them."""
+        check_eval_batch(i, self.eval_batches)
         first = len(self.documents) - self.held_out + i * self.eval_docs
         return self._shard(self._packed(list(range(first, first + self.eval_docs))))
 

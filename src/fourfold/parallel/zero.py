@@ -340,6 +340,19 @@ class ShardedDataParallel(DataParallel):
             _on_backward(out, before_backward)
 
     @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Forwards that train nothing (evaluation) inside: gathered as a step's forward gathers them (stage 3:
+        one block at a time), nothing reduced; afterwards freed and marked stale, as after a step, so an
+        optimiser step may come before the next forward."""
+        with self.no_sync():
+            try:
+                yield
+            finally:
+                for b in self.buckets:
+                    b.zero.free()
+                self._fresh = False
+
+    @contextlib.contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:
         """Between steps: every parameter whole (gathered from the shards) inside the block; ``write=True``
         copies what was written into the whole parameters back into this rank's shards on exit."""
