@@ -276,6 +276,8 @@ class Engine:
                         loss = loss / k
                 with self.tracer.span("compute", "backward", **which):
                     loss.backward()  # bucket all-reduces start inside the last, as gradients become ready
+            if isinstance(self.dp, ShardedDataParallel) and self.zero >= 2 and i < k - 1:
+                self.dp.finish(stale=False)  # into the shards; the weights are unchanged for the next micro-batch
             total += loss.detach().to(torch.float64).reshape(1).cpu()
             if saved is not None:  # this shape's first step: measured (the same bytes every step after)
                 self._activations[key] = sum(saved.values())

@@ -239,7 +239,10 @@ class ShardedDataParallel(DataParallel):
         b.handle = self._submit(reduce_scatter, self._comm, self._wire(b), self.algorithm, tracer=self.tracer,
                                 index=b.index)
 
-    def finish(self) -> None:
+    def finish(self, stale: bool = True) -> None:
+        """Wait for every bucket's reduce-scatter and accumulate each segment into its shard's gradient; free what
+        the stage frees. ``stale=False``: no optimiser step follows before the next forward (another micro-batch
+        of gradient accumulation), so stages 1-2 need not gather the unchanged parameters again."""
         if self._finished:
             return
         if self._late:
@@ -259,7 +262,7 @@ class ShardedDataParallel(DataParallel):
             if self.zero >= 2:
                 _release(b.flat)
             b.zero.free()
-        self._fresh = False  # an optimiser step may follow: the next forward gathers again
+        self._fresh = self._fresh and not stale  # an optimiser step may follow: the next forward gathers again
 
     def _unpack(self, b: Bucket) -> None:
         seg = b.handle.result()  # the reduce-scatter bounds its own waits and names the peer
