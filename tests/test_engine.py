@@ -254,3 +254,18 @@ def test_bytes_by_axis_sorts_spans_by_the_axis_that_sent_them():
     plain = bytes_by_axis([span("tp.all_reduce", 4000, ranks=4)])["tp"]
     halves = bytes_by_axis([span("tp.reduce_scatter", 4000, ranks=4), span("tp.all_gather", 1000, ranks=4)])["tp"]
     assert plain == halves == 6000
+
+
+def _differently_built(ctx) -> None:
+    ranks = Mesh.for_world(2, tp=2).build(30)
+    parallelize(TinyGPT(CFG, seed=ctx.rank), ranks, timeout_s=30)  # seeded by rank: two different models
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ranks_that_built_different_models_are_refused_under_tp():
+    from fourfold.testing import RankError
+
+    with pytest.raises(RankError, match=r"the tp ranks built different models \(embed.wte.weight differs.*"
+                                        r"torch.manual_seed\(0\) before building it"):
+        run_ranks(_differently_built, 2, timeout_s=60)

@@ -157,6 +157,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                          "sequence_parallel.")
     if m.dp > 1:  # the batch a BatchNorm normalises over is split: sync it, or say so
         batchnorm_for_data_parallel(model, sync_batchnorm, ranks.dp_group, timeout_s)
+    for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):
+        if group is not None:  # each rank keeps its part of its own model: they must be the same model
+            _check_same_model(model, group, axis)
     family = family_of(model)
     if m.tp > 1 and family is not None and family.check is not None:
         family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
@@ -226,6 +229,31 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
                   reads_documents=reads, precision=precision, grad_accum=grad_accum)
+
+
+def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> None:
+    """Tensor and pipeline parallelism cut each rank's own model and keep its part, so the ranks must have built
+    the same one; a model initialised from torch's global generator without a seed (or seeded by rank) would
+    train a mixture of several, silently. Its parameters' names, shapes and two sums are compared over
+    ``group`` (data parallelism broadcasts rank 0's weights instead, so it needs no check)."""
+    params = list(model.named_parameters())
+    if any(p.is_meta for _, p in params):
+        return
+    with torch.no_grad():
+        sums = [(float(p.sum(dtype=torch.float64)), float(p.double().square().sum())) for _, p in params]
+    mine = ([(n, tuple(p.shape)) for n, p in params], sums)
+    everyone = gather_objects(mine, group, op=f"compare the model built on each {axis} rank")
+    for r, (layout, theirs) in enumerate(everyone):
+        differ = layout != mine[0] or any(
+            abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for pair, other in zip(theirs, sums, strict=True)
+            for a, b in zip(pair, other, strict=True))
+        if differ:
+            name = next((n for (n, _), x, y in zip(params, theirs, sums, strict=False) if x != y), "its parameters")
+            raise ValueError(
+                f"rank {dist.get_rank()}: the {axis} ranks built different models ({name} differs on {axis} rank "
+                f"{r}), and {'tensor' if axis == 'tp' else 'pipeline'} parallelism keeps each rank's part of its "
+                "own. Build the model the same way on "
+                "every rank: seed first (torch.manual_seed(0) before building it), or load the same weights.")
 
 
 def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:

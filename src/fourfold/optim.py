@@ -10,7 +10,7 @@ alone (:func:`lr_at`): a resumed run continues the same schedule with nothing el
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fourfold.config import Config, TrainConfig
     from fourfold.engine import Engine
 
-__all__ = ["NonFiniteLoss", "lr_at", "make_optimizer", "update"]
+__all__ = ["NonFiniteLoss", "learning_rate", "lr_at", "make_optimizer", "update"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -31,21 +31,27 @@ def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
 
 
 def lr_at(t: TrainConfig, step: int) -> float:
-    """The learning rate of optimiser step ``step`` (1-based).
+    """The learning rate of optimiser step ``step`` (1-based) under ``t``'s flags (:func:`learning_rate`)."""
+    return learning_rate(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, decay=t.lr_decay,
+                         min_lr=t.min_lr)
 
-    Warm-up: ``lr * step / warmup_steps`` for the first ``warmup_steps`` steps. Then ``lr_decay``: ``none``
-    keeps ``lr``; ``linear`` and ``cosine`` go from ``lr`` to ``min_lr``, reached at the last step
-    (``--steps``).
+
+def learning_rate(step: int, *, lr: float, steps: int, warmup_steps: int = 0,
+                  decay: Literal["none", "linear", "cosine"] = "none", min_lr: float = 0.0) -> float:
+    """The learning rate of optimiser step ``step`` (1-based) of ``steps``.
+
+    Warm-up: ``lr * step / warmup_steps`` for the first ``warmup_steps`` steps. Then ``decay``: ``none`` keeps
+    ``lr``; ``linear`` and ``cosine`` go from ``lr`` to ``min_lr``, reached at the last step.
     """
-    if step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    if t.lr_decay == "none":
-        return t.lr
-    span = t.steps - t.warmup_steps
-    done = 1.0 if span <= 0 else (step - t.warmup_steps) / span
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if decay == "none":
+        return lr
+    span = steps - warmup_steps
+    done = 1.0 if span <= 0 else (step - warmup_steps) / span
     done = min(max(done, 0.0), 1.0)
-    left = 1.0 - done if t.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
-    return t.min_lr + (t.lr - t.min_lr) * left
+    left = 1.0 - done if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return min_lr + (lr - min_lr) * left
 
 
 def update(engine: Engine, optimizer: torch.optim.Optimizer, t: TrainConfig, step: int) -> float | None:
