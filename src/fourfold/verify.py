@@ -112,9 +112,9 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     from pathlib import Path
 
     from fourfold.compose import parallelize
+    from fourfold.data.run import make_loader
     from fourfold.models.build import build_model
     from fourfold.optim import make_optimizer, update
-    from fourfold.train import make_loader
 
     engine = parallelize(build_model(cfg), None, precision=cfg.train.precision)  # one process, no strategy
     optimizer = make_optimizer(cfg, engine.parameters())

@@ -211,9 +211,9 @@ def _pipelines(root: Path, flags: list[str]) -> int:
 def _packing(root: Path, flags: list[str], steps: int) -> int:
     """Part 4: whole documents (the standard library's functions), padded to the longest vs packed bfd."""
     from fourfold.cli.args import parse_args
+    from fourfold.data.run import make_loader
     from fourfold.observe.visualize import draw_packing
     from fourfold.train import main as train_main
-    from fourfold.train import make_loader
 
     print(f"\nfourfold demo 4/5: whole documents, the standard library's functions (most a few hundred bytes, a "
           f"few thousands), 16 a step in rows of 1024: padded to the longest, then packed best-fit decreasing; "
