@@ -128,3 +128,27 @@ def test_a_run_stopped_by_its_gradient_norm_says_so_in_metrics_and_exits_1(tmp_p
     assert "--warmup-steps" not in err.split("step 2:")[1]  # already warming up: not advised again
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and math.isfinite(rows[1]["loss"]) and "nan" in rows[1]["error"]
+
+
+def test_the_schedule_function_refuses_what_it_does_not_know():
+    from fourfold.optim import learning_rate
+
+    assert learning_rate(3, lr=1.0, steps=10, warmup_steps=4) == 0.75
+    for bad in ({"decay": "constant"}, {"warmup_steps": -1}, {"steps": 0}):
+        with pytest.raises(ValueError, match="decay must be none, linear or cosine"):
+            learning_rate(5, **{"lr": 1.0, "steps": 10, **bad})
+
+
+def test_bf16_reduced_gradients_are_judged_as_compressed_by_verify():
+    from fourfold.verify import judged_as
+
+    assert judged_as(TrainConfig(reduce_dtype="bfloat16")) == judged_as(TrainConfig(compress="bf16")) == (
+        "compressed", "bf16")
+    assert judged_as(TrainConfig(dtype="float64")) == ("float64", None)
+    assert judged_as(TrainConfig(precision="bf16")) == ("bf16", None)
+
+
+def test_sync_batchnorm_with_zero_on_the_native_collectives_is_refused():
+    with pytest.raises(ValueError, match="Pass --allreduce ring"):
+        TrainConfig(sync_batchnorm=True, zero=2, allreduce="native")
+    TrainConfig(sync_batchnorm=True, zero=2, allreduce="ring")  # fourfold's ring: point-to-point, no race

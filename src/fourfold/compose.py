@@ -144,6 +144,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if zero and allreduce not in ZERO_ALGORITHMS:
         raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: allreduce {' or '.join(ZERO_ALGORITHMS)}, "
                          f"got {allreduce!r} (an all-reduce only). Pass allreduce='ring' or 'native' with zero.")
+    if sync_batchnorm and zero and allreduce == "native" and m.dp > 1:
+        raise ValueError("sync_batchnorm with ZeRO and allreduce='native' is refused: ZeRO's native reduce-scatters "
+                         "run on a communication thread while SyncBatchNorm's all-reduces run in the forward and "
+                         "backward, on the same group, so the ranks could issue them in different orders. Pass "
+                         "allreduce='ring' (--allreduce ring), or drop sync_batchnorm.")
     compressor, reduce_dtype = _compression(compress, reduce_dtype, zero)
     if not (isinstance(grad_accum, int) and grad_accum >= 1):
         raise ValueError(f"grad_accum must be an integer >= 1 (1: none), got {grad_accum!r}.")
@@ -237,14 +242,20 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> 
     train a mixture of several, silently. Its parameters' names, shapes and two sums are compared over
     ``group`` (data parallelism broadcasts rank 0's weights instead, so it needs no check)."""
     params = list(model.named_parameters())
-    if any(p.is_meta for _, p in params):
-        return
+    meta = any(p.is_meta for _, p in params)  # nothing to compare: decided by every rank together, below
     with torch.no_grad():
-        sums = [(float(p.sum(dtype=torch.float64)), float(p.double().square().sum())) for _, p in params]
-    mine = ([(n, tuple(p.shape)) for n, p in params], sums)
+        sums = [] if meta else [(float(p.sum(dtype=torch.float64)), float((p * p).sum(dtype=torch.float64)))
+                                for _, p in params]
+    mine = ([(n, tuple(p.shape)) for n, p in params], sums, meta)
     everyone = gather_objects(mine, group, op=f"compare the model built on each {axis} rank")
-    for r, (layout, theirs) in enumerate(everyone):
-        differ = layout != mine[0] or any(
+    if any(m for _, _, m in everyone):
+        return
+    for r, (layout, theirs, _) in enumerate(everyone):
+        if layout != mine[0]:
+            raise ValueError(f"rank {dist.get_rank()}: the {axis} ranks built different models: their parameters' "
+                             f"names or shapes differ from {axis} rank {r}'s. Build the same model, from the same "
+                             "config, on every rank.")
+        differ = any(
             abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for pair, other in zip(theirs, sums, strict=True)
             for a, b in zip(pair, other, strict=True))
         if differ:

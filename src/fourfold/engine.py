@@ -156,7 +156,7 @@ class Engine:
                 value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
                                                around=around)
             return torch.tensor([value], dtype=torch.float64)
-        k = self.grad_accum if inputs.shape[0] % self.grad_accum == 0 else 1
+        k = self._parts(inputs)  # as step() cuts it: every rank runs as many forwards (ZeRO-3 gathers in each)
         total = torch.zeros(1, dtype=torch.float64)
         # through the data-parallel wrapper, not syncing: ZeRO gathers what a forward needs, and no more
         forward = self.dp if self.dp is not None else self.model
@@ -245,11 +245,7 @@ class Engine:
         and -3 reduce-scatter every micro-batch's into the shards instead, so no rank ever holds the whole
         gradient (nor, at stage 3, the whole model). The loss (float64, CPU) and the key of the activations
         measured."""
-        k = self.grad_accum
-        if inputs.shape[0] % k:
-            raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
-                             f"{inputs.shape[0]} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
-                             f"train: --batch-size a multiple of dp x {k}).")
+        k = self._parts(inputs)
         weights: set[int] | Callable[[], set[int]] = self._param_storages
         if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
             dp = self.dp
@@ -284,6 +280,16 @@ class Engine:
         if self.dp is not None:
             self.dp.finish()  # the engine owns the end of backward
         return total, key
+
+    def _parts(self, inputs: torch.Tensor) -> int:
+        """The ``grad_accum`` equal micro-batches a batch is cut into (no pipeline); a batch they do not divide is
+        refused."""
+        k = self.grad_accum
+        if inputs.shape[0] % k:
+            raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
+                             f"{inputs.shape[0]} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
+                             f"train: --batch-size a multiple of dp x {k}).")
+        return k
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""

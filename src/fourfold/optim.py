@@ -43,6 +43,9 @@ def learning_rate(step: int, *, lr: float, steps: int, warmup_steps: int = 0,
     Warm-up: ``lr * step / warmup_steps`` for the first ``warmup_steps`` steps. Then ``decay``: ``none`` keeps
     ``lr``; ``linear`` and ``cosine`` go from ``lr`` to ``min_lr``, reached at the last step.
     """
+    if decay not in ("none", "linear", "cosine") or warmup_steps < 0 or steps < 1:
+        raise ValueError(f"decay must be none, linear or cosine, warmup_steps >= 0 and steps >= 1, got decay="
+                         f"{decay!r}, warmup_steps={warmup_steps}, steps={steps}.")
     if step <= warmup_steps:
         return lr * step / warmup_steps
     if decay == "none":

@@ -179,12 +179,19 @@ def report(rows: list[VerifyRow], kind: str, what: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def judged_as(t: Any) -> tuple[str, str | None]:
+    """(the tolerance kind a run is judged by, the lossy compression its gradients crossed the wire in, if any):
+    ``--reduce-dtype bfloat16`` is ``--compress bf16`` by another name."""
+    lossy = t.compress if t.compress != "none" else "bf16" if t.reduce_dtype == "bfloat16" else None
+    return ("compressed" if lossy else "bf16" if t.precision == "bf16" else t.dtype), lossy
+
+
 def verify(cfg: Config, losses: list[float], states: list[dict[str, Any]]) -> tuple[bool, str]:
     """Re-run ``len(states)`` steps on one process and compare: (all within tolerance, the report)."""
     ref_losses, ref_states = reference_run(cfg, len(states))
     t = cfg.train
-    kind = "compressed" if t.compress != "none" else "bf16" if t.precision == "bf16" else t.dtype
+    kind, lossy = judged_as(t)
     rows = compare(losses[:len(states)], states, ref_losses, ref_states, kind)
-    what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {t.compress}, the reference "
-            "uncompressed") if t.compress != "none" else None
+    what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {lossy}, the reference "
+            "uncompressed") if lossy else None
     return all(r.ok for r in rows), report(rows, kind, what)
