@@ -199,12 +199,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             sum_loss_fn = functools.partial(own, reduction="sum")
         loss_fn = own or _split_logits_loss(split_heads, loss_fn, ranks.tp_group, tracer)
         if m.tp > 1 and own is None and not split_heads:  # each tp rank's loss reads its own logits: whole ones?
-            was, tracer.enabled = tracer.enabled, False  # a check, not part of any step
-            try:
+            with tracer.paused():  # a check, not part of any step
                 found = _examples(model, example, family)
                 _check_whole_logits(model, found[0] if found else None, ranks)
-            finally:
-                tracer.enabled = was
         # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
         pipe = None
         if m.pp > 1:
@@ -250,21 +247,21 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> 
     everyone = gather_objects(mine, group, op=f"compare the model built on each {axis} rank")
     if any(m for _, _, m in everyone):
         return
+    def close(x: tuple[float, float], y: tuple[float, float]) -> bool:
+        return all(abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) for a, b in zip(x, y, strict=True))
+
     for r, (layout, theirs, _) in enumerate(everyone):
         if layout != mine[0]:
             raise ValueError(f"rank {dist.get_rank()}: the {axis} ranks built different models: their parameters' "
                              f"names or shapes differ from {axis} rank {r}'s. Build the same model, from the same "
                              "config, on every rank.")
-        differ = any(
-            abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for pair, other in zip(theirs, sums, strict=True)
-            for a, b in zip(pair, other, strict=True))
-        if differ:
-            name = next((n for (n, _), x, y in zip(params, theirs, sums, strict=False) if x != y), "its parameters")
+        name = next((n for (n, _), x, y in zip(params, theirs, sums, strict=True) if not close(x, y)), None)
+        if name is not None:
             raise ValueError(
                 f"rank {dist.get_rank()}: the {axis} ranks built different models ({name} differs on {axis} rank "
                 f"{r}), and {'tensor' if axis == 'tp' else 'pipeline'} parallelism keeps each rank's part of its "
-                "own. Build the model the same way on "
-                "every rank: seed first (torch.manual_seed(0) before building it), or load the same weights.")
+                "own. Build the model the same way on every rank: seed first (torch.manual_seed(0) before building "
+                "it), or load the same weights.")
 
 
 def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:

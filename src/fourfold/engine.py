@@ -145,30 +145,35 @@ class Engine:
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
                   documents: torch.Tensor | None) -> torch.Tensor:
         if self.pipeline is not None:
-            parts = self.pipeline.microbatches("documents", documents, need=False)
-
-            @contextlib.contextmanager
-            def around(i: int) -> Iterator[None]:
-                with self._compute(), document_layout(parts[i] if parts is not None else None):
-                    yield
-
             with self.gathered():
                 value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
-                                               around=around)
+                                               around=self._around(documents))
             return torch.tensor([value], dtype=torch.float64)
-        k = self._parts(inputs)  # as step() cuts it: every rank runs as many forwards (ZeRO-3 gathers in each)
+        parts = self._parts(inputs, targets, documents)  # as step() cuts them: every rank as many forwards
         total = torch.zeros(1, dtype=torch.float64)
         # through the data-parallel wrapper, not syncing: ZeRO gathers what a forward needs, and no more
         forward = self.dp if self.dp is not None else self.model
         quiet = (self.dp.forward_only() if isinstance(self.dp, ShardedDataParallel) else
                  self.dp.no_sync() if self.dp is not None else contextlib.nullcontext())
         with quiet:
-            for x, y, d in zip(inputs.chunk(k), targets.chunk(k),
-                               documents.chunk(k) if documents is not None else [None] * k, strict=True):
+            for x, y, d in parts:
                 with document_layout(d), self._compute():
                     loss = loss_fn(output_tensor(forward(x)), y)
-                total += loss.to(torch.float64).reshape(1).cpu() / (k if d is None else 1)
+                total += loss.to(torch.float64).reshape(1).cpu() / (len(parts) if d is None else 1)
         return total
+
+    def _around(self, documents: torch.Tensor | None) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
+        """What a pipeline enters around micro-batch i's forward: mixed precision, and its documents made
+        current (cut as the pipeline cuts the inputs)."""
+        assert self.pipeline is not None
+        parts = self.pipeline.microbatches("documents", documents, need=False)
+
+        @contextlib.contextmanager
+        def around(i: int) -> Iterator[None]:
+            with self._compute(), document_layout(parts[i] if parts is not None else None):
+                yield
+
+        return around
 
     def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor,
                     num_tokens: int | None) -> LossFn:
@@ -218,14 +223,8 @@ class Engine:
         if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
             self.dp.grad_scale = 1.0 if packed else 1.0 / self.dp.size
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
-            parts = self.pipeline.microbatches("documents", documents, need=False)  # as inputs are cut
-
-            @contextlib.contextmanager
-            def around(i: int) -> Iterator[None]:
-                with self._compute(), document_layout(parts[i] if parts is not None else None):
-                    yield
-
-            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not packed, around=around)
+            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not packed,
+                                        around=self._around(documents))
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
@@ -245,7 +244,8 @@ class Engine:
         and -3 reduce-scatter every micro-batch's into the shards instead, so no rank ever holds the whole
         gradient (nor, at stage 3, the whole model). The loss (float64, CPU) and the key of the activations
         measured."""
-        k = self._parts(inputs)
+        parts = self._parts(inputs, targets, documents)
+        k = len(parts)
         weights: set[int] | Callable[[], set[int]] = self._param_storages
         if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
             dp = self.dp
@@ -255,8 +255,6 @@ class Engine:
 
             weights = moving
 
-        parts = zip(inputs.chunk(k), targets.chunk(k),
-                    documents.chunk(k) if documents is not None else [None] * k, strict=True)
         total = torch.zeros(1, dtype=torch.float64)
         for i, (x, y, d) in enumerate(parts):
             quiet = (self.dp.no_sync() if self.dp is not None and i < k - 1 and self.zero < 2  # ZeRO-2/3: synced
@@ -281,15 +279,17 @@ class Engine:
             self.dp.finish()  # the engine owns the end of backward
         return total, key
 
-    def _parts(self, inputs: torch.Tensor) -> int:
-        """The ``grad_accum`` equal micro-batches a batch is cut into (no pipeline); a batch they do not divide is
-        refused."""
+    def _parts(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The batch as the ``grad_accum`` equal micro-batches it is cut into (no pipeline), (inputs, targets,
+        documents) each; a batch they do not divide is refused."""
         k = self.grad_accum
         if inputs.shape[0] % k:
             raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
                              f"{inputs.shape[0]} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
                              f"train: --batch-size a multiple of dp x {k}).")
-        return k
+        docs = documents.chunk(k) if documents is not None else [None] * k
+        return list(zip(inputs.chunk(k), targets.chunk(k), docs, strict=True))
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""

@@ -109,10 +109,7 @@ def clip_grad_norm_(engine: Engine, max_norm: float, norm_type: float = 2.0) -> 
     total = grad_norm(engine, norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        dp = engine.dp
-        grads = [b.zero.shard.grad for b in dp.buckets] if isinstance(dp, ShardedDataParallel) else [
-            p.grad for p in engine.parameters()]
-        for g in grads:
-            if g is not None:
-                g.mul_(coef)
+        for p in engine.parameters():  # what the optimiser steps: under ZeRO the segments, each holding its grad
+            if p.grad is not None:
+                p.grad.mul_(coef)
     return total

@@ -33,7 +33,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from tqdm import tqdm
@@ -174,9 +174,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         check_data_vocab(cfg, info, scan=False)
     loader, source = make_loader(cfg, out, dp_rank=ranks.coord.dp, dp_size=mesh.dp, vocab_size=info.vocab_size,
                                  is_main=ctx.is_main, wait=barrier)
-    trained = len(loader.documents) - loader.held_out if isinstance(loader, DocumentLoader) else 0
-    if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and loader.docs_per_step > trained:
-        print(f"fourfold train: note: the data holds {trained} document(s) to train on and each step takes "
+    if ctx.is_main and isinstance(loader, DocumentLoader) and loader.docs_per_step and \
+            loader.docs_per_step > loader.order.n:  # the documents training visits (the held-out ones not)
+        print(f"fourfold train: note: the data holds {loader.order.n} document(s) to train on and each step takes "
               f"{loader.docs_per_step} (--batch-size): documents repeat within every step (the epochs are "
               "shuffled and run on end to end). Lower --batch-size, or pass more documents.",
               file=sys.stderr, flush=True)
@@ -215,11 +215,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             try:
                 grad_norm = update(engine, optimizer, t, step)  # clip, the step's learning rate, the optimiser step
             except NonFiniteLoss as e:  # a NaN or infinite gradient: no update made; every rank stops here
-                value = loss.item()  # the loss all-reduce in flight: waited for on every rank
-                if metrics_file is not None:  # metrics.jsonl stays JSON (NaN is not)
-                    metrics_file.write(json.dumps({"step": step, "loss": value if math.isfinite(value) else None,
-                                                   "error": str(e)}) + "\n")
-                raise
+                _stop(metrics_file, {"step": step, "loss": loss.item()}, str(e), e)  # (the loss all-reduce waited)
             if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
                 held = held_bytes(engine.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -243,13 +239,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                             "peak_activation_bytes_by_rank": list(res.peak_activation_bytes_by_rank),
                             "peak_in_flight_by_rank": list(res.peak_in_flight_by_rank)})
             if not math.isfinite(global_loss):  # every rank has the same global loss: all stop here together
-                row["loss"] = None  # metrics.jsonl stays JSON (NaN is not)
-                row["error"] = f"non-finite loss {global_loss}"
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(row) + "\n")
-                raise NonFiniteLoss(f"step {step}: the loss is {global_loss}; training stopped (the weights are "
-                                    f"no longer usable). Lower --lr (now {t.lr:g}), or resume from an earlier "
-                                    "checkpoint with --resume.")
+                _stop(metrics_file, row, f"non-finite loss {global_loss}", NonFiniteLoss(
+                    f"step {step}: the loss is {global_loss}; training stopped (the weights are no longer usable). "
+                    f"Lower --lr (now {t.lr:g}), or resume from an earlier checkpoint with --resume."))
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                 row["eval_loss"] = _evaluate(engine, loader, t.eval_batches, ctx.device, tracer)
             if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
@@ -277,18 +269,24 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     return result
 
 
+def _stop(metrics_file: Any, row: dict[str, Any], error: str, e: NonFiniteLoss) -> NoReturn:
+    """Stop the run at this step, ``e`` raised on every rank alike: rank 0 writes the step's row with ``error``
+    first, its loss ``null`` when not finite (metrics.jsonl stays JSON: NaN is not)."""
+    if metrics_file is not None:
+        loss = row["loss"]
+        metrics_file.write(json.dumps({**row, "loss": loss if math.isfinite(loss) else None, "error": error}) + "\n")
+    raise e
+
+
 def _evaluate(engine: Engine, loader: BatchLoader | DocumentLoader, batches: int, device: torch.device,
               tracer: Tracer) -> float:
     """The mean loss of the held-out batches (``--eval-batches``), forward only (:meth:`Engine.evaluate`),
     untraced: a step's spans and time are its training's alone."""
-    was, tracer.enabled = tracer.enabled, False
-    try:
-        losses = []
+    losses = []
+    with tracer.paused():
         for i in range(batches):
             args, kwargs = loader.eval_batch(i).step_args(device)
             losses.append(engine.evaluate(*args, **kwargs).item())
-    finally:
-        tracer.enabled = was
     return sum(losses) / len(losses)
 
 

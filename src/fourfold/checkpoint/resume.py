@@ -12,6 +12,7 @@ from typing import Any
 
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
 from fourfold.config import Config, TrainConfig
+from fourfold.data.run import held_batches
 from fourfold.models.gpt import GPTConfig
 
 __all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
@@ -105,10 +106,10 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     # a key the checkpoint's run did not record (an older fourfold's) had its default then
     saved = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved}
     out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if saved[k] != here[k]]
-    held, was = (t.get("eval_batches", 2) if t.get("eval_every") else 0 for t in (here, saved))
+    held, was = (held_batches(t["eval_every"], t["eval_batches"]) for t in (here, saved))
     if held != was:  # the held-out data are not trained on: the training order differs
         out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "
                    "documents)")
-    if here.get("lr_decay", "none") != "none" and saved.get("steps", here["steps"]) != here["steps"]:
+    if here["lr_decay"] != "none" and saved["steps"] != here["steps"]:
         out.append(f"steps {here['steps']} (was {saved['steps']}: the learning rate's decay now ends there)")
     return out

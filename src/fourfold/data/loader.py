@@ -201,9 +201,7 @@ class BatchLoader(StepLoader):
         corpus, in order, which training never takes."""
         check_eval_batch(i, self.eval_batches)
         first = self.num_windows - self.held_out + i * self.batch_size + self.dp_rank * self.shard_size
-        x, y = self._batch(torch.arange(first, first + self.shard_size))
-        n = self.batch_size * self.seq_len
-        return Batch(x, y, stats={"real_tokens": n, "slots": n, "padding_fraction": 0.0})
+        return self._windows_batch(torch.arange(first, first + self.shard_size))
 
     def window_indices(self, step: int) -> torch.Tensor:
         """Window ids of global batch ``step``: positions [step*B, (step+1)*B) of the epoch sequence, (B,)."""
@@ -230,6 +228,10 @@ class BatchLoader(StepLoader):
 
     def batch(self, step: int) -> Batch:
         """:meth:`shard` as a :class:`Batch`: every position real, no documents."""
-        x, y = self.shard(step)
+        return self._windows_batch(self.shard_indices(step))
+
+    def _windows_batch(self, ids: torch.Tensor) -> Batch:
+        """Windows ``ids`` (this rank's rows) as a :class:`Batch`, with the global batch's figures."""
+        x, y = self._batch(ids)
         n = self.batch_size * self.seq_len
         return Batch(x, y, stats={"real_tokens": n, "slots": n, "padding_fraction": 0.0})

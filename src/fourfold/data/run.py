@@ -31,16 +31,16 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
         loader: BatchLoader | DocumentLoader = DocumentLoader(
             corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
             row_multiple=t.microbatches if t.pp > 1 else t.grad_accum, width_multiple=t.tp if t.sequence_parallel else 1,
-            truncate=t.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t),
+            truncate=t.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches),
             eval_docs=t.batch_size, **budget)
         size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}
     else:
         loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=dp_rank, dp_size=dp_size,
-                             vocab_size=vocab_size, eval_batches=held_batches(t))
+                             vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches))
         size = {"tokens": len(corpus)}
     return loader, {"name": corpus.name, "sha256": corpus.sha256, **size, "tokenizer": corpus.tokenizer}
 
 
-def held_batches(t: Any) -> int:
+def held_batches(eval_every: int, eval_batches: int) -> int:
     """The held-out batches the data keeps from training: --eval-batches when --eval-every evaluates."""
-    return t.eval_batches if t.eval_every else 0
+    return eval_batches if eval_every else 0

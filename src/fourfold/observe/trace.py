@@ -28,10 +28,11 @@ shared no-op context manager and reads no clock.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -176,6 +177,15 @@ class Tracer:
     def now_ns(self) -> int:
         """Nanoseconds since :meth:`start` (0 when disabled): the clock :meth:`record` expects."""
         return time.perf_counter_ns() - self.origin_ns if self.enabled else 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing recorded inside (a check, an evaluation: work that is no step's); recording as before after."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
 
     def span(self, kind: Kind, name: str, *, bytes: int = 0, recv_bytes: int = 0,
              microbatch: int | None = None, peer: int | None = None, **args: Any) -> _OpenSpan | _NullSpan:
