@@ -270,6 +270,56 @@ def test_memory_is_the_estimate():
                                        virtual=1, zero=1, shards=shard_plan(m), probe=prof.probe)
 
 
+def test_accumulation_runs_its_micro_batches_one_after_another_and_holds_one():
+    fixed = (1e-4, 2e-3)  # each unit's own time per call, forward and backward (say, a kernel launch)
+    costs = UnitCosts(tuple([(fixed[0], 1e-3)] * (CONFIG.n_layer + 2)), tuple([(fixed[1], 2e-3)] * (CONFIG.n_layer + 2)),
+                      0.0, "test")
+    prof, links = profile(costs), Links(TINY, TINY, ranks_per_node=1)
+    one, four = (predict(prof, Layout(grad_accum=k), links, batch_size=8) for k in (1, 4))
+    units = CONFIG.n_layer + 2  # the per-sample work is the same; each extra micro-batch pays the fixed costs again
+    assert four.step_s - one.step_s == pytest.approx(3 * units * sum(fixed), rel=1e-9)
+    assert str(four.layout) == "dp1 tp1 pp1 accum4" and four.layout.flags()[-2:] == ["--grad-accum", "4"]
+    m = prof.model
+    assert four.memory == estimate_memory(m, list(m.blocks), batch_size=8, microbatches=4, shards=shard_plan(m),
+                                          probe=prof.probe)
+    assert four.memory[0].activations < one.memory[0].activations
+    with pytest.raises(ValueError, match="1 with a pipeline"):
+        predict(prof, Layout(pp=2, microbatches=2, grad_accum=2), links, batch_size=8)
+
+
+@pytest.mark.parametrize(("zero", "halves"), [(0, 2), (1, 2), (2, 3), (3, 6)])
+def test_accumulations_sync_is_once_a_step_except_zero_2_and_3_which_reduce_scatter_each_micro_batch(zero, halves):
+    prof = profile()
+    elements = sum(q.numel() for q in prof.model.parameters())
+    ring = allreduce_time(LINK, "ring", elements, 4, 2)
+    links = Links(LINK, LINK, ranks_per_node=2, cores=2)  # no core free: every sync exposed
+    p = predict(prof, Layout(dp=2, zero=zero, grad_accum=2), links, batch_size=8)
+    # in halves of an all-reduce: dp and ZeRO-1 one all-reduce; ZeRO-2 a reduce-scatter per micro-batch and one
+    # all-gather; ZeRO-3 a reduce-scatter and two all-gathers per micro-batch
+    assert p.dp_comm_s == pytest.approx(halves / 2 * ring, rel=1e-9)
+    assert p.dp_exposed_s == pytest.approx(p.dp_comm_s, rel=1e-9)
+
+
+def test_plan_accumulates_where_a_layout_fits_only_so(capsys):
+    from fourfold.cli.plan import main
+    from fourfold.train import parse_args
+
+    flags = ["--gpus", "2", "--gpu-mem", "2GB", "--n-layer", "4", "--d-model", "512", "--n-head", "8",
+             "--vocab-size", "32000", "--seq-len", "1024", "--batch-size", "32"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit() and " ms " in line]
+    accumulated = [r for r in rows if any(c.startswith("accum") for c in r[4:6])]
+    assert accumulated and all(r[3] == "pp1" for r in accumulated), out  # a pipeline's micro-batches do that job
+    cfg = parse_args(_command(out))
+    first_k = next((int(c[5:]) for c in rows[0][4:6] if c.startswith("accum")), 1)
+    assert cfg.train.grad_accum == first_k and cfg.launch.world_size == 2
+    assert main(["--gpus", "2", "--gpu-mem", "80GB", *flags[4:]]) == 0  # it all fits: nothing accumulated
+    assert " accum" not in capsys.readouterr().out
+    assert main([*flags, "--grad-accum", "2"]) == 2
+    assert "chooses gradient accumulation itself" in capsys.readouterr().err
+
+
 def test_a_batch_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="batch_size must divide"):
         predict(profile(), Layout(dp=2, pp=2, microbatches=4), Links(TINY, TINY, 8), batch_size=12)
@@ -547,8 +597,10 @@ def test_bench_predict_layout_names():
     assert parse_layout("dp2tp2pp2:zb", 4) == Layout(2, 2, 2, "zb", 4, 1)
     assert parse_layout("pp2:interleaved", 4) == Layout(1, 1, 2, "interleaved", 4, 2)
     assert parse_layout("tp2", 4) == Layout(tp=2)
-    with pytest.raises(ValueError, match="layout must look like"):
-        parse_layout("dp2:zb2", 4)
+    assert parse_layout("dp2:accum4", 4) == Layout(dp=2, grad_accum=4)
+    for bad in ("dp2:zb2", "pp2:1f1b:accum2"):
+        with pytest.raises(ValueError, match="layout must look like"):
+            parse_layout(bad, 4)
 
 
 def test_bench_predict_counts_the_pairs_its_ranking_swaps_and_whether_the_runs_can_tell():

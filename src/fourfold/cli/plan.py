@@ -190,9 +190,10 @@ def _ranking(argv: list[str]) -> int:
         world = ns.gpus if paper else cfg.launch.world_size
         t = cfg.train
         if t.grad_accum > 1:
-            raise ValueError(f"the ranking compares layouts without gradient accumulation (a pipeline's micro-batches "
-                             f"do that job), got --grad-accum {t.grad_accum}. Rank without it, then see what it saves "
-                             f"on the layout you choose: fourfold plan --memory --grad-accum {t.grad_accum} ...")
+            raise ValueError(f"the ranking chooses gradient accumulation itself (the fewest micro-batches that fit, "
+                             f"for a layout without a pipeline that does not fit without it), got --grad-accum "
+                             f"{t.grad_accum}. Drop it; fourfold plan --memory --grad-accum {t.grad_accum} ... shows "
+                             "what it saves on one layout.")
         if paper:
             def link(text: str) -> CostModel:
                 bits = parse_rate(text, most=1e13)
@@ -304,7 +305,7 @@ def _ranking(argv: list[str]) -> int:
 
 
 LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",
-                          "--schedule", "--microbatches", "--virtual", "--zero"})
+                          "--schedule", "--microbatches", "--virtual", "--zero", "--grad-accum"})
 """Train's flags the suggested command sets itself (the layout's, a machine's launch), each taking a value."""
 
 

@@ -73,11 +73,23 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
 
 def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
     """(prediction, fits) for every candidate, fastest first (of equal times, the smaller memory); a layout that
-    does not fit after all that fit."""
+    does not fit after all that fit. A layout without a pipeline that does not fit is tried again with gradient
+    accumulation (``--grad-accum k``, the fewest micro-batches that fit: one micro-batch's activations held at a
+    time, the same step), as a pipeline's micro-batches are."""
+    from dataclasses import replace
+
     from fourfold.observe.predict import predict
 
-    predictions = [predict(profile, layout, links, batch_size) for layout in candidates]
-    ranked = [(p, p.peak_bytes <= available) for p in predictions]
+    ranked = []
+    for layout in candidates:
+        p = predict(profile, layout, links, batch_size)
+        if p.peak_bytes > available and layout.pp == 1:
+            for k in divisors(batch_size // layout.dp)[1:]:
+                accumulated = predict(profile, replace(layout, grad_accum=k), links, batch_size)
+                if accumulated.peak_bytes <= available:
+                    p = accumulated
+                    break
+        ranked.append((p, p.peak_bytes <= available))
     return sorted(ranked, key=lambda pf: (not pf[1], round(pf[0].step_s, 12), pf[0].peak_bytes))
 
 

@@ -22,6 +22,9 @@ The model (docs/simulator.md):
   backward; across nodes the two-level model of :mod:`fourfold.comm.network`, the node's tp groups sharing
   its link); hidden behind the last micro-batch's backward where a core or a device is free to do it,
   exposed otherwise.
+* **gradient accumulation** (``Layout.grad_accum``, no pipeline): the micro-batches' forward and backward one
+  after another; dp and ZeRO-1 sync once, ZeRO-2/3 reduce-scatter (ZeRO-3 also gather) every micro-batch, each
+  waited before the next.
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
   k processes compute, each goes at ``cores / k`` of its speed (over ``oversubscribed``, fitted), event by event
   in the pipeline's simulation, so a bubble on one stage speeds up the others; with more ranks than cores a
@@ -122,6 +125,8 @@ class Layout:
     microbatches: int = 1
     virtual: int = 1
     zero: int = 0
+    grad_accum: int = 1
+    """Without a pipeline: micro-batches run one after another per step (``--grad-accum``)."""
 
     @property
     def world_size(self) -> int:
@@ -131,7 +136,8 @@ class Layout:
         out = f"dp{self.dp} tp{self.tp} pp{self.pp}"
         if self.pp > 1:
             out += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
-        return out + (f" zero{self.zero}" if self.zero else "")
+        out += f" zero{self.zero}" if self.zero else ""
+        return out + (f" accum{self.grad_accum}" if self.grad_accum > 1 else "")
 
     def flags(self) -> list[str]:
         """``fourfold train``'s flags for this layout."""
@@ -140,7 +146,8 @@ class Layout:
             out += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
             if self.schedule == "interleaved":
                 out += ["--virtual", str(self.virtual)]
-        return out + (["--zero", str(self.zero)] if self.zero else [])
+        out += ["--zero", str(self.zero)] if self.zero else []
+        return out + (["--grad-accum", str(self.grad_accum)] if self.grad_accum > 1 else [])
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,12 @@ def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int, node_size: 
     return allreduce_time(link, "ring", max(1, int(nbytes) // itemsize), itemsize, ranks, node_size)
 
 
+def _exposed(sync: float, last: float, backward: float, idle_core: bool) -> float:
+    """What a micro-batch's backward cannot hide of its gradient sync: all of it without a core (or device) free
+    to run it, else whatever outlasts the backward, and at least the last bucket (full only when backward ends)."""
+    return sync if not idle_core else max(last, sync - backward) if sync else 0.0
+
+
 def _dp_links(links: Links, layout: Layout) -> tuple[CostModel, int | None]:
     """The link model a data-parallel ring runs on, and the group's ranks per node. Within a node: the node's
     link. Across nodes (ranks are tp innermost, then dp): k = per_node / tp consecutive dp ranks share a node, and
@@ -252,7 +265,10 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
             sequence_parallel: bool = False) -> Prediction:
     """One step of ``layout`` on a global batch of ``batch_size`` samples (see the module docstring)."""
     L, n = layout, len(profile.blocks) + 2
-    micro_count = L.microbatches if L.pp > 1 else 1
+    if L.grad_accum < 1 or L.grad_accum > 1 and L.pp > 1:
+        raise ValueError(f"grad_accum must be >= 1, and 1 with a pipeline (its micro-batches do that job), got "
+                         f"grad_accum={L.grad_accum} for {L}.")
+    micro_count = L.microbatches if L.pp > 1 else L.grad_accum
     if batch_size % (L.dp * micro_count):
         raise ValueError(f"batch_size must divide into dp x microbatches, got batch_size={batch_size} for "
                          f"{L} ({L.dp} x {micro_count}). Pass a batch size that is a multiple of {L.dp * micro_count}.")
@@ -289,8 +305,8 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     if L.pp == 1:
         share = links.speed(copies)
         (fc, fw), (bc, bw) = total("F", range(n)), total("B", range(n))
-        forward = fc / share + fw
-        span = forward + bc / share + bw
+        forward = (fc / share + fw) * micro_count  # accumulation: the micro-batches one after another
+        span = forward + (bc / share + bw) * micro_count
         busy, bubble, ends = [span], 0.0, [span]
         held = [elements([p for u in units for p in u])]
         last_backward = [bc + bw]
@@ -332,12 +348,21 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         wait = min(whole, cost("ring", max(1, size // itemsize), itemsize, L.dp).steps * dp_link.alpha_s)
         return wait + (whole - wait) / share
 
+    # In halves of an all-reduce's bytes: ZeRO's reduce-scatter and all-gather are one each, ZeRO-3 gathers twice
+    # (forward, backward). With accumulation ZeRO-2/3 reduce-scatter every micro-batch (ZeRO-3 gathers for each
+    # too), each waited before the next begins; plain dp and ZeRO-1 sync once, in the last backward.
+    k = L.grad_accum
+    halves = {0: (2, 0), 1: (2, 0), 2: (1, 1), 3: (3, 0)}[L.zero]  # (per micro-batch, once per step)
+    syncs = k if L.zero in (2, 3) else 1
     for r, elems in enumerate(held):
         nbytes = elems * itemsize
         buckets = [bucket_bytes] * (nbytes // bucket_bytes) + ([nbytes % bucket_bytes] if nbytes % bucket_bytes else [])
-        sync = sum(ring(size) for size in buckets) * (1.5 if L.zero == 3 else 1.0)
+        allreduce_s = sum(ring(size) for size in buckets)
+        each, own = allreduce_s * halves[0] / 2, allreduce_s * halves[1] / 2  # per sync, once per step
+        sync = each * syncs + own
         last = ring(buckets[-1]) if buckets else 0.0
-        exposed = sync if not idle_core else max(last, sync - last_backward[r]) if sync else 0.0
+        exposed = ((syncs - 1) * _exposed(each, last, last_backward[r], idle_core)
+                   + _exposed(each + own, last, last_backward[r], idle_core))
         optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
         dp_times.append((sync, exposed))
         tails.append((ends[r], exposed, optimizer))
