@@ -146,9 +146,3 @@ def test_bf16_reduced_gradients_are_judged_as_compressed_by_verify():
         "compressed", "bf16")
     assert judged_as(TrainConfig(dtype="float64")) == ("float64", None)
     assert judged_as(TrainConfig(precision="bf16")) == ("bf16", None)
-
-
-def test_sync_batchnorm_with_zero_on_the_native_collectives_is_refused():
-    with pytest.raises(ValueError, match="Pass --allreduce ring"):
-        TrainConfig(sync_batchnorm=True, zero=2, allreduce="native")
-    TrainConfig(sync_batchnorm=True, zero=2, allreduce="ring")  # fourfold's ring: point-to-point, no race

@@ -144,11 +144,6 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if zero and allreduce not in ZERO_ALGORITHMS:
         raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: allreduce {' or '.join(ZERO_ALGORITHMS)}, "
                          f"got {allreduce!r} (an all-reduce only). Pass allreduce='ring' or 'native' with zero.")
-    if sync_batchnorm and zero and allreduce == "native" and m.dp > 1:
-        raise ValueError("sync_batchnorm with ZeRO and allreduce='native' is refused: ZeRO's native reduce-scatters "
-                         "run on a communication thread while SyncBatchNorm's all-reduces run in the forward and "
-                         "backward, on the same group, so the ranks could issue them in different orders. Pass "
-                         "allreduce='ring' (--allreduce ring), or drop sync_batchnorm.")
     compressor, reduce_dtype = _compression(compress, reduce_dtype, zero)
     if not (isinstance(grad_accum, int) and grad_accum >= 1):
         raise ValueError(f"grad_accum must be an integer >= 1 (1: none), got {grad_accum!r}.")
@@ -217,8 +212,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
         if zero:
             units = _units(model, split) if zero == 3 and pipe is None else []
+            # ZeRO's collectives run on its communication thread; SyncBatchNorm's on the main one, in forward and
+            # backward: each on a group of its own, or the ranks could issue them in different orders
+            own = ranks.duplicate("dp", timeout_s) if sync_batchnorm else None
             dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial, units, tracer, timeout_s,
-                          reduce_dtype)
+                          reduce_dtype, own)
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
                               auto_finish=False, reduce_dtype=reduce_dtype, compress=compressor)
@@ -353,7 +351,8 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
 
 def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket_mb: float, pipe: Pipeline | None,
              partial: list[nn.Parameter], units: Sequence[nn.Module], tracer: Tracer,
-             timeout_s: float, reduce_dtype: torch.dtype | None) -> ShardedDataParallel:
+             timeout_s: float, reduce_dtype: torch.dtype | None,
+             comm_group: dist.ProcessGroup | None = None) -> ShardedDataParallel:
     """ZeRO over dp. A pipeline's tied copies and sequence parallelism's partial gradients are summed (across
     stages, over tp) before their reduce-scatter, since afterwards each rank holds only a segment of them."""
     late = list(partial)
@@ -370,7 +369,7 @@ def _sharded(held: nn.Module, ranks: RankMesh, zero: int, algorithm: str, bucket
 
     dp = ShardedDataParallel(held, ranks.dp_group, algorithm, bucket_mb, zero=zero, units=units, late=late,
                              before_late=before_late, tracer=tracer, timeout_s=timeout_s, auto_finish=False,
-                             reduce_dtype=reduce_dtype)
+                             reduce_dtype=reduce_dtype, comm_group=comm_group)
     dp.sums_tied = True
     return dp
 

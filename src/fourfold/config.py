@@ -226,10 +226,6 @@ class TrainConfig:
             raise ValueError(f"zero needs a reduce-scatter and an all-gather, which {self.allreduce} does not have, "
                              f"got zero={self.zero} with allreduce={self.allreduce!r}. Pass --allreduce ring (counted) "
                              "or native.")
-        if self.sync_batchnorm and self.zero and self.allreduce == "native":
-            raise ValueError(f"sync_batchnorm with zero={self.zero} and allreduce='native' is refused: ZeRO's native "
-                             "reduce-scatters run on a communication thread beside SyncBatchNorm's all-reduces on the "
-                             "same group, and the ranks could issue them in different orders. Pass --allreduce ring.")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:

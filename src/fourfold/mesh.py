@@ -158,5 +158,20 @@ class RankMesh:
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
         return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[axis]
 
+    def duplicate(self, axis: Axis, timeout_s: float | None = None) -> dist.ProcessGroup | None:
+        """A second process group of this rank's ``axis`` peers (None along an axis of size 1), for collectives
+        issued from another thread than the main one's on the same ranks: each group keeps its own order, so two
+        threads' collectives cannot meet in different orders on different ranks. Collective: every rank calls
+        it, in the same order (each creates every group along ``axis``)."""
+        if getattr(self.mesh, axis) == 1:
+            return None
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        mine = None
+        for ranks in self.mesh.groups(axis):
+            group = dist.new_group(ranks, timeout=timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def peers(self, axis: Axis) -> list[int]:
         return self.mesh.peers(self.rank, axis)

@@ -92,12 +92,18 @@ class DataParallel(nn.Module):
     ``auto_finish`` (standalone use, like DDP): the last bucket's launch waits for every bucket, so gradients
     are averaged when backward returns. The engine passes False and calls :meth:`finish` itself: it owns the
     end of backward (after the last micro-batch, before tied weights are summed across stages).
+
+    ``comm_group``: the same ranks as ``group`` in a group of their own (:meth:`fourfold.mesh.RankMesh.duplicate`)
+    for what runs on the communication thread, when the main thread runs collectives over those ranks meanwhile
+    (SyncBatchNorm's, beside ZeRO's reduce-scatters): one group's collectives issued from two threads could meet in
+    different orders on different ranks.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "native",
                  bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
                  find_unused_parameters: bool = False, auto_finish: bool = True,
-                 reduce_dtype: torch.dtype | None = None, compress: Compressor | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, compress: Compressor | None = None,
+                 comm_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
@@ -113,7 +119,9 @@ class DataParallel(nn.Module):
         self.timeout_s, self.find_unused_parameters = timeout_s, find_unused_parameters
         self.size = dist.get_world_size(group)
         self.grad_scale = 1.0 / self.size  # the mean of the ranks' mean losses; 1.0 sums (a loss already global)
-        self._comm = Communicator(group, timeout_s=timeout_s)
+        # what the communication thread reduces over: ``group``, or a duplicate of it (RankMesh.duplicate) when the
+        # main thread runs collectives of its own on those ranks meanwhile (SyncBatchNorm's, beside ZeRO)
+        self._comm = Communicator(group if comm_group is None else comm_group, timeout_s=timeout_s)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights appear once
         _check_same_layout(named, self._comm)
         _broadcast_state(module, self._comm)
