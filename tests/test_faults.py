@@ -107,3 +107,32 @@ def test_a_killed_rank_without_restarts_is_named_with_its_signal_in_the_last_lin
     assert last == f"fourfold: rank {victim} was killed by signal 9 (SIGKILL); the others were stopped with it.", \
         output
     assert "failed (exitcode" not in output, output  # torchrun's own line for it, which says less
+
+
+@pytest.mark.timeout(120)
+def test_an_error_every_rank_raises_is_printed_once_and_one_ranks_own_under_its_rank(tmp_path, monkeypatch):
+    # a bug in the user's forward, mid-run: on every rank, then on rank 1 only (the other then loses its peer)
+    (tmp_path / "buggy.py").write_text(
+        "import os\nfrom torch import nn\n\n\n"
+        "class Buggy(nn.Sequential):\n"
+        "    calls = 0\n\n"
+        "    def forward(self, ids):\n"
+        "        Buggy.calls += 1\n"
+        "        if Buggy.calls > 3 and os.environ['RANK'] in os.environ['BUGGY_RANKS'].split(','):\n"
+        "            raise KeyError('token ' + 'not in the vocabulary')\n"
+        "        return super().forward(ids)\n\n\n"
+        "def build():\n"
+        "    return Buggy(nn.Embedding(256, 8), nn.Linear(8, 256))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    argv = ["--model", "buggy:build", "--steps", "6", "--seq-len", "8", "--batch-size", "4", "--no-progress",
+            "--no-trace", "--nproc", "2"]
+    for ranks, heading in (("0,1", "fourfold: ranks 0, 1 raised (the same error):"), ("1", "fourfold: rank 1 raised:")):
+        monkeypatch.setenv("BUGGY_RANKS", ranks)
+        with launched([*argv, "--out", str(tmp_path / f"run{ranks}")]) as proc:
+            output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 1, output
+        assert output.count("Traceback (most recent call last)") == 1, output
+        assert heading in output and "buggy.py" in output and "KeyError: 'token not in the vocabulary'" in output, \
+            output
+        assert "[rank0]" not in output and "[rank1]" not in output, output  # torch's per-rank copies
+        assert output.strip().splitlines()[-1].endswith("failed (exit code 1); its error is printed above."), output

@@ -44,7 +44,8 @@ from fourfold.config import LAB_ENV, LaunchConfig
 from fourfold.launch import loopback_store
 from fourfold.observe.doctor import VERDICT_ENV
 
-__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_workers", "torchrun_args"]
+__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_workers", "report_error",
+           "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 RENDEZVOUS_GRACE_S = 10.0
@@ -154,6 +155,9 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         print(f"fourfold: stopped by signal {e.sigval.name}; the ranks were stopped with it.", flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        reported = _reported_errors(verdict.parent, e.get_first_failure()[0])
+        if reported:
+            print(reported, file=sys.stderr, flush=True)
         print(f"fourfold: {_last_line(e, verdict)}", flush=True)
         return 1
     except (DistError, RendezvousError) as e:  # the machines never met: the store timed out or refused
@@ -165,6 +169,44 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
         done.set()
         shutil.rmtree(verdict.parent, ignore_errors=True)
     return 0
+
+
+_ERROR_FILE = "error-rank{rank}.txt"
+
+
+def report_error(error: BaseException) -> bool:
+    """In a rank that fourfold's launcher started: leave ``error``'s traceback for the launcher, which prints each
+    different one once, naming the ranks that raised it (eight ranks failing alike in a model's forward would
+    print eight interleaved copies). False, and nothing written, in a rank started otherwise (the user's own
+    torchrun: no launcher of ours to print it) or when the file cannot be written: then the rank prints it."""
+    import traceback
+
+    verdict, rank = os.environ.get(VERDICT_ENV), os.environ.get("RANK")
+    if not verdict or rank is None or not Path(verdict).parent.is_dir():
+        return False
+    try:
+        Path(verdict).with_name(_ERROR_FILE.format(rank=int(rank))).write_text("".join(traceback.format_exception(error)))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _reported_errors(folder: Path, first: int) -> str:
+    """The tracebacks the failed ranks left (:func:`report_error`), each different one once under the ranks that
+    raised it, the first failure's first; "" when none left one."""
+    texts: dict[str, list[int]] = {}
+    for path in folder.glob(_ERROR_FILE.format(rank="*")):
+        match = re.fullmatch(_ERROR_FILE.format(rank=r"(\d+)").replace(".", r"\."), path.name)
+        with contextlib.suppress(OSError):
+            if match:
+                texts.setdefault(path.read_text(errors="replace"), []).append(int(match.group(1)))
+    ordered = sorted(texts.items(), key=lambda tr: (first not in tr[1], min(tr[1])))
+    blocks = []
+    for text, ranks in ordered:
+        ranks.sort()
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        blocks.append(f"fourfold: {who} raised{' (the same error)' if len(ranks) > 1 else ''}:\n{text.rstrip()}")
+    return "\n".join(blocks)
 
 
 def _no_failed(record: logging.LogRecord) -> bool:

@@ -403,6 +403,16 @@ _LIBRARIES = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "
               if (p := sysconfig.get_paths().get(key))}
 
 
+def _uncaught(error: Exception, worker: bool) -> int:
+    """An error with a traceback to show. A rank that fourfold's launcher started leaves it to the launcher, which
+    prints each different traceback once with the ranks that raised it; otherwise it is raised here."""
+    from fourfold.elastic import report_error
+
+    if worker and report_error(error):
+        return 1
+    raise error
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -431,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             result = train(cfg)
     except ValueError as e:
         if not _raised_by_fourfold(e):
-            raise  # in your model, your data code or a library: the traceback says where
+            return _uncaught(e, worker)  # in your model, your data code or a library: the traceback says where
         print(f"fourfold train: error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:  # found by the rank that opened the file: the others stop with the job
@@ -439,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except CommError as e:
         if not e.peer_gone:
-            raise  # a timeout: the traceback shows where this rank waited
+            return _uncaught(e, worker)  # a timeout: the traceback shows where this rank waited
         print(f"fourfold train: {e}", file=sys.stderr)  # another rank's failure, echoed: one line, not a traceback
         return 1
     except HangFound:
@@ -452,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         if main_rank and not worker:
             print(f"fourfold train: interrupted (Ctrl-C); {_interrupted_note(cfg)}", file=sys.stderr, flush=True)
         return 130
+    except Exception as e:  # a bug in your model or data code (or in fourfold): its traceback
+        return _uncaught(e, worker)
     finally:
         if not worker:
             os.environ.pop(_LOCK_HELD, None)
