@@ -333,7 +333,8 @@ REFUSALS = {
     "plan_type": "TypeError: plan style 'column' shards an nn.Linear (or a GPT-2 Conv1D), got 'emb': Embedding",
     "plan_style": "plan style for 'fc1' must be one of column, column:<parts>, row, vocab, head",
     "plan_hf_style": "(or Hugging Face's colwise, rowwise, embedding_rowwise, colwise_gather_output, colwise_rep, "
-                     "replicate), got 'packed_colwise'. Shard that module with one of these, or leave it out",
+                     "replicate, replicated_with_grad_allreduce), got 'packed_colwise'. Shard that module with one "
+                     "of these, or leave it out",
     "plan_wildcard": "plan names a module the model does not have, got 'layers.*.fc1'. Linear and Embedding "
                      "modules: emb, fc1, fc2, out",
     "plan_tied": "'out.weight' is tied to 'emb', which the plan shards",

@@ -1,6 +1,6 @@
-"""Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP, a
-Hugging Face GPT-2 and a Llama (tiny configs, float64, 3 AdamW steps), each equal to the same model trained in
-one process: the losses and every parameter, by the model's own names, to 1e-9.
+"""Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
+Hugging Face GPT-2, Llama, Mistral, Qwen2 and Qwen3 (tiny configs, float64, 3 AdamW steps), each equal to the same
+model trained in one process: the losses and every parameter, by the model's own names, to 1e-9.
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
 and layout (module-level caches). Reading a failure: labels are ``model layout``. Wrong only under pp points
@@ -32,7 +32,11 @@ GPT2 = dict(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid
             attn_pdrop=0.0)
 LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16)
-MODELS = ("mlp", "gpt2", "llama")
+MISTRAL = {**LLAMA, "sliding_window": 16}  # the window reaches past the sequences: applied or not, the same
+QWEN2 = LLAMA  # its q/k/v have biases: column-parallel with their weights
+QWEN3 = {**LLAMA, "head_dim": 4}  # per-head q/k norms: whole on every rank, their gradients summed over tp
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+MODELS = ("mlp", *CONFIGS)
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
              "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"}),
@@ -48,7 +52,7 @@ def build(name: str) -> nn.Module:
                              nn.Linear(16, 64)).double()
     from fourfold.models.hf import build_hf
 
-    return build_hf(name, overrides=GPT2 if name == "gpt2" else LLAMA, dtype=torch.float64)
+    return build_hf(name, overrides=CONFIGS[name], dtype=torch.float64)
 
 
 def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:
@@ -118,3 +122,22 @@ CASES = [(world, i, f"{m} {lab}") for world, layouts in ((2, LAYOUTS_2), (4, LAY
 @pytest.mark.parametrize(("world", "index"), [c[:2] for c in CASES], ids=[c[2] for c in CASES])
 def test_layout_equals_one_process(world, index):
     _check(world, index)
+
+
+def test_a_sliding_window_the_pipeline_would_not_apply_is_refused_and_read_from_each_config():
+    import transformers
+
+    from fourfold.models import hf
+
+    model = build("mistral")
+    model.config.sliding_window = 4
+    h = torch.zeros(1, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sliding window of 4 tokens, which the pipeline's pieces does not apply, "
+                                         "got sequences of 8 tokens. Pass --seq-len 4"):
+        hf._llama_block(model, model.model.layers[0], h)  # a piece of the pipeline: a plain causal mask
+    assert hf._llama_block(model, model.model.layers[0], h[:, :4]).shape == (1, 4, 16)  # within it: the same
+    assert hf.sliding_window(transformers.MistralConfig(sliding_window=None)) is None
+    assert hf.sliding_window(transformers.Qwen2Config(sliding_window=4)) is None  # use_sliding_window off
+    windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                        num_hidden_layers=2)
+    assert [hf.sliding_window(windowed, i) for i in range(2)] == [None, 4] and hf.sliding_window(windowed) == 4

@@ -46,10 +46,12 @@ class TrainConfig:
     """How to train: steps, global batch, optimiser, layout, outputs."""
 
     model: str = field(default="tinygpt", metadata=_help(
-        "what to train: tinygpt (sized by the [model] flags), gpt2 or llama (Hugging Face, needs fourfold[hf]; "
-        "sized by --model-config), or MODULE:FACTORY, your own: FACTORY(**model_config) returns an nn.Module"))
+        "what to train: tinygpt (sized by the [model] flags), gpt2, llama, mistral, qwen2 or qwen3 (Hugging Face, "
+        "needs fourfold[hf]; sized by --model-config), or MODULE:FACTORY, your own: FACTORY(**model_config) "
+        "returns an nn.Module"))
     model_config: str | None = field(default=None, metadata=_help(
-        "with --model gpt2|llama: a JSON file of the Hugging Face config's keys (vocab_size, n_layer, ...); "
+        "with --model gpt2|llama|mistral|qwen2|qwen3: a JSON file of the Hugging Face config's keys (vocab_size, "
+        "n_layer, ...); "
         "with MODULE:FACTORY: a JSON file of the factory's keyword arguments"))
     steps: int = field(default=20, metadata=_help("optimiser steps to run"))
     batch_size: int = field(default=16, metadata=_help(
@@ -249,10 +251,12 @@ class TrainConfig:
 
         if self.model not in ("tinygpt", *FAMILIES) and not (
                 colon and all(p.isidentifier() for p in module.split(".")) and factory.isidentifier()):
-            raise ValueError(f"model must be tinygpt, gpt2, llama or MODULE:FACTORY (an importable module and a "
-                             f"function in it), got {self.model!r}. Pass --model gpt2, or --model mypkg.models:build")
+            raise ValueError(f"model must be tinygpt, {', '.join(FAMILIES)} or MODULE:FACTORY (an importable module "
+                             f"and a function in it), got {self.model!r}. Pass --model gpt2, or --model "
+                             "mypkg.models:build")
         if self.model_config is not None and self.model == "tinygpt":
-            raise ValueError(f"model_config sizes a gpt2, llama or MODULE:FACTORY model, got model_config="
+            raise ValueError(f"model_config sizes a Hugging Face ({', '.join(FAMILIES)}) or MODULE:FACTORY model, "
+                             f"got model_config="
                              f"{self.model_config!r} with model='tinygpt'. Size TinyGPT with --n-layer, --d-model, "
                              "..., or pass --model gpt2")
         from fourfold.data import is_token_file

@@ -7,6 +7,13 @@ nothing is downloaded: models are built from a config.
 * **Llama** (``LlamaForCausalLM``): RoPE, grouped-query attention, tied or untied head; its plan is the one the
   model carries (``model.tp_plan``, Hugging Face's vocabulary), read by
   :func:`~fourfold.parallel.tensor.tensor_parallel`.
+* **Mistral, Qwen2, Qwen3** (``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``): Llama's layout
+  (``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``) and the same decoder-layer call, so
+  Llama's split; Qwen2's q/k/v biases are column-parallel with their weights, Qwen3's per-head q/k norms are
+  replicated with their gradients summed over tp (its plan's ``replicated_with_grad_allreduce``). A sliding
+  window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``) is the model's own under dp and tp; the
+  pipeline's pieces and packed documents give attention a causal mask without it, so sequences longer than the
+  window are refused there (:func:`check_window`).
 
 Both attention modules find their head count from the (split) projection's width, so a column-parallel
 q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute that must follow.
@@ -25,8 +32,8 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["GPT2_PLAN", "build_hf", "check_tp", "examples", "gpt2_split", "hf_family", "llama_split",
-           "meta_kwargs", "prepare", "read_documents", "shard_fixups"]
+__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "check_tp", "check_window", "examples", "gpt2_split", "hf_family",
+           "llama_split", "meta_kwargs", "prepare", "read_documents", "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -37,11 +44,16 @@ GPT2_PLAN = {
     "lm_head": "head",  # tied to wte: both split by vocabulary rows
 }
 
-FAMILIES = ("gpt2", "llama")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+"""The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
+
+_CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
+            "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
+            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3")}
 
 
 def hf_family(model: nn.Module) -> str | None:
-    """``"gpt2"`` or ``"llama"`` for a Hugging Face causal LM of those families, else None."""
+    """The family (:data:`FAMILIES`) of a Hugging Face causal LM fourfold has a plan for, else None."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     return kind if kind in FAMILIES and hasattr(model, "lm_head") else None
@@ -132,6 +144,7 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     layout = current_layout()
     if layout is None:
         return None
+    check_window(getattr(module, "config", None), layout.positions.size(-1), "packing's mask of documents")
     return args, {**kwargs, "position_ids": layout.positions, "attention_mask": layout.mask}
 
 
@@ -163,7 +176,33 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
     return m.model.embed_tokens(ids)
 
 
+def sliding_window(config: Any, layer: int | None = None) -> int | None:
+    """The attention window of ``layer`` (of any layer: None) when the config gives it one, else None: Mistral's
+    ``sliding_window`` on every layer, Qwen2's on the layers its ``layer_types`` mark ``sliding_attention``."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in (types if layer is None else [types[layer]]):
+        return None
+    return int(window)
+
+
+def check_window(config: Any, tokens: int, where: str) -> None:
+    """Refuse ``tokens``-long sequences past the model's sliding window where fourfold gives attention a plain
+    causal (or packed documents') mask in place of the model's own: ``where`` says which."""
+    window = sliding_window(config)
+    if window is not None and tokens > window:
+        raise ValueError(f"{config.model_type} attends within a sliding window of {window} tokens, which {where} "
+                         f"does not apply, got sequences of {tokens} tokens. Pass --seq-len {window} (or less), "
+                         "train it without --pp and --pack (its own forward applies the window), or set "
+                         "sliding_window to null in --model-config.")
+
+
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    config = getattr(layer.self_attn, "config", None)  # a piece of the pipeline holds the layers, not the model
+    if sliding_window(config) is not None:
+        check_window(config, h.size(1), "the pipeline's pieces")
     pos = position_ids(h)
     pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
     rope = m.model.rotary_emb(h, pos)  # (cos, sin): no parameters
@@ -189,10 +228,11 @@ class Sizes(NamedTuple):
 
 
 def sizes(config: Any) -> Sizes:
-    """GPT-2's ``n_layer`` / ``n_positions`` and Llama's ``num_hidden_layers`` / ``max_position_embeddings``."""
+    """GPT-2's ``n_layer`` / ``n_positions`` and the others' ``num_hidden_layers`` / ``max_position_embeddings``."""
+    label = _CLASSES[config.model_type][2]
     if config.model_type == "gpt2":
-        return Sizes("GPT-2", config.vocab_size, config.n_layer, config.n_positions)
-    return Sizes("Llama", config.vocab_size, config.num_hidden_layers, config.max_position_embeddings)
+        return Sizes(label, config.vocab_size, config.n_layer, config.n_positions)
+    return Sizes(label, config.vocab_size, config.num_hidden_layers, config.max_position_embeddings)
 
 
 def examples(model: nn.Module) -> list[torch.Tensor]:
@@ -207,12 +247,13 @@ def examples(model: nn.Module) -> list[torch.Tensor]:
 
 def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, seed: int = 0,
              dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None) -> nn.Module:
-    """A freshly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` from a JSON config (the keys of
-    ``GPT2Config`` / ``LlamaConfig``); no weights are downloaded. Every rank builds the same one (``seed``)."""
+    """A freshly initialised causal LM of ``family`` (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) from a JSON
+    config (the keys of ``GPT2Config``, ``LlamaConfig``, ...); no weights are downloaded. Every rank builds the
+    same one (``seed``)."""
     config = hf_config(family, config_path, overrides)
     import transformers
 
-    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[family]
+    cls = getattr(transformers, _CLASSES[family][0])
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     prepare(model)
@@ -232,7 +273,7 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
     from fourfold.models.build import read_model_config
 
     values = {**read_model_config(config_path), **(overrides or {})}
-    cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[family]
+    cls = getattr(transformers, _CLASSES[family][1])
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below
     try:

@@ -99,7 +99,8 @@ def _kinds(model: nn.Module, shards: Mapping[str, str] | None) -> dict[int, str]
     from fourfold.parallel.tensor.plan import expand_plan
 
     styles = expand_plan(model, shards) if shards else {}
-    return {id(model.get_submodule(name)): style.split(":")[0] for name, style in styles.items() if style}
+    return {id(model.get_submodule(name)): style.split(":")[0] for name, style in styles.items()
+            if style and style != "partial"}  # partial: left whole
 
 
 def _shard_divisors(model: nn.Module, shards: Mapping[str, str] | None, tp: int) -> dict[int, int]:

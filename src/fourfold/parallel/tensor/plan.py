@@ -52,8 +52,8 @@ __all__ = [
 
 # Hugging Face's plan vocabulary (``model.tp_plan``) in fourfold's styles; "replicate" leaves a module whole.
 HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab", "colwise_gather_output": "head",
-             "colwise_rep": "head", "replicate": None}
-STYLES = ("column", "column:<parts>", "row", "vocab", "head")
+             "colwise_rep": "head", "replicate": None, "replicated_with_grad_allreduce": "partial"}
+STYLES = ("column", "column:<parts>", "row", "vocab", "head", "partial")
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | None]:
@@ -78,8 +78,8 @@ def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | No
 
 def _parse_style(name: str, style: str) -> tuple[str, int]:
     kind, _, parts = style.partition(":")
-    if kind in ("column", "row", "vocab", "head") and (not parts or (kind == "column" and parts.isdigit()
-                                                                     and int(parts) >= 1)):
+    if kind in ("column", "row", "vocab", "head", "partial") and (not parts or (kind == "column" and parts.isdigit()
+                                                                                and int(parts) >= 1)):
         return kind, int(parts or 1)
     hf = ", ".join(k for k in HF_STYLES)
     raise ValueError(f"plan style for {name!r} must be one of {', '.join(STYLES)} (or Hugging Face's {hf}), "
@@ -95,19 +95,26 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
     weight of 3 parts side by side (q|k|v), each split p ways; ``"row"``: -> :class:`RowParallelLinear` (its
     input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
     ``"head"``: a column layer whose output is the logits (the engine's loss reads them split; any other
-    caller gets them gathered). Names may hold ``*`` wildcards, and Hugging Face's style names are read too
-    (``colwise``, ``rowwise``, ``embedding_rowwise``, ``colwise_gather_output``). A weight two modules share
+    caller gets them gathered); ``"partial"``: a module left whole that sees only this rank's part of a split
+    activation (Qwen3's per-head q/k norms: this rank's heads), so its gradients are summed over tp after
+    backward (listed in ``model.partial_grad_names``, as sequence parallelism's). Names may hold ``*``
+    wildcards, and Hugging Face's style names are read too (``colwise``, ``rowwise``, ``embedding_rowwise``,
+    ``colwise_gather_output``, ``replicated_with_grad_allreduce``). A weight two modules share
     (a tied embedding and head: both split by rows of W) stays one shared Parameter. ``sequence_parallel`` is
     for models that run their non-parallel parts on sequence shards themselves (as TinyGPT's plan does).
     Returns ``model``.
     """
     # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
     sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
+    partial: list[str] = []
     for name, style in expand_plan(model, plan).items():
         if style is None:
             continue
         module = model.get_submodule(name)
         kind, parts = _parse_style(name, style)
+        if kind == "partial":  # whole on every rank; its gradient a partial sum until summed over tp
+            partial += [f"{name}.{p}" for p, q in module.named_parameters() if q.requires_grad]
+            continue
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
         linear = type(module) is nn.Linear or is_conv1d(module)
         if kind in ("column", "head") and linear:
@@ -138,6 +145,8 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
             raise ValueError(f"{name!r} is tied to {sharded[id(param)][0]!r}, which the plan shards, so it "
                              f"would keep the full weight and train apart. Add {name.rpartition('.')[0]!r} to "
                              "the plan")
+    if partial:
+        setattr(model, "partial_grad_names", (*getattr(model, "partial_grad_names", ()), *partial))  # noqa: B010
     return model
 
 
