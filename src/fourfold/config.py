@@ -27,6 +27,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
@@ -53,6 +54,10 @@ class TrainConfig:
         "with --model gpt2|llama|mistral|qwen2|qwen3: a JSON file of the Hugging Face config's keys (vocab_size, "
         "n_layer, ...); "
         "with MODULE:FACTORY: a JSON file of the factory's keyword arguments"))
+    init_from: str | None = field(default=None, metadata=_help(
+        "start from these weights: a Hugging Face model directory (config.json and model.safetensors, as "
+        "save_pretrained writes; it sizes the model, with --model its family), a .safetensors file, or a torch "
+        "state dict (.pt, a run's model.pt); checked against the model before launch, nothing downloaded"))
     steps: int = field(default=20, metadata=_help("optimiser steps to run"))
     batch_size: int = field(default=16, metadata=_help(
         "global batch: sequences per optimiser step, summed over data-parallel ranks"))
@@ -254,6 +259,8 @@ class TrainConfig:
             raise ValueError(f"model must be tinygpt, {', '.join(FAMILIES)} or MODULE:FACTORY (an importable module "
                              f"and a function in it), got {self.model!r}. Pass --model gpt2, or --model "
                              "mypkg.models:build")
+        if self.init_from is not None:
+            self._check_init_from(FAMILIES)
         if self.model_config is not None and self.model == "tinygpt":
             raise ValueError(f"model_config sizes a Hugging Face ({', '.join(FAMILIES)}) or MODULE:FACTORY model, "
                              f"got model_config="
@@ -268,6 +275,30 @@ class TrainConfig:
                              f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
+
+    def _check_init_from(self, families: tuple[str, ...]) -> None:
+        """A Hugging Face directory sizes the model itself: its ``model_type`` must be ``model``, with no
+        ``model_config`` beside it; a file must exist (its names and shapes are checked before launch)."""
+        from fourfold.models.weights import SUFFIXES, hf_directory
+
+        config = hf_directory(self.init_from or "")
+        if config is None:
+            if not Path(self.init_from or "").is_file() or Path(self.init_from or "").suffix not in SUFFIXES:
+                raise ValueError(f"init_from must be a Hugging Face model directory or a weights file "
+                                 f"({', '.join(SUFFIXES)}), got {self.init_from!r}. Pass save_pretrained's "
+                                 "directory, a .safetensors file, or a run's model.pt.")
+            return
+        kind = config.get("model_type")
+        if kind not in families:
+            raise ValueError(f"init_from's config.json must be of a family fourfold has a plan for ({', '.join(families)}), "
+                             f"got model_type={kind!r} in {self.init_from!r}. Pass a model of your own as "
+                             "--model MODULE:FACTORY with --init-from its .safetensors file.")
+        if self.model != kind:
+            raise ValueError(f"init_from holds a {kind} model (its config.json's model_type), got model="
+                             f"{self.model!r}. Pass --model {kind}.")
+        if self.model_config is not None:
+            raise ValueError(f"init_from's config.json sizes the model, got model_config={self.model_config!r} "
+                             "beside it. Drop --model-config (or edit the directory's config.json).")
 
 
 LAB_ENV = "FOURFOLD_LAB_"

@@ -55,6 +55,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
                          f"got model={t.model!r}. Drop --sequence-parallel.")
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
+    if t.init_from is not None:
+        _check_init_from(cfg)
     if t.pack != "none" and t.data is not None and is_token_file(t.data):
         raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none.")
@@ -112,6 +114,19 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
                              f"got {high:,} in {t.data} read as --data-dtype {t.data_dtype}. Pass the --data-dtype "
                              "the file was written with (nanoGPT's .bin files: uint16).")
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+
+
+def _check_init_from(cfg: Config) -> None:
+    """``--init-from``'s names and shapes against the model's, the weights' data left unread (built on the meta
+    device where it can be, else without its weights)."""
+    from fourfold.models.weights import check_weights, stored_shapes
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, "meta")
+    except Exception:  # a model of your own that cannot be built on meta
+        model = build_model(cfg, weights=False)
+    check_weights(model, stored_shapes(cfg.train.init_from or ""), repr(cfg.train.init_from))
 
 
 def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int) -> ModelInfo:

@@ -58,7 +58,7 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
 
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
-    model = build_model(cfg)
+    model = build_model(cfg, weights=False)  # sizes and activations: the weights' values do not matter
     family = family_of(model)
     split = family.split(model) if family is not None and family.split is not None else None
     try:
@@ -214,7 +214,7 @@ def _ranking(argv: list[str]) -> int:
                 with torch.device("meta"):  # any size: nothing is allocated
                     model = build_model(cfg, device="meta")
         else:
-            model = build_model(cfg)
+            model = build_model(cfg, weights=False)
             cost_model = CostModel.load()
             links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
             if ns.lab is not None:  # below, too: the first layout's command is the lab's own

@@ -54,7 +54,7 @@ def model_info(cfg: Any) -> ModelInfo:
     if name in FAMILIES:
         from fourfold.models.hf import hf_config, sizes
 
-        s = sizes(hf_config(name, cfg.train.model_config))
+        s = sizes(hf_config(name, model_config_path(cfg.train)))
         return ModelInfo(s.label, s.vocab_size, s.layers + 2, s.positions)
     _factory(name)  # importable, callable: checked now
     return ModelInfo(name, None, None, None)
@@ -99,7 +99,7 @@ def check_model(cfg: Any, tp: int, stages: int) -> ModelInfo:
     if cfg.train.model in FAMILIES:
         from fourfold.models.hf import check_tp, check_window, hf_config
 
-        config = hf_config(cfg.train.model, cfg.train.model_config)
+        config = hf_config(cfg.train.model, model_config_path(cfg.train))
         check_tp(config, tp)
         if cfg.train.pp > 1:
             check_window(config, cfg.model.seq_len, "the pipeline's pieces")
@@ -136,8 +136,27 @@ def built_info(info: ModelInfo, model: nn.Module) -> ModelInfo:
     return replace(info, vocab_size=first.num_embeddings) if first is not None else info
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
-    """The run's model, as every rank and the one-process reference build it (same config, same seed)."""
+def model_config_path(t: Any) -> str | None:
+    """The JSON file that sizes a Hugging Face model: ``--model-config``, or ``--init-from``'s directory's
+    ``config.json``."""
+    if t.model_config is None and t.init_from is not None and os.path.isdir(t.init_from):
+        return os.path.join(t.init_from, "config.json")
+    return t.model_config
+
+
+def build_model(cfg: Any, device: torch.device | str = "cpu", *, weights: bool = True) -> nn.Module:
+    """The run's model, as every rank and the one-process reference build it (same config, same seed), with
+    ``--init-from``'s weights loaded unless ``weights`` is False (an estimate's model) or it is built on the meta
+    device (shapes only)."""
+    model = _build(cfg, device)
+    if cfg.train.init_from is not None and weights and torch.device(device).type != "meta":
+        from fourfold.models.weights import load_weights
+
+        load_weights(model, cfg.train.init_from)
+    return model
+
+
+def _build(cfg: Any, device: torch.device | str) -> nn.Module:
     t = cfg.train
     dtype = DTYPES[t.dtype]
     if t.model == "tinygpt":
@@ -145,7 +164,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     if t.model in FAMILIES:
         from fourfold.models.hf import build_hf
 
-        return build_hf(t.model, t.model_config, seed=t.seed, dtype=dtype).to(device)
+        return build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype).to(device)
     torch.manual_seed(t.seed)
     factory, kwargs = _factory(t.model), read_model_config(t.model_config)
     try:

@@ -1,0 +1,106 @@
+"""``--init-from``: a run starts from stored weights under any layout, and the one-process re-run of ``--verify``
+from the same ones. The check is exact: a run of one step at ``--lr 1e-30`` ends where it started (Adam moves a
+weight by about lr), so its ``model.pt`` must equal what it loaded to 1e-20 after the layout cut the model and
+gathered it again. Names and shapes that do not fit the model are refused before launch, one line each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fourfold import train as train_mod
+from fourfold.checkpoint import load_checkpoint
+
+SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--dtype", "float64", "--no-progress", "--no-trace"]
+STILL = ["--steps", "1", "--lr", "1e-30"]  # one step that moves no weight by more than ~1e-30
+GPT2 = {"vocab_size": 256, "n_positions": 16, "n_embd": 16, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, value in want.items():
+        assert name in got, name
+        assert torch.allclose(got[name].double(), value.double(), rtol=0, atol=1e-20), name
+
+
+@pytest.mark.timeout(240)
+def test_a_runs_weights_start_another_run_under_a_3d_layout_and_its_verify(tmp_path, capfd):
+    first = tmp_path / "first"
+    assert train_mod.main([*SMALL, "--steps", "2", "--out", str(first)]) == 0
+    second = tmp_path / "second"
+    assert train_mod.main([*SMALL, *STILL, "--init-from", str(first / "model.pt"), "--nproc", "4", "--tp", "2",
+                           "--pp", "2", "--microbatches", "2", "--verify", "1", "--out", str(second)]) == 0
+    assert "verify: OK" in capfd.readouterr().out
+    _same(load_checkpoint(second / "model.pt")["model"], load_checkpoint(first / "model.pt")["model"])
+    assert json.loads((second / "run.json").read_text())["config"]["train"]["init_from"] == str(first / "model.pt")
+
+
+@pytest.mark.timeout(240)
+def test_a_hugging_face_directory_sizes_the_model_and_its_tied_head_stored_once_is_filled(tmp_path, capfd):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from fourfold.models.hf import build_hf
+
+    folder = tmp_path / "gpt2"
+    build_hf("gpt2", overrides=GPT2, seed=3).save_pretrained(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in stored  # tied to the token embedding: save_pretrained keeps one
+    out = tmp_path / "run"
+    assert train_mod.main(["--model", "gpt2", "--init-from", str(folder), *STILL, "--seq-len", "16",
+                           "--batch-size", "8", "--dtype", "float64", "--no-progress", "--no-trace", "--nproc", "2",
+                           "--pp", "2", "--microbatches", "2", "--verify", "1", "--out", str(out)]) == 0
+    assert "verify: OK" in capfd.readouterr().out
+    got = load_checkpoint(out / "model.pt")["model"]
+    _same(got, stored)
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])
+    # the same weights in shards (model.safetensors.index.json), read in one process
+    sharded = tmp_path / "sharded"
+    build_hf("gpt2", overrides=GPT2, seed=3).save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").exists() and not (sharded / "model.safetensors").exists()
+    assert train_mod.main(["--model", "gpt2", "--init-from", str(sharded), *STILL, "--seq-len", "16",
+                           "--batch-size", "8", "--dtype", "float64", "--no-progress", "--no-trace",
+                           "--out", str(tmp_path / "one")]) == 0
+    _same(load_checkpoint(tmp_path / "one" / "model.pt")["model"], stored)
+
+
+def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from fourfold.models.hf import build_hf
+
+    run = tmp_path / "small"
+    assert train_mod.main([*SMALL, "--steps", "1", "--out", str(run)]) == 0
+    state = load_checkpoint(run / "model.pt")["model"]
+    torch.save({k: v for k, v in state.items() if not k.startswith("blocks.1.")}, tmp_path / "part.pt")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    folder = tmp_path / "gpt2"
+    build_hf("gpt2", overrides=GPT2).save_pretrained(folder)
+    (tmp_path / "config.json").write_text("{}")
+    wider = [*SMALL[:2], "--d-model", "64", *SMALL[4:]]
+    cases = [
+        ([*wider, "--init-from", str(run / "model.pt")], "init_from '"),
+        ([*wider, "--init-from", str(run / "model.pt")], "of another shape: embed.wte.weight [256, 32] (the "
+                                                          "model's: [256, 64])"),
+        ([*SMALL, "--init-from", str(tmp_path / "part.pt")], "missing: blocks.1."),
+        ([*SMALL, "--init-from", str(tmp_path / "list.pt")], "must hold a state dict ({name: tensor}), got a list"),
+        ([*SMALL, "--init-from", str(tmp_path / "nowhere.pt")], "init_from must be a Hugging Face model directory or "
+                                                                 "a weights file"),
+        ([*SMALL, "--init-from", str(folder)], "init_from holds a gpt2 model (its config.json's model_type), got "
+                                                "model='tinygpt'. Pass --model gpt2."),
+        (["--model", "gpt2", "--model-config", str(tmp_path / "config.json"), "--init-from", str(folder)],
+         "init_from's config.json sizes the model"),
+        ([*SMALL, "--init-from", str(tmp_path)], "init_from's config.json must be of a family fourfold has a plan "
+                                                  "for (gpt2, llama, mistral, qwen2, qwen3), got model_type=None"),
+        ([*SMALL, "--nproc", "2", "--init-from", str(run / "checkpoints")], "without a readable config.json"),
+    ]
+    for argv, message in cases:
+        try:
+            code = train_mod.main([*argv, "--out", str(tmp_path / "refused")])
+        except SystemExit as e:  # refused by the flag parser
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (argv, err)
+        assert not (tmp_path / "refused").exists()
