@@ -166,6 +166,10 @@ def test_ctrl_c_ends_a_machine_waiting_for_the_others_at_once(tmp_path):
     (["--strategy", "model"], "strategy 'model' places layers on pipeline ranks, got pp=1"),
     (["--nproc", "2", "--tp", "2", "--n-head", "3", "--d-model", "33"], "divisible by tp"),
     (["--vocab-size", "100"], "tokenizer makes ids 0..255, got vocab_size=100 in TinyGPT. Pass --vocab-size 256"),
+    # one process draws other dropout masks than the ranks: a correct layout would be called a mismatch
+    (["--nproc", "2", "--dropout", "0.1", "--verify", "1"], "verify compares the layout with one process, which "
+     "draws other dropout masks, so any dropout makes them differ however right the layout is, got dropout=0.1, "
+     "embed.drop (p=0.1)"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, message):
     start = time.perf_counter()

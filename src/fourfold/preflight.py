@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fourfold.checkpoint.resume import (
     changed_settings,
@@ -57,6 +58,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
     if t.init_from is not None:
         _check_init_from(cfg)
+    if t.verify and world_size > 1:  # one process's re-run of one process draws the same masks
+        _check_no_dropout(cfg)
     if t.pack != "none" and t.data is not None and is_token_file(t.data):
         raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none.")
@@ -114,6 +117,34 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
                              f"got {high:,} in {t.data} read as --data-dtype {t.data_dtype}. Pass the --data-dtype "
                              "the file was written with (nanoGPT's .bin files: uint16).")
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+
+
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout")
+"""Hugging Face config keys of dropout probabilities (attention's is applied inside its kernel, by no module)."""
+
+
+def _check_no_dropout(cfg: Config) -> None:
+    """``--verify`` compares with one process, which draws other dropout masks than the layout's ranks: with any
+    dropout the differences are the masks', and a correct layout would be called a mismatch. Refused, naming
+    where the probability is set."""
+    t = cfg.train
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, "meta")
+    except Exception:  # a model of your own that cannot be built on meta: each rank builds it
+        return
+    config = getattr(model, "config", None)
+    found = [f"{key}={getattr(config, key)}" for key in DROPOUT_KEYS
+             if isinstance(getattr(config, key, None), float) and getattr(config, key) > 0]
+    found += [f"{name} (p={m.p})" for name, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
+    if found:
+        fix = ("Pass --dropout 0" if t.model == "tinygpt" else
+               "Set them to 0 in --model-config" if config is not None else "Build the model with dropout 0")
+        raise ValueError(f"verify compares the layout with one process, which draws other dropout masks, so any "
+                         f"dropout makes them differ however right the layout is, got {', '.join(found[:4])}"
+                         f"{f' and {len(found) - 4} more' if len(found) > 4 else ''}. {fix} for --verify, or "
+                         "drop --verify.")
 
 
 def _check_init_from(cfg: Config) -> None:

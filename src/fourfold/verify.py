@@ -25,6 +25,10 @@ dp2, 0.04-0.06 at tp2). Lossy gradient compression (``--compress``): each step's
 by design, not equal (the reference runs uncompressed; int8 measured 0.07-0.12, PowerSGD's low-rank update
 more), so losses are judged as bf16's and the parameters shown, not judged.
 
+Dropout: one process draws other masks than the layout's ranks, so a correct layout differs by the masks. A run of
+several ranks with ``--verify`` and any dropout (a ``nn.Dropout`` with p > 0, or a Hugging Face config's
+``attention_dropout``, ``resid_pdrop``, ...) is refused before launch (:mod:`fourfold.preflight`).
+
 What no check of Adam's parameters can see: a gradient scaled by a constant (a sum taken twice, a mean
 divided twice). Adam's update does not depend on the gradient's scale, except through its eps; float64's
 1e-10 sees that, float32's rounding hides it.
