@@ -104,3 +104,17 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
         err = capsys.readouterr().err
         assert code == 2 and message in err, (argv, err)
         assert not (tmp_path / "refused").exists()
+
+
+def test_a_directorys_own_tokenizer_is_the_default_for_text(tmp_path):
+    from fourfold.config import TrainConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == "bytes"  # none there
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == str(tmp_path / "tokenizer.json")
+    assert TrainConfig(model="llama", init_from=str(tmp_path), tokenizer="bpe:300").tokenizer == "bpe:300"  # given
+    ids = tmp_path / "ids.npy"
+    ids.write_bytes(b"")  # token ids are used as they are: no tokenizer
+    assert TrainConfig(model="llama", init_from=str(tmp_path), data=str(ids)).tokenizer == "bytes"

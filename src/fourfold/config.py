@@ -136,7 +136,8 @@ class TrainConfig:
         "standard library's source"))
     tokenizer: str = field(default="bytes", metadata=_help(
         "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
-        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json)"))
+        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). With "
+        "--init-from a directory holding a tokenizer.json, that one unless given"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
     activation_checkpointing: str = field(default="none", metadata=_help(
@@ -299,6 +300,12 @@ class TrainConfig:
         if self.model_config is not None:
             raise ValueError(f"init_from's config.json sizes the model, got model_config={self.model_config!r} "
                              "beside it. Drop --model-config (or edit the directory's config.json).")
+        from fourfold.data import is_token_file
+
+        own = Path(self.init_from or "") / "tokenizer.json"
+        text = self.data is None or not is_token_file(self.data)  # token ids are used as they are
+        if self.tokenizer == "bytes" and own.is_file() and text:  # its weights learnt its own ids, not bytes
+            object.__setattr__(self, "tokenizer", str(own))
 
 
 LAB_ENV = "FOURFOLD_LAB_"

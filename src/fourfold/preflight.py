@@ -217,6 +217,9 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     _resume_note(cfg, mesh, world_size)
     _unused_note(cfg, mesh)
     t = cfg.train
+    if t.init_from is not None and t.tokenizer == str(Path(t.init_from) / "tokenizer.json"):
+        print(f"fourfold train: text becomes ids by {t.tokenizer}, the tokenizer of --init-from's model",
+              file=sys.stderr, flush=True)
     if world_size > 1 and t.hang_threshold >= t.timeout:
         print(f"fourfold train: note: --hang-threshold {t.hang_threshold:g} s is not below --timeout {t.timeout:g} "
               "s, so a stuck run ends at the timeout, whose error names the operation, before the hang doctor can "

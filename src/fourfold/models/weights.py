@@ -1,7 +1,7 @@
 """``--init-from``: a run's first weights from a file, loaded into the whole model every rank builds, before any
 strategy cuts it (so every layout starts from them, and ``--verify``'s one process too).
 
-    fourfold train --model llama --init-from ./my-llama --tokenizer ./my-llama/tokenizer.json --data my.jsonl ...
+    fourfold train --model llama --init-from ./my-llama --data my.jsonl ...   # its tokenizer.json, by default
     fourfold train --init-from runs/first/model.pt --steps 200 ...         # go on from a finished run's weights
 
 What can be read:
