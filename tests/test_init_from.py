@@ -118,3 +118,39 @@ def test_a_directorys_own_tokenizer_is_the_default_for_text(tmp_path):
     ids = tmp_path / "ids.npy"
     ids.write_bytes(b"")  # token ids are used as they are: no tokenizer
     assert TrainConfig(model="llama", init_from=str(tmp_path), data=str(ids)).tokenizer == "bytes"
+
+
+def test_an_init_from_run_exports_to_a_directory_from_pretrained_loads_and_resumes_without_the_flag(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM
+
+    from fourfold.cli.export import main as export
+    from fourfold.models.hf import build_hf
+
+    folder = tmp_path / "gpt2"
+    build_hf("gpt2", overrides=GPT2, seed=3).save_pretrained(folder)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["some text"], trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    run = tmp_path / "run"
+    flags = ["--seq-len", "16", "--batch-size", "4", "--dtype", "float64", "--no-progress", "--no-trace"]
+    assert train_mod.main(["--model", "gpt2", "--init-from", str(folder), "--steps", "2", "--checkpoint-every", "1",
+                           *flags, "--out", str(run)]) == 0
+    assert "text becomes ids by " + str(folder / "tokenizer.json") in capsys.readouterr().err
+    out = tmp_path / "hf"
+    assert export([str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).state_dict()
+    _same(loaded, load_checkpoint(run / "model.pt")["model"])
+    assert export([str(run), "--out", str(out)]) == 2  # never over files of yours
+    assert "out must be a new or empty directory" in capsys.readouterr().err
+    # a resume builds the model from the directory's config.json again, with no --init-from given
+    assert train_mod.main(["--resume", str(run), "--steps", "3", *flags, "--out", str(run)]) == 0
+    folder.rename(tmp_path / "moved")
+    with pytest.raises(SystemExit) as refused:  # by the flags' parser, as the checkpoint's settings are taken
+        train_mod.main(["--resume", str(run), "--steps", "4", *flags, "--out", str(run)])
+    assert refused.value.code == 2
+    assert f"sized by --init-from {folder}'s config.json, which is gone" in capsys.readouterr().err

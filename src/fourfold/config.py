@@ -397,9 +397,13 @@ class Config:
 
     @functools.cached_property
     def model_config_values(self) -> dict[str, Any] | None:
-        """``--model-config``'s JSON object, read once (the first :meth:`record`, as the run starts): a file
-        edited or removed mid-run changes nothing the run writes down, and costs no checkpoint."""
-        return read_model_config(self.train.model_config) if self.train.model_config is not None else None
+        """``--model-config``'s JSON object (or ``--init-from``'s directory's ``config.json``), read once (the first
+        :meth:`record`, as the run starts): a file edited or removed mid-run changes nothing the run writes down,
+        and costs no checkpoint."""
+        from fourfold.models.build import model_config_path
+
+        path = model_config_path(self.train)
+        return read_model_config(path) if path is not None else None
 
     def record(self) -> dict[str, Any]:
         """What a run writes down (run.json, checkpoints, model.pt): :meth:`to_dict`, and ``--model-config``'s

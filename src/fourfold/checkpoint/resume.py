@@ -47,6 +47,16 @@ def take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
         hint = f"its keys are {json.dumps(written)}: write them" if written is not None else "write its keys"
         raise ValueError(f"resume: the checkpoint's model was built from --model-config {path}, which is gone; "
                          f"{hint} to a file and pass --model-config FILE.")
+    # a model sized by --init-from's directory (its config.json, recorded as model_config_values) is built from it
+    # again; the checkpoint holds the weights. A weights file sized nothing: the resumed run needs none.
+    start = saved.get("train", {}).get("init_from")
+    sized_by_it = start is not None and written is not None and saved.get("train", {}).get("model_config") is None
+    if sized_by_it and t.get("model_config") is None and t.get("init_from") in (None, start):
+        t["init_from"] = start
+    if sized_by_it and t.get("init_from") == start and not os.path.isdir(start):
+        raise ValueError(f"resume: the checkpoint's model was sized by --init-from {start}'s config.json, which is "
+                         "gone (the checkpoint holds the weights). Put it back, or pass --init-from DIR where it is "
+                         "now.")
 
 
 def _train_default(key: str) -> Any:
@@ -90,7 +100,8 @@ def _same_model_config(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     if saved.get("model_config_values") is not None:
         return bool(saved["model_config_values"] == here.get("model_config_values"))
     path = saved.get("train", {}).get("model_config")
-    return path is not None and os.path.abspath(path) == here["train"]["model_config"]
+    return path is not None and here["train"]["model_config"] is not None and \
+        os.path.abspath(path) == os.path.abspath(here["train"]["model_config"])
 
 
 CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_decay", "min_lr", "max_grad_norm",

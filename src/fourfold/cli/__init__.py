@@ -25,6 +25,8 @@ COMMANDS = {
                  "fourfold schedule --schedule 1f1b"),
     "lab": ("fourfold.cli.lab", "an emulated cluster (namespaces, shaped links; root): fourfold lab run --nodes 2 "
             "-- fourfold train"),
+    "export": ("fourfold.cli.export", "a run's final weights as a Hugging Face directory (model.safetensors, "
+               "config.json, tokenizer.json): fourfold export runs/x --out runs/x-hf"),
     "plan": ("fourfold.cli.plan", "which layout: every one that fits, fastest first (fourfold plan --gpus 64 "
              "--gpu-mem 80GB --link 400gbit), or one's memory (plan --memory --nproc 4 --zero 2)"),
 }

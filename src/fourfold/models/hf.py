@@ -32,7 +32,7 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "check_tp", "check_window", "examples", "gpt2_split", "hf_family",
+__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_tp", "check_window", "examples", "gpt2_split", "hf_family",
            "llama_split", "meta_kwargs", "prepare", "read_documents", "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
@@ -50,6 +50,13 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3")}
+
+
+def causal_lm_class(family: str) -> Any:
+    """The transformers class of ``family``'s causal LM (``LlamaForCausalLM``, ...)."""
+    import transformers
+
+    return getattr(transformers, _CLASSES[family][0])
 
 
 def hf_family(model: nn.Module) -> str | None:
@@ -251,9 +258,8 @@ def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, 
     config (the keys of ``GPT2Config``, ``LlamaConfig``, ...); no weights are downloaded. Every rank builds the
     same one (``seed``)."""
     config = hf_config(family, config_path, overrides)
-    import transformers
 
-    cls = getattr(transformers, _CLASSES[family][0])
+    cls = causal_lm_class(family)
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     prepare(model)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WEIGHT_FILES", "hf_directory", "load_weights", "read_weights", "stored_shapes", "check_weights"]
+__all__ = ["WEIGHT_FILES", "check_weights", "hf_directory", "load_weights", "read_weights", "safetensors_module",
+           "stored_shapes", "tied_names", "weight_problems"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 """A Hugging Face directory's weights, in the order they are looked for."""
@@ -79,7 +80,8 @@ def _files(path: Path) -> list[Path]:
                      "Save the model there with save_pretrained.")
 
 
-def _safetensors() -> Any:
+def safetensors_module() -> Any:
+    """The safetensors package, or a ValueError saying how to install it."""
     try:
         import safetensors.torch
     except ImportError:
@@ -109,7 +111,7 @@ def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
-            with _safetensors().safe_open(str(f), framework="pt") as opened:
+            with safetensors_module().safe_open(str(f), framework="pt") as opened:
                 shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in opened.keys()})  # noqa: SIM118
         else:
             shapes.update({k: tuple(v.shape) for k, v in _torch_file(f).items()})
@@ -120,11 +122,11 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The weights stored at ``path`` (every shard of a directory), on the CPU."""
     state: dict[str, torch.Tensor] = {}
     for f in _files(Path(path)):
-        state.update(_safetensors().torch.load_file(str(f)) if f.suffix == ".safetensors" else _torch_file(f))
+        state.update(safetensors_module().torch.load_file(str(f)) if f.suffix == ".safetensors" else _torch_file(f))
     return state
 
 
-def _tied(model: nn.Module) -> dict[str, set[str]]:
+def tied_names(model: nn.Module) -> dict[str, set[str]]:
     """name -> the other names of the same tensor (a weight two modules share)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -133,11 +135,21 @@ def _tied(model: nn.Module) -> dict[str, set[str]]:
 
 
 def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Refuse ``shapes`` (name -> shape, as stored at ``source``) that do not fill ``model`` exactly: every entry of
-    its state dict present (a tied weight once is enough) with its shape, and nothing else but buffers the model
-    computes itself (:data:`COMPUTED`). The message names the first few of each kind."""
+    """Refuse ``shapes`` (name -> shape, as stored at ``source``) that do not fill ``model`` exactly
+    (:func:`weight_problems`), naming the first few of each kind."""
+    problems = weight_problems(model, shapes)
+    if problems:
+        raise ValueError(f"init_from {source} must hold the model's weights by its own names and shapes, got "
+                         f"{problems}. Build the model these weights were saved from (the same "
+                         "--model and --model-config, or the directory's config.json).")
+
+
+def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What keeps ``shapes`` (name -> shape) from filling ``model`` exactly, "" when nothing: every entry of its
+    state dict present (a tied weight once is enough) with its shape, and nothing else but buffers the model
+    computes itself (:data:`COMPUTED`); the first few names of each kind."""
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    tied = _tied(model)
+    tied = tied_names(model)
     missing = [n for n in expected if n not in shapes and not tied.get(n, set()) & shapes.keys()]
     unexpected = [n for n in shapes if n not in expected and not n.endswith(COMPUTED)]
     wrong = [f"{n} {list(shapes[n])} (the model's: {list(expected[n])})" for n in expected
@@ -147,10 +159,7 @@ def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], sourc
         if names:
             problems.append(f"{len(names)} {what}: {', '.join(names[:4])}"
                             + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
-    if problems:
-        raise ValueError(f"init_from {source} must hold the model's weights by its own names and shapes, got "
-                         f"{'; '.join(problems)}. Build the model these weights were saved from (the same "
-                         "--model and --model-config, or the directory's config.json).")
+    return "; ".join(problems)
 
 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
