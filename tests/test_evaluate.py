@@ -78,3 +78,23 @@ def test_the_held_out_loss_under_a_layout_is_one_processs(tmp_path: Path, layout
     for a, b in zip(rows["one"], rows["two"], strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-10, (a["loss"], b["loss"])
         assert abs(a.get("eval_loss", 0.0) - b.get("eval_loss", 0.0)) < 1e-10, (a, b)
+
+
+def test_the_held_out_loss_counts_each_token_once_whatever_packed_batch_it_fell_in():
+    from types import SimpleNamespace
+
+    from fourfold.data.loader import Batch
+    from fourfold.observe.trace import Tracer
+    from fourfold.train import _evaluate
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    batches = [Batch(ids, ids, torch.zeros(1, 4, dtype=torch.long), num_tokens=10),
+               Batch(ids, ids, torch.zeros(1, 4, dtype=torch.long), num_tokens=30)]
+    losses = iter([1.0, 4.0])  # each batch's mean over its own real tokens
+    engine = SimpleNamespace(evaluate=lambda *a, **k: torch.tensor(next(losses)))
+    loader = SimpleNamespace(eval_batch=lambda i: batches[i])
+    assert _evaluate(engine, loader, 2, torch.device("cpu"), Tracer(0, enabled=False)) == (10 * 1 + 30 * 4) / 40
+    windows = [Batch(ids, ids), Batch(ids, ids)]  # equal targets in each: the plain mean
+    losses = iter([1.0, 4.0])
+    loader = SimpleNamespace(eval_batch=lambda i: windows[i])
+    assert _evaluate(engine, loader, 2, torch.device("cpu"), Tracer(0, enabled=False)) == 2.5

@@ -280,14 +280,18 @@ def _stop(metrics_file: Any, row: dict[str, Any], error: str, e: NonFiniteLoss) 
 
 def _evaluate(engine: Engine, loader: BatchLoader | DocumentLoader, batches: int, device: torch.device,
               tracer: Tracer) -> float:
-    """The mean loss of the held-out batches (``--eval-batches``), forward only (:meth:`Engine.evaluate`),
-    untraced: a step's spans and time are its training's alone."""
-    losses = []
+    """The mean loss per held-out token (``--eval-batches``), forward only (:meth:`Engine.evaluate`), untraced:
+    a step's spans and time are its training's alone. Windows' batches hold equal numbers of targets; packed
+    ones are weighted by their real tokens, so each token counts once whatever batch it fell in."""
+    total = weight = 0.0
     with tracer.paused():
         for i in range(batches):
-            args, kwargs = loader.eval_batch(i).step_args(device)
-            losses.append(engine.evaluate(*args, **kwargs).item())
-    return sum(losses) / len(losses)
+            batch = loader.eval_batch(i)
+            args, kwargs = batch.step_args(device)
+            tokens = float(batch.num_tokens) if batch.num_tokens is not None else 1.0
+            total += engine.evaluate(*args, **kwargs).item() * tokens
+            weight += tokens
+    return total / weight
 
 
 def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
