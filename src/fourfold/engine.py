@@ -10,6 +10,7 @@ the optimiser step.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -371,6 +372,12 @@ class Engine:
         if self.mesh.tp > 1:  # gather_full makes new tensors
             return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group).items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    @functools.cached_property
+    def grad_copies(self) -> dict[int, int]:
+        """How many ranks of one replica hold each of this rank's parameters (:func:`fourfold.gradnorm.copies`):
+        fixed once the model is cut, so found once."""
+        return gradnorm.copies(self)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """The whole model's gradient norm, as one process computes it (:mod:`fourfold.gradnorm`): every copy

@@ -55,7 +55,7 @@ def pieces(engine: Engine) -> Iterator[tuple[torch.Tensor, int]]:
     Under ZeRO the gradients are the segments' (``shard.grad``), each a run of several parameters; a segment is
     this rank's alone over dp, so only the run's own tp and tied copies count. Otherwise ``p.grad`` of every
     parameter this rank holds, replicated over dp too."""
-    held = copies(engine)
+    held = engine.grad_copies  # copies(engine), found once per engine
     dp = engine.dp
     if isinstance(dp, ShardedDataParallel):
         for b in dp.buckets:
