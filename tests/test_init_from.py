@@ -88,8 +88,10 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
         ([*SMALL, "--init-from", str(tmp_path / "list.pt")], "must hold a state dict ({name: tensor}), got a list"),
         ([*SMALL, "--init-from", str(tmp_path / "nowhere.pt")], "init_from must be a Hugging Face model directory or "
                                                                  "a weights file"),
-        ([*SMALL, "--init-from", str(folder)], "init_from holds a gpt2 model (its config.json's model_type), got "
-                                                "model='tinygpt'. Pass --model gpt2."),
+        (["--model", "llama", "--init-from", str(folder)], "init_from holds a gpt2 model (its config.json's "
+                                                            "model_type), got model='llama'. Pass --model gpt2"),
+        ([*SMALL, "--init-from", str(folder)], "shape TinyGPT only, got n_layer=2, n_head=2, d_model=32 with "
+                                                f"model='gpt2', sized by --init-from {folder}'s config.json"),
         (["--model", "gpt2", "--model-config", str(tmp_path / "config.json"), "--init-from", str(folder)],
          "init_from's config.json sizes the model"),
         ([*SMALL, "--init-from", str(tmp_path)], "init_from's config.json must be of a family fourfold has a plan "
@@ -112,6 +114,7 @@ def test_a_directorys_own_tokenizer_is_the_default_for_text(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == "bytes"  # none there
+    assert TrainConfig(init_from=str(tmp_path)).model == "llama"  # --model left out: the directory's
     (tmp_path / "tokenizer.json").write_text("{}")
     assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == str(tmp_path / "tokenizer.json")
     assert TrainConfig(model="llama", init_from=str(tmp_path), tokenizer="bpe:300").tokenizer == "bpe:300"  # given

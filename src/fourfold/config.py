@@ -56,8 +56,9 @@ class TrainConfig:
         "with MODULE:FACTORY: a JSON file of the factory's keyword arguments"))
     init_from: str | None = field(default=None, metadata=_help(
         "start from these weights: a Hugging Face model directory (config.json and model.safetensors, as "
-        "save_pretrained writes; it sizes the model, with --model its family), a .safetensors file, or a torch "
-        "state dict (.pt, a run's model.pt); checked against the model before launch, nothing downloaded"))
+        "save_pretrained writes; it sizes the model and names its family, --model optional), a .safetensors "
+        "file, or a torch state dict (.pt, a run's model.pt); checked against the model before launch, nothing "
+        "downloaded"))
     steps: int = field(default=20, metadata=_help("optimiser steps to run"))
     batch_size: int = field(default=16, metadata=_help(
         "global batch: sequences per optimiser step, summed over data-parallel ranks"))
@@ -294,9 +295,11 @@ class TrainConfig:
             raise ValueError(f"init_from's config.json must be of a family fourfold has a plan for ({', '.join(families)}), "
                              f"got model_type={kind!r} in {self.init_from!r}. Pass a model of your own as "
                              "--model MODULE:FACTORY with --init-from its .safetensors file.")
+        if self.model == "tinygpt":  # the default: the directory says which model it holds
+            object.__setattr__(self, "model", kind)
         if self.model != kind:
             raise ValueError(f"init_from holds a {kind} model (its config.json's model_type), got model="
-                             f"{self.model!r}. Pass --model {kind}.")
+                             f"{self.model!r}. Pass --model {kind}, or leave --model out.")
         if self.model_config is not None:
             raise ValueError(f"init_from's config.json sizes the model, got model_config={self.model_config!r} "
                              "beside it. Drop --model-config (or edit the directory's config.json).")
@@ -386,6 +389,11 @@ class Config:
             given = ", ".join(f"{f}={getattr(self.model, f)!r}" for f in sized)
             flags = ", ".join("--" + f.replace("_", "-") for f in sized)
             one = len(sized) == 1
+            if self.train.model_config is None and self.train.init_from is not None and \
+                    os.path.isdir(self.train.init_from):
+                raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
+                                 f"model={self.train.model!r}, sized by --init-from {self.train.init_from}'s "
+                                 f"config.json. Drop {'it' if one else 'them'}.")
             raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
                              f"model={self.train.model!r}, whose size and vocabulary come from --model-config (a "
                              "JSON object of its config's keys, e.g. examples/gpt2-tiny.json, or of your factory's "
