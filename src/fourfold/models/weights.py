@@ -22,15 +22,15 @@ run with its optimiser and data order, ``--resume`` its checkpoint.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["WEIGHT_FILES", "check_weights", "hf_directory", "load_weights", "read_weights", "safetensors_module",
-           "stored_shapes", "tied_names", "weight_problems"]
+__all__ = ["WEIGHT_FILES", "check_weights", "hf_directory", "load_weights", "safetensors_module", "stored_shapes",
+           "stored_weights", "tied_names", "weight_problems"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 """A Hugging Face directory's weights, in the order they are looked for."""
@@ -118,12 +118,17 @@ def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The weights stored at ``path`` (every shard of a directory), on the CPU."""
-    state: dict[str, torch.Tensor] = {}
+def stored_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights stored at ``path`` (every shard of a directory), one at a time on the CPU: from safetensors
+    each read as it is asked for, from a torch file memory-mapped, so no more than one is held besides the
+    model."""
     for f in _files(Path(path)):
-        state.update(safetensors_module().torch.load_file(str(f)) if f.suffix == ".safetensors" else _torch_file(f))
-    return state
+        if f.suffix == ".safetensors":
+            with safetensors_module().safe_open(str(f), framework="pt") as opened:
+                for key in opened.keys():  # noqa: SIM118
+                    yield key, opened.get_tensor(key)
+        else:
+            yield from _torch_file(f).items()
 
 
 def tied_names(model: nn.Module) -> dict[str, set[str]]:
@@ -163,10 +168,13 @@ def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> 
 
 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype.
-    Returns ``model``."""
-    state = read_weights(path)
-    check_weights(model, {k: tuple(v.shape) for k, v in state.items()}, repr(str(path)))
-    expected = model.state_dict().keys()
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)  # tied: once is enough
+    """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype,
+    one tensor at a time: a rank holds the model and one stored tensor, not a second copy of the model. Returns
+    ``model``."""
+    check_weights(model, stored_shapes(path), repr(str(path)))
+    own = model.state_dict(keep_vars=True)  # the model's own tensors: copied into in place (a tied one once)
+    with torch.no_grad():
+        for name, value in stored_weights(path):
+            if name in own:
+                own[name].copy_(value)
     return model
