@@ -35,12 +35,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randn(B, 3, generator=g, dtype=torch.float64)) for _ in range(3)]
 
 
-def _train(ctx, sync: bool, zero: int = 0, allreduce: str = "ring") -> dict:
+def _train(ctx, sync: bool, zero: int = 0, allreduce: str = "ring", compress: str = "none") -> dict:
     ranks = Mesh.for_world(ctx.world_size, dp=2).build(30)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = parallelize(_model(), ranks, allreduce=allreduce, loss_fn=F.mse_loss, sync_batchnorm=sync,
-                             timeout_s=30, zero=zero)
+                             timeout_s=30, zero=zero, compress=compress)
     opt = optimizer(engine.parameters())
     losses = []
     lo = ranks.coord.dp * B // 2
@@ -68,12 +68,15 @@ def _pipelined(ctx, microbatches: int) -> dict:
 
 
 def _both(ctx) -> dict:
-    # ZeRO's collectives run on a communication thread while SyncBatchNorm's run in forward and backward: on
-    # groups of their own, or the ranks could issue them in different orders (gloo aborts, or a hang)
+    # ZeRO's and compression's collectives run on a communication thread while SyncBatchNorm's run in forward
+    # and backward: on groups of their own, or the ranks could issue them in different orders (gloo aborts, or a
+    # hang)
     return {"sync": _train(ctx, True), "plain": _train(ctx, False), "model parallel": _pipelined(ctx, 1),
             "pipeline m2": _pipelined(ctx, 2),
             "sync zero2 native": _train(ctx, True, zero=2, allreduce="native"),
-            "sync zero3 native": _train(ctx, True, zero=3, allreduce="native")}
+            "sync zero3 native": _train(ctx, True, zero=3, allreduce="native"),
+            # PowerSGD's first steps reduce exactly, on the communication thread: beside SyncBatchNorm too
+            "sync powersgd native": _train(ctx, True, allreduce="native", compress="powersgd")}
 
 
 @pytest.mark.timeout(120)
@@ -90,7 +93,7 @@ def test_sync_batchnorm_on_two_ranks_equals_one_process_and_plain_batchnorm_is_n
         want.append(loss.item())
     reference = model.state_dict()
     for rank, got in enumerate(per_rank):
-        for run in ("sync", "sync zero2 native", "sync zero3 native"):
+        for run in ("sync", "sync zero2 native", "sync zero3 native", "sync powersgd native"):
             sync = got[run]
             assert max(abs(a - b) for a, b in zip(sync["losses"], want, strict=True)) <= TOL, (rank, run, sync)
             assert list(sync["state"]) == list(reference)  # BatchNorm's own names, running statistics included

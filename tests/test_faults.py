@@ -119,7 +119,11 @@ def test_an_error_every_rank_raises_is_printed_once_and_one_ranks_own_under_its_
         "    def forward(self, ids):\n"
         "        Buggy.calls += 1\n"
         "        if Buggy.calls > 3 and os.environ['RANK'] in os.environ['BUGGY_RANKS'].split(','):\n"
-        "            raise KeyError('token ' + 'not in the vocabulary')\n"
+        "            once = os.environ.get('BUGGY_ONCE')\n"
+        "            if once is None or not os.path.exists(once):\n"
+        "                if once is not None:\n"
+        "                    open(once, 'w').close()\n"
+        "                raise KeyError('token ' + 'not in the vocabulary')\n"
         "        return super().forward(ids)\n\n\n"
         "def build():\n"
         "    return Buggy(nn.Embedding(256, 8), nn.Linear(8, 256))\n")
@@ -136,3 +140,10 @@ def test_an_error_every_rank_raises_is_printed_once_and_one_ranks_own_under_its_
             output
         assert "[rank0]" not in output and "[rank1]" not in output, output  # torch's per-rank copies
         assert output.strip().splitlines()[-1].endswith("failed (exit code 1); its error is printed above."), output
+    # an attempt the launcher restarts (--max-restarts) is never reported by it: the rank prints its own
+    monkeypatch.setenv("BUGGY_ONCE", str(tmp_path / "raised"))
+    with launched([*argv, "--max-restarts", "1", "--checkpoint-every", "1", "--out", str(tmp_path / "restarted")]) \
+            as proc:
+        output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, output
+    assert output.count("KeyError: 'token not in the vocabulary'") == 1, output

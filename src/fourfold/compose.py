@@ -210,16 +210,18 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     dp: DataParallel | None = None
     if m.dp > 1:
         held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
+        # The communication thread's collectives (ZeRO's, fourfold's point-to-point algorithms, compression's)
+        # and SyncBatchNorm's on the main thread, in forward and backward: each on a group of its own, or the
+        # ranks could issue them in different orders (gloo aborts, or a hang)
+        thread_group = ranks.duplicate("dp", timeout_s) if sync_batchnorm else None
         if zero:
             units = _units(model, split) if zero == 3 and pipe is None else []
-            # ZeRO's collectives run on its communication thread; SyncBatchNorm's on the main one, in forward and
-            # backward: each on a group of its own, or the ranks could issue them in different orders
-            own = ranks.duplicate("dp", timeout_s) if sync_batchnorm else None
             dp = _sharded(held, ranks, zero, allreduce, bucket_mb, pipe, partial, units, tracer, timeout_s,
-                          reduce_dtype, own)
+                          reduce_dtype, thread_group)
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
-                              auto_finish=False, reduce_dtype=reduce_dtype, compress=compressor)
+                              auto_finish=False, reduce_dtype=reduce_dtype, compress=compressor,
+                              comm_group=thread_group)
         if pipe is not None:
             pipe.grad_sync = dp
     reads = bool(getattr(model, "fourfold_documents", False))

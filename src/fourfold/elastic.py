@@ -178,11 +178,15 @@ def report_error(error: BaseException) -> bool:
     """In a rank that fourfold's launcher started: leave ``error``'s traceback for the launcher, which prints each
     different one once, naming the ranks that raised it (eight ranks failing alike in a model's forward would
     print eight interleaved copies). False, and nothing written, in a rank started otherwise (the user's own
-    torchrun: no launcher of ours to print it) or when the file cannot be written: then the rank prints it."""
+    torchrun: no launcher of ours to print it), in an attempt the launcher will restart (``--max-restarts``: it
+    would never print that attempt's), or when the file cannot be written: then the rank prints it."""
     import traceback
 
     verdict, rank = os.environ.get(VERDICT_ENV), os.environ.get("RANK")
     if not verdict or rank is None or not Path(verdict).parent.is_dir():
+        return False
+    attempt, most = (int(os.environ.get(k, "0")) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
+    if attempt < most:  # the launcher restarts the ranks and prints nothing of this attempt: say it here
         return False
     try:
         Path(verdict).with_name(_ERROR_FILE.format(rank=int(rank))).write_text("".join(traceback.format_exception(error)))
