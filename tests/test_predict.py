@@ -298,6 +298,10 @@ def test_accumulations_sync_is_once_a_step_except_zero_2_and_3_which_reduce_scat
     # all-gather; ZeRO-3 a reduce-scatter and two all-gathers per micro-batch
     assert p.dp_comm_s == pytest.approx(halves / 2 * ring, rel=1e-9)
     assert p.dp_exposed_s == pytest.approx(p.dp_comm_s, rel=1e-9)
+    for k in (2, 4):  # a device each: what backward cannot hide, never more than the syncs themselves
+        free = predict(prof, Layout(dp=2, zero=zero, grad_accum=k), Links(LINK, LINK, ranks_per_node=2),
+                       batch_size=8)
+        assert 0 < free.dp_exposed_s <= free.dp_comm_s + 1e-15, (k, free.dp_exposed_s, free.dp_comm_s)
 
 
 def test_plan_accumulates_where_a_layout_fits_only_so(capsys):

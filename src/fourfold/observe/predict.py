@@ -361,7 +361,10 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         each, own = allreduce_s * halves[0] / 2, allreduce_s * halves[1] / 2  # per sync, once per step
         sync = each * syncs + own
         last = ring(buckets[-1]) if buckets else 0.0
-        exposed = ((syncs - 1) * _exposed(each, last, last_backward[r], idle_core)
+        # at least the last bucket's own sync is exposed: ZeRO-2's reduce-scatter between micro-batches is half
+        # of the all-reduce `last` is (the step's last sync adds its all-gather)
+        last_each = last / 2 if L.zero == 2 else last
+        exposed = ((syncs - 1) * _exposed(each, last_each, last_backward[r], idle_core)
                    + _exposed(each + own, last, last_backward[r], idle_core))
         optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
         dp_times.append((sync, exposed))
