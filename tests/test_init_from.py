@@ -80,12 +80,20 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
     build_hf("gpt2", overrides=GPT2).save_pretrained(folder)
     (tmp_path / "config.json").write_text("{}")
     wider = [*SMALL[:2], "--d-model", "64", *SMALL[4:]]
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 100)  # a truncated download, say
+    shards = tmp_path / "shards"
+    build_hf("gpt2", overrides=GPT2).save_pretrained(shards, max_shard_size="20KB")
+    next(shards.glob("model-*.safetensors")).unlink()
     cases = [
         ([*wider, "--init-from", str(run / "model.pt")], "init_from '"),
         ([*wider, "--init-from", str(run / "model.pt")], "of another shape: embed.wte.weight [256, 32] (the "
                                                           "model's: [256, 64])"),
         ([*SMALL, "--init-from", str(tmp_path / "part.pt")], "missing: blocks.1."),
         ([*SMALL, "--init-from", str(tmp_path / "list.pt")], "must hold a state dict ({name: tensor}), got a list"),
+        ([*SMALL, "--init-from", str(tmp_path / "bad.safetensors")], "must be a safetensors file, got "
+                                                                      "SafetensorError"),
+        (["--init-from", str(shards), "--seq-len", "16"], "model.safetensors.index.json lists shards that are not "
+                                                           "there"),
         ([*SMALL, "--init-from", str(tmp_path / "nowhere.pt")], "init_from must be a Hugging Face model directory or "
                                                                  "a weights file"),
         (["--model", "llama", "--init-from", str(folder)], "init_from holds a gpt2 model (its config.json's "
@@ -108,19 +116,25 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
         assert not (tmp_path / "refused").exists()
 
 
-def test_a_directorys_own_tokenizer_is_the_default_for_text(tmp_path):
-    from fourfold.config import TrainConfig
+def test_a_directory_names_the_model_and_its_tokenizer_for_the_flags_left_out(tmp_path):
+    from fourfold.train import parse_args
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == "bytes"  # none there
-    assert TrainConfig(init_from=str(tmp_path)).model == "llama"  # --model left out: the directory's
+
+    def train(*flags: str):
+        return parse_args(["--init-from", str(tmp_path), *flags]).train
+
+    assert (train().model, train().tokenizer) == ("llama", "bytes")  # no tokenizer.json there
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert TrainConfig(model="llama", init_from=str(tmp_path)).tokenizer == str(tmp_path / "tokenizer.json")
-    assert TrainConfig(model="llama", init_from=str(tmp_path), tokenizer="bpe:300").tokenizer == "bpe:300"  # given
+    assert train().tokenizer == str(tmp_path / "tokenizer.json")
+    assert train("--tokenizer", "bpe:300").tokenizer == "bpe:300"
+    assert train("--tokenizer", "bytes").tokenizer == "bytes"  # given: kept, even the default's value
     ids = tmp_path / "ids.npy"
     ids.write_bytes(b"")  # token ids are used as they are: no tokenizer
-    assert TrainConfig(model="llama", init_from=str(tmp_path), data=str(ids)).tokenizer == "bytes"
+    assert train("--data", str(ids)).tokenizer == "bytes"
+    with pytest.raises(SystemExit):  # given, the family must be the directory's
+        train("--model", "gpt2")
 
 
 def test_an_init_from_run_exports_to_a_directory_from_pretrained_loads_and_resumes_without_the_flag(tmp_path, capsys):
@@ -150,10 +164,28 @@ def test_an_init_from_run_exports_to_a_directory_from_pretrained_loads_and_resum
     _same(loaded, load_checkpoint(run / "model.pt")["model"])
     assert export([str(run), "--out", str(out)]) == 2  # never over files of yours
     assert "out must be a new or empty directory" in capsys.readouterr().err
-    # a resume builds the model from the directory's config.json again, with no --init-from given
+    # a resume builds the model from the directory's config.json again, with no --init-from given; the weights
+    # are the checkpoint's, so the directory's are not read
+    (folder / "model.safetensors").unlink()
     assert train_mod.main(["--resume", str(run), "--steps", "3", *flags, "--out", str(run)]) == 0
     folder.rename(tmp_path / "moved")
     with pytest.raises(SystemExit) as refused:  # by the flags' parser, as the checkpoint's settings are taken
         train_mod.main(["--resume", str(run), "--steps", "4", *flags, "--out", str(run)])
     assert refused.value.code == 2
     assert f"sized by --init-from {folder}'s config.json, which is gone" in capsys.readouterr().err
+
+
+def test_a_base_models_checkpoint_without_the_causal_lms_prefix_loads_as_from_pretrained_reads_it(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from fourfold.models.hf import build_hf
+    from fourfold.models.weights import load_weights
+
+    trained = build_hf("gpt2", overrides=GPT2, seed=3)
+    # GPT-2's Hub checkpoint: the base model's names (h.0..., wte...), no head (tied), old causal-mask buffers
+    hub = {k.removeprefix("transformer."): v for k, v in trained.state_dict().items() if k != "lm_head.weight"}
+    hub["h.0.attn.bias"] = torch.ones(1, 1, 16, 16)
+    save_file(hub, str(tmp_path / "hub.safetensors"))
+    fresh = load_weights(build_hf("gpt2", overrides=GPT2, seed=4), tmp_path / "hub.safetensors")
+    _same(fresh.state_dict(), trained.state_dict())

@@ -27,7 +27,6 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
@@ -137,8 +136,8 @@ class TrainConfig:
         "standard library's source"))
     tokenizer: str = field(default="bytes", metadata=_help(
         "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
-        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). With "
-        "--init-from a directory holding a tokenizer.json, that one unless given"))
+        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). Left "
+        "out with --init-from a directory holding a tokenizer.json: that one"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
     activation_checkpointing: str = field(default="none", metadata=_help(
@@ -281,34 +280,23 @@ class TrainConfig:
     def _check_init_from(self, families: tuple[str, ...]) -> None:
         """A Hugging Face directory sizes the model itself: its ``model_type`` must be ``model``, with no
         ``model_config`` beside it; a file must exist (its names and shapes are checked before launch)."""
-        from fourfold.models.weights import SUFFIXES, hf_directory
+        from fourfold.models.weights import check_file, hf_directory
 
+        check_file(self.init_from or "")
         config = hf_directory(self.init_from or "")
         if config is None:
-            if not Path(self.init_from or "").is_file() or Path(self.init_from or "").suffix not in SUFFIXES:
-                raise ValueError(f"init_from must be a Hugging Face model directory or a weights file "
-                                 f"({', '.join(SUFFIXES)}), got {self.init_from!r}. Pass save_pretrained's "
-                                 "directory, a .safetensors file, or a run's model.pt.")
             return
         kind = config.get("model_type")
         if kind not in families:
             raise ValueError(f"init_from's config.json must be of a family fourfold has a plan for ({', '.join(families)}), "
                              f"got model_type={kind!r} in {self.init_from!r}. Pass a model of your own as "
                              "--model MODULE:FACTORY with --init-from its .safetensors file.")
-        if self.model == "tinygpt":  # the default: the directory says which model it holds
-            object.__setattr__(self, "model", kind)
-        if self.model != kind:
+        if self.model != kind:  # (fourfold train's flags left out, the directory's family is taken: cli.args)
             raise ValueError(f"init_from holds a {kind} model (its config.json's model_type), got model="
                              f"{self.model!r}. Pass --model {kind}, or leave --model out.")
         if self.model_config is not None:
             raise ValueError(f"init_from's config.json sizes the model, got model_config={self.model_config!r} "
                              "beside it. Drop --model-config (or edit the directory's config.json).")
-        from fourfold.data import is_token_file
-
-        own = Path(self.init_from or "") / "tokenizer.json"
-        text = self.data is None or not is_token_file(self.data)  # token ids are used as they are
-        if self.tokenizer == "bytes" and own.is_file() and text:  # its weights learnt its own ids, not bytes
-            object.__setattr__(self, "tokenizer", str(own))
 
 
 LAB_ENV = "FOURFOLD_LAB_"

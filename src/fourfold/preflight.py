@@ -10,8 +10,9 @@ never as a traceback on every rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -56,10 +57,11 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
                          f"got model={t.model!r}. Drop --sequence-parallel.")
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
-    if t.init_from is not None:
-        _check_init_from(cfg)
+    meta = functools.cache(functools.partial(meta_model, cfg))  # built once, for the checks that read shapes
+    if t.init_from is not None and resume_from(cfg) is None:  # a resume's weights are its checkpoint's
+        _check_init_from(cfg, meta)
     if t.verify and world_size > 1:  # one process's re-run of one process draws the same masks
-        _check_no_dropout(cfg)
+        _check_no_dropout(cfg, meta)
     if t.pack != "none" and t.data is not None and is_token_file(t.data):
         raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none.")
@@ -80,7 +82,7 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
     if info.vocab_size is None and scan_data:  # a model of your own: its vocabulary is known once it is built
-        info = _check_yours(cfg, info, mesh, stages)
+        info = _check_yours(cfg, info, mesh, stages, meta)
     check_data_vocab(cfg, info, scan=scan_data)
     resume = resume_from(cfg)
     if resume is not None:
@@ -119,56 +121,65 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
 
 
+def meta_model(cfg: Config) -> nn.Module | None:
+    """The run's model built on the meta device (shapes, no memory, no weights) for the checks before launch;
+    None for a model of your own that cannot be built there. :func:`preflight` builds it once for them all."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg, "meta")
+    except Exception:
+        return None
+
+
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout")
 """Hugging Face config keys of dropout probabilities (attention's is applied inside its kernel, by no module)."""
 
 
-def _check_no_dropout(cfg: Config) -> None:
+def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
     """``--verify`` compares with one process, which draws other dropout masks than the layout's ranks: with any
     dropout the differences are the masks', and a correct layout would be called a mismatch. Refused, naming
     where the probability is set."""
     t = cfg.train
-    try:
-        with torch.device("meta"):
-            model = build_model(cfg, "meta")
-    except Exception:  # a model of your own that cannot be built on meta: each rank builds it
+    model = meta()
+    if model is None:  # a model of your own that cannot be built on meta: each rank builds it
         return
     config = getattr(model, "config", None)
     found = [f"{key}={getattr(config, key)}" for key in DROPOUT_KEYS
              if isinstance(getattr(config, key, None), float) and getattr(config, key) > 0]
     found += [f"{name} (p={m.p})" for name, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
     if found:
+        from fourfold.models.build import model_config_path
+
+        path = model_config_path(t)
         fix = ("Pass --dropout 0" if t.model == "tinygpt" else
-               "Set them to 0 in --model-config" if config is not None else "Build the model with dropout 0")
+               f"Set them to 0 in {'--model-config' if path == t.model_config else path}" if config is not None
+               else "Build the model with dropout 0")
         raise ValueError(f"verify compares the layout with one process, which draws other dropout masks, so any "
                          f"dropout makes them differ however right the layout is, got {', '.join(found[:4])}"
                          f"{f' and {len(found) - 4} more' if len(found) > 4 else ''}. {fix} for --verify, or "
                          "drop --verify.")
 
 
-def _check_init_from(cfg: Config) -> None:
+def _check_init_from(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
     """``--init-from``'s names and shapes against the model's, the weights' data left unread (built on the meta
     device where it can be, else without its weights)."""
     from fourfold.models.weights import check_weights, stored_shapes
 
-    try:
-        with torch.device("meta"):
-            model = build_model(cfg, "meta")
-    except Exception:  # a model of your own that cannot be built on meta
+    model = meta()
+    if model is None:  # a model of your own that cannot be built on meta
         model = build_model(cfg, weights=False)
     check_weights(model, stored_shapes(cfg.train.init_from or ""), repr(cfg.train.init_from))
 
 
-def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int) -> ModelInfo:
+def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
+                 meta: Callable[[], nn.Module | None]) -> ModelInfo:
     """A model of your own, built on the meta device (shapes, no memory, no weights): ``info`` with its
     vocabulary, so one smaller than the data's is refused once, before launch; and what this layout needs of it,
     refused here rather than on every rank: under tp a plan whose every path names one of its modules, under
     pp a split (or a blocks list) of at least the pipeline's stages."""
-    try:
-        with torch.device("meta"):
-            model = build_model(cfg, "meta")
-    except Exception:  # a model that cannot be built on meta: each rank checks it as it builds it
+    model = meta()
+    if model is None:  # a model that cannot be built on meta: each rank checks it as it builds it
         return info
     try:
         family = family_of(model)

@@ -167,7 +167,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
             move_aside(out)
-    model = build_model(cfg, ctx.device)
+    model = build_model(cfg, ctx.device, weights=resume is None)  # a resume's weights: the checkpoint's, below
     known = model_info(cfg)
     info = built_info(known, model)  # a model of your own: its vocabulary, known only now
     if known.vocab_size is None:

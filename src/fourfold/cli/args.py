@@ -127,8 +127,14 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in table.items():
             table[key] = check_value(f"{key}", value, hints[key], file)
-    if values["train"].get("model_config") is not None:  # recorded so, a resume from elsewhere finds the file
-        values["train"]["model_config"] = os.path.abspath(values["train"]["model_config"])
+    t = values["train"]
+    _from_directory(t)
+    # recorded so, a resume (or an export) from elsewhere finds the files
+    for key in ("model_config", "init_from"):
+        if t.get(key) is not None:
+            t[key] = os.path.abspath(t[key])
+    if t.get("tokenizer") not in (None, "bytes") and not str(t["tokenizer"]).startswith("bpe:"):
+        t["tokenizer"] = os.path.abspath(t["tokenizer"])
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
         return Config(**parts)
@@ -138,6 +144,26 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         if file is None:
             raise
         raise ValueError(f"--config {file} (or a flag): {e}") from None
+
+
+def _from_directory(t: dict[str, Any]) -> None:
+    """With ``--init-from`` a Hugging Face directory, what it says of itself stands for the flags not given: its
+    family for ``--model`` (its config.json's model_type) and, for text, its ``tokenizer.json`` for
+    ``--tokenizer`` (the weights learnt its ids, not bytes). A flag given (or a TOML value) keeps its value, and
+    is checked against the directory by the config."""
+    start = t.get("init_from")
+    if start is None or not os.path.isdir(start):
+        return
+    from fourfold.data import is_token_file
+    from fourfold.models.hf import FAMILIES
+    from fourfold.models.weights import hf_directory
+
+    kind = (hf_directory(start) or {}).get("model_type")
+    if "model" not in t and kind in FAMILIES:
+        t["model"] = kind
+    own = Path(start) / "tokenizer.json"
+    if "tokenizer" not in t and own.is_file() and (t.get("data") is None or not is_token_file(t["data"])):
+        t["tokenizer"] = str(own)
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:

@@ -24,14 +24,17 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 __all__ = ["export", "main"]
 
 
-def export(source: str | Path, out: str | Path) -> list[str]:
-    """Write ``source``'s (a run directory or its ``model.pt``) final weights into ``out``; the names written."""
+def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
+    """Write ``source``'s (a run directory or its ``model.pt``) final weights into ``out``: (the names written,
+    a note on the tokenizer). Written into a new directory beside ``out`` and renamed into place when complete,
+    so a failure leaves nothing half-written."""
     from fourfold.checkpoint import load_checkpoint
     from fourfold.models.hf import FAMILIES
 
@@ -58,20 +61,28 @@ def export(source: str | Path, out: str | Path) -> list[str]:
 
         config = hf_config(family, overrides=record.get("model_config_values") or {})
     weights = _once(state, config)
-    target.mkdir(parents=True, exist_ok=True)
+    tokenizer, note = _tokenizer(train, model_pt.parent)
     from fourfold.models.weights import safetensors_module
 
-    safetensors_module().torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(target / "model.safetensors"),
-                                   metadata={"format": "pt"})
-    written = ["model.safetensors"]
-    if config is not None:
-        config.save_pretrained(target)
-        written.append("config.json")
-    tokenizer = _tokenizer(train, model_pt.parent)
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, target / "tokenizer.json")
-        written.append("tokenizer.json")
-    return written
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        safetensors_module().torch.save_file({k: v.contiguous() for k, v in weights.items()},
+                                             str(staging / "model.safetensors"), metadata={"format": "pt"})
+        written = ["model.safetensors"]
+        if config is not None:
+            config.save_pretrained(staging)
+            written.append("config.json")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, staging / "tokenizer.json")
+            written.append("tokenizer.json")
+        if target.exists():
+            target.rmdir()  # empty (checked above); a file put there meanwhile stops the export here
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written, note
 
 
 def _once(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -99,15 +110,16 @@ def _once(state: dict[str, Any], config: Any) -> dict[str, Any]:
     return kept
 
 
-def _tokenizer(train: dict[str, Any], run: Path) -> Path | None:
-    """The tokenizer.json the run read its text through: ``--tokenizer FILE``, or ``bpe:N``'s in the run."""
+def _tokenizer(train: dict[str, Any], run: Path) -> tuple[Path | None, str]:
+    """(the tokenizer.json the run read its text through: ``--tokenizer FILE``, or ``bpe:N``'s in the run; a
+    note saying which, or why none)."""
     spec = train.get("tokenizer") or "bytes"
-    if spec.startswith("bpe:"):
-        found = run / "tokenizer.json"
-        return found if found.is_file() else None
-    if spec != "bytes" and Path(spec).is_file():
-        return Path(spec)
-    return None
+    if spec == "bytes":
+        return None, "the run read UTF-8 bytes (ids 0-255): no tokenizer.json"
+    found = run / "tokenizer.json" if spec.startswith("bpe:") else Path(spec)
+    if found.is_file():
+        return found, f"tokenizer.json from {found}"
+    return None, f"no tokenizer.json: the run's ({found}) is gone"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="a new or empty directory to write into")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        written = export(ns.run, ns.out)
+        written, note = export(ns.run, ns.out)
     except ValueError as e:
         print(f"fourfold export: error: {e}", file=sys.stderr)
         return 2
-    print(f"fourfold export: wrote {', '.join(written)} to {ns.out}"
-          + ("" if "config.json" in written else " (--init-from takes it with the run's --model and flags)"))
+    except OSError as e:
+        print(f"fourfold export: error: writing {ns.out} failed, nothing left there: {e}", file=sys.stderr)
+        return 1
+    weights = Path(ns.out) / "model.safetensors"
+    print(f"fourfold export: wrote {', '.join(written)} to {ns.out}; {note}"
+          + ("" if "config.json" in written else f". --init-from {weights} takes it, with the run's --model and "
+             "flags"))
     return 0

@@ -44,12 +44,13 @@ GPT2_PLAN = {
     "lm_head": "head",  # tied to wte: both split by vocabulary rows
 }
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
-"""The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
-
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3")}
+"""Each family's causal LM class, config class and name, in transformers."""
+
+FAMILIES = tuple(_CLASSES)
+"""The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
 
 
 def causal_lm_class(family: str) -> Any:
@@ -203,7 +204,7 @@ def check_window(config: Any, tokens: int, where: str) -> None:
         raise ValueError(f"{config.model_type} attends within a sliding window of {window} tokens, which {where} "
                          f"does not apply, got sequences of {tokens} tokens. Pass --seq-len {window} (or less), "
                          "train it without --pp and --pack (its own forward applies the window), or set "
-                         "sliding_window to null in --model-config.")
+                         "sliding_window to null in its config (--model-config, or --init-from's config.json).")
 
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,17 @@ run with its optimiser and data order, ``--resume`` its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["WEIGHT_FILES", "check_weights", "hf_directory", "load_weights", "safetensors_module", "stored_shapes",
-           "stored_weights", "tied_names", "weight_problems"]
+__all__ = ["WEIGHT_FILES", "check_file", "check_weights", "hf_directory", "load_weights", "model_names", "safetensors_module",
+           "stored_shapes", "stored_weights", "tied_names", "weight_problems"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 """A Hugging Face directory's weights, in the order they are looked for."""
@@ -56,13 +57,18 @@ def hf_directory(path: str | Path) -> dict[str, Any] | None:
     return values
 
 
+def check_file(path: str | Path) -> None:
+    """Refuse a ``path`` that is not a directory and not a weights file (:data:`SUFFIXES`) that exists."""
+    if not Path(path).is_dir() and (Path(path).suffix not in SUFFIXES or not Path(path).is_file()):
+        raise ValueError(f"init_from must be a Hugging Face model directory or a weights file ({', '.join(SUFFIXES)}), "
+                         f"got {str(path)!r}. Pass save_pretrained's directory, a .safetensors file, or a run's "
+                         "model.pt.")
+
+
 def _files(path: Path) -> list[Path]:
     """The files holding the weights at ``path``: itself, or a Hugging Face directory's (all its shards)."""
+    check_file(path)
     if not path.is_dir():
-        if path.suffix not in SUFFIXES or not path.is_file():
-            raise ValueError(f"init_from must be a Hugging Face model directory or a weights file ({', '.join(SUFFIXES)}), "
-                             f"got {str(path)!r}. Pass save_pretrained's directory, a .safetensors file, or a run's "
-                             "model.pt.")
         return [path]
     for name in WEIGHT_FILES:
         found = path / name
@@ -75,7 +81,12 @@ def _files(path: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"init_from's {name} must map every weight to its file (weight_map), got {found}: "
                              f"{type(e).__name__}: {e}.") from None
-        return [path / f for f in sorted(set(weight_map.values()))]
+        shards = [path / f for f in sorted(set(weight_map.values()))]
+        gone = [f.name for f in shards if not f.is_file()]
+        if gone:
+            raise ValueError(f"init_from's {name} lists shards that are not there, got {', '.join(gone[:4])} "
+                             f"missing from {str(path)!r}. Copy the whole directory save_pretrained wrote.")
+        return shards
     raise ValueError(f"init_from's directory {str(path)!r} holds no weights: none of {', '.join(WEIGHT_FILES)}. "
                      "Save the model there with save_pretrained.")
 
@@ -111,11 +122,26 @@ def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
-            with safetensors_module().safe_open(str(f), framework="pt") as opened:
+            with _opened(f) as opened:
                 shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in opened.keys()})  # noqa: SIM118
         else:
             shapes.update({k: tuple(v.shape) for k, v in _torch_file(f).items()})
     return shapes
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """A safetensors file, open; one that is not (a truncated download, another format) refused in one line."""
+    try:
+        opened = safetensors_module().safe_open(str(path), framework="pt")
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own SafetensorError, an OSError
+        raise ValueError(f"init_from {str(path)!r} must be a safetensors file, got {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:300]}. Save it again (save_pretrained, or safetensors' "
+                         "save_file).") from None
+    with opened:
+        yield opened
 
 
 def stored_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,7 +150,7 @@ def stored_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     model."""
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
-            with safetensors_module().safe_open(str(f), framework="pt") as opened:
+            with _opened(f) as opened:
                 for key in opened.keys():  # noqa: SIM118
                     yield key, opened.get_tensor(key)
         else:
@@ -139,10 +165,28 @@ def tied_names(model: nn.Module) -> dict[str, set[str]]:
     return {n: set(names) - {n} for names in by_id.values() if len(names) > 1 for n in names}
 
 
+def model_names(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
+    """stored name -> the model's name for it: the same, or with the model's ``base_model_prefix`` added or taken
+    away (a Hugging Face base model's checkpoint: GPT-2's on the Hub stores ``h.0.attn.c_attn.weight`` for the
+    causal LM's ``transformer.h.0.attn.c_attn.weight``; ``from_pretrained`` reads it the same way)."""
+    expected = model.state_dict().keys()
+    prefix = getattr(model, "base_model_prefix", "")
+    out = {}
+    for name in stored:
+        if name not in expected and prefix and f"{prefix}.{name}" in expected:
+            out[name] = f"{prefix}.{name}"
+        elif name not in expected and prefix and name.removeprefix(prefix + ".") in expected:
+            out[name] = name.removeprefix(prefix + ".")
+        else:
+            out[name] = name
+    return out
+
+
 def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
     """Refuse ``shapes`` (name -> shape, as stored at ``source``) that do not fill ``model`` exactly
-    (:func:`weight_problems`), naming the first few of each kind."""
-    problems = weight_problems(model, shapes)
+    (:func:`weight_problems`; names as :func:`model_names` reads them), naming the first few of each kind."""
+    names = model_names(model, shapes)
+    problems = weight_problems(model, {names[k]: v for k, v in shapes.items()})
     if problems:
         raise ValueError(f"init_from {source} must hold the model's weights by its own names and shapes, got "
                          f"{problems}. Build the model these weights were saved from (the same "
@@ -171,10 +215,12 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype,
     one tensor at a time: a rank holds the model and one stored tensor, not a second copy of the model. Returns
     ``model``."""
-    check_weights(model, stored_shapes(path), repr(str(path)))
+    shapes = stored_shapes(path)
+    check_weights(model, shapes, repr(str(path)))
+    names = model_names(model, shapes)
     own = model.state_dict(keep_vars=True)  # the model's own tensors: copied into in place (a tied one once)
     with torch.no_grad():
         for name, value in stored_weights(path):
-            if name in own:
-                own[name].copy_(value)
+            if names.get(name, name) in own:
+                own[names.get(name, name)].copy_(value)
     return model
