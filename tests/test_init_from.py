@@ -189,3 +189,20 @@ def test_a_base_models_checkpoint_without_the_causal_lms_prefix_loads_as_from_pr
     save_file(hub, str(tmp_path / "hub.safetensors"))
     fresh = load_weights(build_hf("gpt2", overrides=GPT2, seed=4), tmp_path / "hub.safetensors")
     _same(fresh.state_dict(), trained.state_dict())
+
+
+def test_a_tinygpt_run_exports_its_weights_alone_which_init_from_takes(tmp_path, capsys):
+    from fourfold.cli.export import main as export
+
+    first = tmp_path / "first"
+    assert train_mod.main([*SMALL, "--steps", "2", "--out", str(first)]) == 0
+    out = tmp_path / "weights"
+    assert export([str(first / "model.pt"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"], said
+    assert f"--init-from {out / 'model.safetensors'} takes it" in said and "read UTF-8 bytes" in said
+    second = tmp_path / "second"
+    assert train_mod.main([*SMALL, *STILL, "--init-from", str(out / "model.safetensors"), "--out", str(second)]) == 0
+    _same(load_checkpoint(second / "model.pt")["model"], load_checkpoint(first / "model.pt")["model"])
+    assert export([str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    assert "export reads a run's model.pt" in capsys.readouterr().err and not (tmp_path / "x").exists()
