@@ -44,7 +44,10 @@ def build(name: str) -> nn.Module:
     pytest.importorskip("transformers")
     from fourfold.models.hf import build_hf
 
-    return build_hf(name, overrides=GPT2 if name == "gpt2" else LLAMA, dtype=torch.float64)
+    windows = {"mistral": {"sliding_window": 5},  # every layer; documents up to T = 16 tokens
+               "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}}  # layer 1
+    return build_hf(name, overrides=GPT2 if name == "gpt2" else {**LLAMA, **windows.get(name, {})},
+                    dtype=torch.float64)
 
 
 def loader(packing: str = "bfd", dp: int = 1, rank: int = 0, micro: int = 1) -> DocumentLoader:
@@ -145,7 +148,7 @@ def test_documents_come_from_json_lines_and_token_files_are_refused(tmp_path):
 # ------------------------------------------------------------------------------- one process: exact
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2"])
 def test_packed_equals_documents_one_at_a_time(name):
     want_loss, want = reference(name)
     for packing in ("pad", "bfd"):
@@ -158,7 +161,7 @@ def test_packed_equals_documents_one_at_a_time(name):
         assert err <= TOL, f"{name} {packing}: gradient of {worst} off by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2"])
 def test_no_document_sees_its_neighbours(name):
     """Changing one document's tokens leaves every other document's logits in the row bitwise unchanged."""
     model = build(name).eval()
@@ -193,7 +196,7 @@ LAYOUTS_2 = {"dp2": (2, 1, 1, {}), "dp2 ring": (2, 1, 1, {"allreduce": "ring"}),
              "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"})}
 LAYOUTS_4 = {"dp2 x pp2": (2, 1, 2, {"schedule": "1f1b"}), "dp2 x tp2": (2, 2, 1, {}),
              "tp2 x pp2 sp": (1, 2, 2, {"schedule": "1f1b", "sequence_parallel": True})}
-MODELS = {2: ("tiny", "gpt2", "llama"), 4: ("tiny",)}
+MODELS = {2: ("tiny", "gpt2", "llama", "mistral", "qwen2"), 4: ("tiny",)}
 
 
 def _one_step(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:

@@ -32,8 +32,10 @@ GPT2 = dict(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid
             attn_pdrop=0.0)
 LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16)
-MISTRAL = {**LLAMA, "sliding_window": 16}  # the window reaches past the sequences: applied or not, the same
-QWEN2 = LLAMA  # its q/k/v have biases: column-parallel with their weights
+# a window shorter than the sequences (8): the model's own forward applies it, and so must the pipeline's pieces
+MISTRAL = {**LLAMA, "sliding_window": 4}  # on every layer
+QWEN2 = {**LLAMA, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}  # on layer 1 only; and
+# its q/k/v have biases: column-parallel with their weights
 QWEN3 = {**LLAMA, "head_dim": 4}  # per-head q/k norms: whole on every rank, their gradients summed over tp
 CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
 MODELS = ("mlp", *CONFIGS)
@@ -124,20 +126,16 @@ def test_layout_equals_one_process(world, index):
     _check(world, index)
 
 
-def test_a_sliding_window_the_pipeline_would_not_apply_is_refused_and_read_from_each_config():
+def test_each_layer_reads_its_own_window_from_its_config():
     import transformers
 
     from fourfold.models import hf
 
-    model = build("mistral")
-    model.config.sliding_window = 4
-    h = torch.zeros(1, 8, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="sliding window of 4 tokens, which the pipeline's pieces does not apply, "
-                                         "got sequences of 8 tokens. Pass --seq-len 4"):
-        hf._llama_block(model, model.model.layers[0], h)  # a piece of the pipeline: a plain causal mask
-    assert hf._llama_block(model, model.model.layers[0], h[:, :4]).shape == (1, 4, 16)  # within it: the same
     assert hf.sliding_window(transformers.MistralConfig(sliding_window=None)) is None
     assert hf.sliding_window(transformers.Qwen2Config(sliding_window=4)) is None  # use_sliding_window off
     windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                         num_hidden_layers=2)
     assert [hf.sliding_window(windowed, i) for i in range(2)] == [None, 4] and hf.sliding_window(windowed) == 4
+    band = hf.windowed(None, 2, 4, "cpu")[0, 0]
+    assert band.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert hf.windowed(None, 4, 4, "cpu") is None  # the window covers the sequence: plain causal

@@ -47,8 +47,7 @@ RUNS = {"gpt2 pp2 1f1b": (["--model", "gpt2"], ["--pp", "2", "--schedule", "1f1b
 def configs(tmp_path_factory) -> dict[str, str]:
     where = tmp_path_factory.mktemp("configs")
     out = {}
-    for name, values in (("gpt2", GPT2), ("llama", LLAMA), ("my_model:build", MINE),
-                         ("mistral", {**LLAMA, "sliding_window": 8})):
+    for name, values in (("gpt2", GPT2), ("llama", LLAMA), ("my_model:build", MINE)):
         path = where / f"{name.partition(':')[0]}.json"
         path.write_text(json.dumps(values))
         out[name] = str(path)
@@ -232,11 +231,6 @@ def test_a_split_on_your_model_must_be_a_split():
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a Hugging Face (gpt2, llama, mistral, qwen2, "
      "qwen3) or MODULE:FACTORY model"),
     ("my model", [], "model must be tinygpt, gpt2, llama, mistral, qwen2, qwen3 or MODULE:FACTORY"),
-    # a sliding window the pipeline's pieces and packing's mask would not apply: refused where it would matter
-    ("mistral", ["--nproc", "2", "--pp", "2", "--microbatches", "2", "--seq-len", "16"], "mistral attends within a "
-     "sliding window of 8 tokens, which the pipeline's pieces does not apply, got sequences of 16 tokens. Pass "
-     "--seq-len 8 (or less)"),
-    ("mistral", ["--pack", "bfd", "--seq-len", "16"], "which packing's mask of documents does not apply"),
 ])
 def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model, flags, message):
     config = ["--model-config", configs[model]] if model in configs else []

@@ -97,14 +97,9 @@ def check_model(cfg: Any, tp: int, stages: int) -> ModelInfo:
     """Refuse, before any process starts, a model this layout cannot run; returns what it read."""
     info = model_info(cfg)
     if cfg.train.model in FAMILIES:
-        from fourfold.models.hf import check_tp, check_window, hf_config
+        from fourfold.models.hf import check_tp, hf_config
 
-        config = hf_config(cfg.train.model, model_config_path(cfg.train))
-        check_tp(config, tp)
-        if cfg.train.pp > 1:
-            check_window(config, cfg.model.seq_len, "the pipeline's pieces")
-        if cfg.train.pack != "none":
-            check_window(config, cfg.model.seq_len, "packing's mask of documents")
+        check_tp(hf_config(cfg.train.model, model_config_path(cfg.train)), tp)
     if info.blocks is not None and stages > info.blocks:
         raise ValueError(f"stages must be at most the model's blocks (embedding, {info.blocks - 2} layers, head), "
                          f"got pp*virtual={stages} > {info.blocks}. Use fewer --pp or a model with more layers")

@@ -11,9 +11,9 @@ nothing is downloaded: models are built from a config.
   (``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``) and the same decoder-layer call, so
   Llama's split; Qwen2's q/k/v biases are column-parallel with their weights, Qwen3's per-head q/k norms are
   replicated with their gradients summed over tp (its plan's ``replicated_with_grad_allreduce``). A sliding
-  window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``) is the model's own under dp and tp; the
-  pipeline's pieces and packed documents give attention a causal mask without it, so sequences longer than the
-  window are refused there (:func:`check_window`).
+  window (Mistral's ``sliding_window`` on every layer, Qwen2's with ``use_sliding_window`` on the layers its
+  ``layer_types`` say) is the model's own forward's under dp and tp; where fourfold gives attention its mask (the
+  pipeline's pieces, packed documents) the window is in it too (:func:`windowed`).
 
 Both attention modules find their head count from the (split) projection's width, so a column-parallel
 q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute that must follow.
@@ -32,7 +32,7 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_tp", "check_window", "examples", "gpt2_split", "hf_family",
+__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_tp", "examples", "gpt2_split", "hf_family",
            "llama_split", "meta_kwargs", "prepare", "read_documents", "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
@@ -152,8 +152,17 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     layout = current_layout()
     if layout is None:
         return None
-    check_window(getattr(module, "config", None), layout.positions.size(-1), "packing's mask of documents")
-    return args, {**kwargs, "position_ids": layout.positions, "attention_mask": layout.mask}
+    config = getattr(module, "config", None)
+    mask: Any = layout.mask
+    window = sliding_window(config)
+    if windowed(mask, window, mask.size(-1), mask.device) is not mask:  # some layers attend within a window
+        types = getattr(config, "layer_types", None)
+        if types is None:  # Mistral: every layer
+            mask = windowed(mask, window, mask.size(-1), mask.device)
+        else:  # one mask per kind of layer, as the model's own forward makes them
+            mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
+                    for kind in set(types)}
+    return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
 
 
 def _mask() -> torch.Tensor | None:
@@ -196,25 +205,26 @@ def sliding_window(config: Any, layer: int | None = None) -> int | None:
     return int(window)
 
 
-def check_window(config: Any, tokens: int, where: str) -> None:
-    """Refuse ``tokens``-long sequences past the model's sliding window where fourfold gives attention a plain
-    causal (or packed documents') mask in place of the model's own: ``where`` says which."""
-    window = sliding_window(config)
-    if window is not None and tokens > window:
-        raise ValueError(f"{config.model_type} attends within a sliding window of {window} tokens, which {where} "
-                         f"does not apply, got sequences of {tokens} tokens. Pass --seq-len {window} (or less), "
-                         "train it without --pp and --pack (its own forward applies the window), or set "
-                         "sliding_window to null in its config (--model-config, or --init-from's config.json).")
+def windowed(mask: torch.Tensor | None, window: int | None, tokens: int, device: Any) -> torch.Tensor | None:
+    """``mask`` (a packed batch's (B, 1, T, T), or None: plain causal) with each query kept to the ``window``
+    keys before it, itself included, as transformers' sliding-window mask keeps them (query i sees key j when
+    0 <= i - j < window); ``mask`` as it is without a window or with sequences no longer than it."""
+    if window is None or tokens <= window:
+        return mask
+    i = torch.arange(tokens, device=device)
+    gap = i[:, None] - i[None, :]
+    band = ((gap >= 0) & (gap < window))[None, None]  # (1, 1, T, T)
+    return band if mask is None else mask & band
 
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    config = getattr(layer.self_attn, "config", None)  # a piece of the pipeline holds the layers, not the model
-    if sliding_window(config) is not None:
-        check_window(config, h.size(1), "the pipeline's pieces")
+    attention = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
+    window = sliding_window(getattr(attention, "config", None), getattr(attention, "layer_idx", None))
     pos = position_ids(h)
     pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
     rope = m.model.rotary_emb(h, pos)  # (cos, sin): no parameters
-    return layer(h, attention_mask=_mask(), position_embeddings=rope, position_ids=pos)
+    return layer(h, attention_mask=windowed(_mask(), window, h.size(1), h.device), position_embeddings=rope,
+                 position_ids=pos)
 
 
 def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
