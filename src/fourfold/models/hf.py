@@ -155,7 +155,7 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     config = getattr(module, "config", None)
     mask: Any = layout.mask
     window = sliding_window(config)
-    if windowed(mask, window, mask.size(-1), mask.device) is not mask:  # some layers attend within a window
+    if window is not None and mask.size(-1) > window:  # some layers attend within a window shorter than the rows
         types = getattr(config, "layer_types", None)
         if types is None:  # Mistral: every layer
             mask = windowed(mask, window, mask.size(-1), mask.device)
