@@ -6,6 +6,7 @@ gathered it again. Names and shapes that do not fit the model are refused before
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -189,6 +190,10 @@ def test_a_base_models_checkpoint_without_the_causal_lms_prefix_loads_as_from_pr
     save_file(hub, str(tmp_path / "hub.safetensors"))
     fresh = load_weights(build_hf("gpt2", overrides=GPT2, seed=4), tmp_path / "hub.safetensors")
     _same(fresh.state_dict(), trained.state_dict())
+    both = {**hub, "transformer.wte.weight": hub["wte.weight"].clone()}  # which of the two would load?
+    save_file(both, str(tmp_path / "both.safetensors"))
+    with pytest.raises(ValueError, match="stored under two names"):
+        load_weights(build_hf("gpt2", overrides=GPT2), tmp_path / "both.safetensors")
 
 
 def test_a_tinygpt_run_exports_its_weights_alone_which_init_from_takes(tmp_path, capsys):
@@ -200,6 +205,10 @@ def test_a_tinygpt_run_exports_its_weights_alone_which_init_from_takes(tmp_path,
     assert export([str(first / "model.pt"), "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert [p.name for p in out.iterdir()] == ["model.safetensors"], said
+    umask = os.umask(0)
+    os.umask(umask)  # others read an export as they read what a plain mkdir and open make
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask and (out / "model.safetensors").stat().st_mode & 0o777 == \
+        0o666 & ~umask
     assert f"--init-from {out / 'model.safetensors'} takes it" in said and "read UTF-8 bytes" in said
     second = tmp_path / "second"
     assert train_mod.main([*SMALL, *STILL, "--init-from", str(out / "model.safetensors"), "--out", str(second)]) == 0

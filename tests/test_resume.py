@@ -227,3 +227,17 @@ def test_checkpoints_from_before_model_config_values_still_resume(tmp_path, monk
     del saved["train"]["model"], saved["train"]["model_config"]  # older still: no --model at all (TinyGPT's)
     (where / "manifest.json").write_text(json.dumps({"format": "fourfold-checkpoint/1", "step": 2, "config": saved}))
     assert parse_args(["--resume", str(where), "--steps", "4"]).train.model == "tinygpt"
+
+
+def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolute(tmp_path, monkeypatch):
+    # runs before 2026-11-24 recorded --tokenizer as typed; later ones absolute: a resume compares the files
+    from fourfold.checkpoint.resume import changed_settings
+    from fourfold.train import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok.json").write_text("{}")
+    cfg = parse_args(["--tokenizer", "tok.json"])
+    assert cfg.train.tokenizer == str(tmp_path / "tok.json")
+    older = {"config": {"train": {**cfg.to_dict()["train"], "tokenizer": "tok.json"}}}
+    assert changed_settings(cfg, older) == []
+    assert parse_args(["--tokenizer", "bpe:300"]).train.tokenizer == "bpe:300"  # not a file: as given

@@ -136,6 +136,11 @@ def test_each_layer_reads_its_own_window_from_its_config():
     windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                         num_hidden_layers=2)
     assert [hf.sliding_window(windowed, i) for i in range(2)] == [None, 4] and hf.sliding_window(windowed) == 4
+    # as each family's own forward reads them: Llama ignores a sliding_window key, Mistral reads no layer_types
+    assert hf.sliding_window(transformers.LlamaConfig(sliding_window=4)) is None
+    mistral = transformers.MistralConfig(sliding_window=4, num_hidden_layers=2)
+    mistral.layer_types = ["full_attention", "sliding_attention"]
+    assert [hf.sliding_window(mistral, i) for i in range(2)] == [4, 4]
     band = hf.windowed(None, 2, 4, "cpu")[0, 0]
     assert band.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     assert hf.windowed(None, 4, 4, "cpu") is None  # the window covers the sequence: plain causal

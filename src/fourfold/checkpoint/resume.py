@@ -110,13 +110,19 @@ CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_dec
 not: a checkpoint loads exactly under any layout)."""
 
 
+def _value(key: str, value: Any) -> Any:
+    """A setting as compared across runs: a tokenizer file by its absolute path (runs before 2026-11-24 recorded
+    the path as typed, later ones absolute)."""
+    return os.path.abspath(value) if key == "tokenizer" and str(value).endswith(".json") else value
+
+
 def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
     saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
     # a key the checkpoint's run did not record (an older fourfold's) had its default then
     saved = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved}
-    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if saved[k] != here[k]]
+    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if _value(k, saved[k]) != _value(k, here[k])]
     held, was = (held_batches(t["eval_every"], t["eval_batches"]) for t in (here, saved))
     if held != was:  # the held-out data are not trained on: the training order differs
         out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "

@@ -133,7 +133,7 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
     for key in ("model_config", "init_from"):
         if t.get(key) is not None:
             t[key] = os.path.abspath(t[key])
-    if t.get("tokenizer") not in (None, "bytes") and not str(t["tokenizer"]).startswith("bpe:"):
+    if str(t.get("tokenizer")).endswith(".json"):  # a file (not bytes, bpe:N, or a typo the config names as given)
         t["tokenizer"] = os.path.abspath(t["tokenizer"])
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}

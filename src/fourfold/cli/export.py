@@ -22,6 +22,7 @@ it with the same ``--model`` and flags.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
             written.append("tokenizer.json")
+        _readable(staging)  # mkdtemp's directory is its owner's alone; an export is for others to read too
         if target.exists():
             target.rmdir()  # empty (checked above); a file put there meanwhile stops the export here
         staging.rename(target)
@@ -83,6 +85,15 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return written, note
+
+
+def _readable(folder: Path) -> None:
+    """``folder`` and its files with the modes a plain mkdir and open would give them under this umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _once(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -116,6 +127,7 @@ def _tokenizer(train: dict[str, Any], run: Path) -> tuple[Path | None, str]:
     spec = train.get("tokenizer") or "bytes"
     if spec == "bytes":
         return None, "the run read UTF-8 bytes (ids 0-255): no tokenizer.json"
+    # an older run recorded the path as typed: relative to where it ran, which is not known; try the run's folder
     found = run / "tokenizer.json" if spec.startswith("bpe:") else Path(spec)
     if found.is_file():
         return found, f"tokenizer.json from {found}"

@@ -21,6 +21,7 @@ q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Any, NamedTuple
@@ -156,12 +157,11 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     mask: Any = layout.mask
     window = sliding_window(config)
     if window is not None and mask.size(-1) > window:  # some layers attend within a window shorter than the rows
-        types = getattr(config, "layer_types", None)
-        if types is None:  # Mistral: every layer
-            mask = windowed(mask, window, mask.size(-1), mask.device)
-        else:  # one mask per kind of layer, as the model's own forward makes them
+        if getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # one mask per kind of layer, as its forward
             mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
-                    for kind in set(types)}
+                    for kind in set(config.layer_types)}  # type: ignore[union-attr]
+        else:  # Mistral: every layer
+            mask = windowed(mask, window, mask.size(-1), mask.device)
     return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
 
 
@@ -193,15 +193,24 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
     return m.model.embed_tokens(ids)
 
 
+PER_LAYER_WINDOWS = ("qwen2", "qwen3")
+"""Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
+forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
+
+
 def sliding_window(config: Any, layer: int | None = None) -> int | None:
-    """The attention window of ``layer`` (of any layer: None) when the config gives it one, else None: Mistral's
-    ``sliding_window`` on every layer, Qwen2's on the layers its ``layer_types`` mark ``sliding_attention``."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
+    """The attention window of ``layer`` (of any layer: None) as the family's own forward applies it, else None:
+    Mistral's ``sliding_window`` on every layer (its forward reads no ``layer_types``); Qwen2's and Qwen3's, with
+    ``use_sliding_window``, on the layers their ``layer_types`` mark ``sliding_attention``; no other family's
+    (Llama's forward ignores a ``sliding_window`` key)."""
+    kind, window = getattr(config, "model_type", None), getattr(config, "sliding_window", None)
+    if not window or kind not in ("mistral", *PER_LAYER_WINDOWS):
         return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in (types if layer is None else [types[layer]]):
-        return None
+    if kind in PER_LAYER_WINDOWS:
+        types = getattr(config, "layer_types", None) or []
+        if not getattr(config, "use_sliding_window", False) or \
+                "sliding_attention" not in (types if layer is None else types[layer:layer + 1]):
+            return None
     return int(window)
 
 
@@ -211,10 +220,16 @@ def windowed(mask: torch.Tensor | None, window: int | None, tokens: int, device:
     0 <= i - j < window); ``mask`` as it is without a window or with sequences no longer than it."""
     if window is None or tokens <= window:
         return mask
-    i = torch.arange(tokens, device=device)
-    gap = i[:, None] - i[None, :]
-    band = ((gap >= 0) & (gap < window))[None, None]  # (1, 1, T, T)
+    band = _band(tokens, window, torch.device(device))
     return band if mask is None else mask & band
+
+
+@functools.lru_cache(maxsize=2)
+def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, T) bool: j <= i < j + window. Made once per size (every layer, micro-batch and recompute reads
+    it), as booleans: no T x T integer tensor."""
+    ones = torch.ones(tokens, tokens, dtype=torch.bool, device=device)
+    return (ones.tril() & ~ones.tril(-window))[None, None]
 
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -273,6 +288,7 @@ def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, 
     cls = causal_lm_class(family)
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
+    model.set_attn_implementation("sdpa")  # fourfold's masks are boolean (True: attend), as sdpa reads them
     prepare(model)
     return model
 

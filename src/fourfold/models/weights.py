@@ -21,6 +21,7 @@ run with its optimiser and data order, ``--resume`` its checkpoint.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
@@ -186,6 +187,11 @@ def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], sourc
     """Refuse ``shapes`` (name -> shape, as stored at ``source``) that do not fill ``model`` exactly
     (:func:`weight_problems`; names as :func:`model_names` reads them), naming the first few of each kind."""
     names = model_names(model, shapes)
+    twice = sorted(n for n, count in collections.Counter(names.values()).items() if count > 1)
+    if twice:  # stored with and without the prefix: which one would load?
+        raise ValueError(f"init_from {source} must hold each weight once, got {', '.join(twice[:4])} stored under "
+                         f"two names (with and without {getattr(model, 'base_model_prefix', '')!r}). Save it again "
+                         "with one name per weight.")
     problems = weight_problems(model, {names[k]: v for k, v in shapes.items()})
     if problems:
         raise ValueError(f"init_from {source} must hold the model's weights by its own names and shapes, got "
@@ -218,9 +224,8 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     shapes = stored_shapes(path)
     check_weights(model, shapes, repr(str(path)))
     names = model_names(model, shapes)
-    own = model.state_dict(keep_vars=True)  # the model's own tensors: copied into in place (a tied one once)
-    with torch.no_grad():
-        for name, value in stored_weights(path):
-            if names.get(name, name) in own:
-                own[names.get(name, name)].copy_(value)
+    expected = model.state_dict().keys()
+    for name, value in stored_weights(path):  # each through the model's own loading (its hooks, if it has any)
+        if names.get(name, name) in expected:
+            model.load_state_dict({names.get(name, name): value}, strict=False)
     return model
