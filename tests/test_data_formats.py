@@ -69,6 +69,27 @@ def test_json_lines_are_documents_and_a_bad_line_is_named(tmp_path):
         open_data(path, ByteTokenizer())
 
 
+def test_json_lines_keep_their_text_under_the_key_text_key_names(tmp_path, capsys):
+    from fourfold.data import open_documents
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps({"content": t, "id": i}) for i, t in enumerate(["one", "two"])) + "\n")
+    with pytest.raises(ValueError, match=r'line 1 must be an object with a "text" string, got .* \(its keys: '
+                                         r"content, id\)\. .*pass --text-key KEY"):
+        open_data(path, ByteTokenizer())
+    assert bytes(open_data(path, ByteTokenizer(), text_key="content").tokens.tolist()) == b"one\ntwo"
+    documents = open_documents(str(path), ByteTokenizer(), text_key="content")
+    assert [bytes(documents[k].tolist()) for k in range(len(documents))] == [b"one", b"two"]
+    # through train, packed, with a note where the key reads nothing
+    path.write_text("\n".join(json.dumps({"content": d}) for d in _docs(tmp_path)) + "\n")
+    out = tmp_path / "run"
+    assert train_mod.main([*TINY, "--data", str(path), "--text-key", "content", "--pack", "bfd", "--no-trace",
+                           "--out", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())["config"]["train"]["text_key"] == "content"
+    assert train_mod.main([*TINY, "--text-key", "content", "--no-trace", "--out", str(tmp_path / "builtin")]) == 0
+    assert "--text-key content (only a --data FILE.jsonl reads it)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("suffix", "dtype"), [(".npy", "int32"), (".bin", "uint16"), (".bin", "uint32")])
 def test_token_ids_are_memory_mapped_as_stored_and_batched_exactly(tmp_path, suffix, dtype):
     ids = (np.arange(5000) * 7919 % 1000).astype(dtype)

@@ -134,6 +134,8 @@ class TrainConfig:
         "what to train on: a text file, a folder of them, a .jsonl of {\"text\": ...} lines, or token ids in a "
         ".npy / .bin (memory-mapped; larger than memory is fine). Default: the built-in corpus, the Python "
         "standard library's source"))
+    text_key: str = field(default="text", metadata=_help(
+        "with --data FILE.jsonl: the key of each record's text (\"content\", say)"))
     tokenizer: str = field(default="bytes", metadata=_help(
         "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
         "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). Left "
@@ -271,6 +273,9 @@ class TrainConfig:
         from fourfold.data.tokenizers import check_tokenizer_spec
 
         check_tokenizer_spec(self.tokenizer)
+        if not self.text_key:
+            raise ValueError("text_key must name the key of each JSON Lines record's text, got an empty string. Pass "
+                             "--text-key text (the default), or the key your records use.")
         if self.tokenizer != "bytes" and self.data is not None and is_token_file(self.data):
             raise ValueError(f"tokenizer reads text, got tokenizer={self.tokenizer!r} with token ids in "
                              f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")

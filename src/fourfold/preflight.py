@@ -289,6 +289,8 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
         why["min_lr"] = "only --lr-decay linear or cosine reads it"
     if not t.eval_every:
         why["eval_batches"] = "only --eval-every reads it"
+    if t.data is None or not str(t.data).endswith(".jsonl"):
+        why["text_key"] = "only a --data FILE.jsonl reads it"
     if mesh.dp == 1:
         why.update(dict.fromkeys(DATA_FLAGS, "dp=1: no gradient sync"))
     elif t.compress != "powersgd":

@@ -105,7 +105,7 @@ def _same_model_config(saved: dict[str, Any], here: dict[str, Any]) -> bool:
 
 
 CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_decay", "min_lr", "max_grad_norm",
-             "precision", "data", "tokenizer", "data_dtype", "pack", "tokens_per_step", "truncate_documents")
+             "precision", "data", "text_key", "tokenizer", "data_dtype", "pack", "tokens_per_step", "truncate_documents")
 """The training settings whose change makes a resumed run differ from the uninterrupted one (the layout's do
 not: a checkpoint loads exactly under any layout)."""
 

@@ -116,7 +116,7 @@ def is_token_file(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix in (".npy", ".bin")
 
 
-def read_texts(path: str | os.PathLike[str] | None) -> tuple[list[str], bytes, str]:
+def read_texts(path: str | os.PathLike[str] | None, text_key: str = "text") -> tuple[list[str], bytes, str]:
     """The documents at ``path`` (a text file, a folder of them, or JSON Lines; None: the built-in corpus), the
     bytes read, and a name."""
     if path is None:
@@ -151,10 +151,12 @@ def read_texts(path: str | os.PathLike[str] | None) -> tuple[list[str], bytes, s
             except json.JSONDecodeError as e:
                 raise ValueError(f"data {root.name} line {i} must be one JSON object, got {line[:60]!r}: {e}. Fix "
                                  "that line (JSON Lines: one object per line)") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"data {root.name} line {i} must be an object with a \"text\" string, got "
-                                 f"{line[:60]!r}. Write each document as {{\"text\": \"...\"}}")
-            texts.append(row["text"])
+            if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
+                keys = f" (its keys: {', '.join(map(str, list(row)[:8]))})" if isinstance(row, dict) else ""
+                raise ValueError(f"data {root.name} line {i} must be an object with a {json.dumps(text_key)} string, "
+                                 f"got {line[:60]!r}{keys}. Write each document as {{\"{text_key}\": \"...\"}}, or "
+                                 "pass --text-key KEY, the key your records keep their text under")
+            texts.append(row[text_key])
         return texts, raw, root.name
     return [_utf8(raw, root)], raw, root.name
 
@@ -216,7 +218,7 @@ def token_range(path: str | os.PathLike[str], data_dtype: str = "uint16") -> tup
 
 
 def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | FileTokenizer, *,
-              data_dtype: str = "uint16") -> Corpus:
+              data_dtype: str = "uint16", text_key: str = "text") -> Corpus:
     """The run's corpus: the built-in one (``path`` None), token ids from a ``.npy`` / ``.bin``, or text read
     and encoded by ``tokenizer``."""
     if path is not None and is_token_file(path):
@@ -224,12 +226,12 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
     if isinstance(tokenizer, ByteTokenizer):
         if path is None:
             return load_corpus()
-        texts, raw, name = read_texts(path)
+        texts, raw, name = read_texts(path, text_key)
         data = "\n".join(texts).encode("utf-8")  # the files' bytes, a byte-order mark left out
         if not data:
             raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
         return Corpus(as_uint8(data), name, hashlib.sha256(raw).hexdigest())  # the fingerprint of what was read
-    texts, raw, name = read_texts(path)
+    texts, raw, name = read_texts(path, text_key)
     ids = [i for doc in tokenizer.encode_all([t + "\n" for t in texts]) for i in doc]
     if not ids:
         raise ValueError(f"corpus must hold at least one token, got 0 from {name!r}. Pass a non-empty file")
@@ -238,7 +240,8 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
 
 
 def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str = "uint16", is_main: bool = True,
-               wait: Callable[[str], None] | None = None, documents: bool = False) -> Corpus | Documents:
+               wait: Callable[[str], None] | None = None, documents: bool = False,
+               text_key: str = "text") -> Corpus | Documents:
     """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``; with
     ``documents``, its :class:`~fourfold.data.documents.Documents` instead (for packing). A ``bpe:N`` tokenizer
     is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the others
@@ -246,7 +249,8 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
     from fourfold.data.documents import open_documents
 
     def read(tok: ByteTokenizer | FileTokenizer) -> Corpus | Documents:
-        return open_documents(data, tok) if documents else open_data(data, tok, data_dtype=data_dtype)
+        return (open_documents(data, tok, text_key=text_key) if documents else
+                open_data(data, tok, data_dtype=data_dtype, text_key=text_key))
 
     if tokenizer.startswith("bpe:") and not (data is not None and is_token_file(data)):
         path = out / "tokenizer.json"
@@ -254,7 +258,7 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
             from fourfold.files import atomic_path
 
             with atomic_path(path) as tmp:
-                train_bpe(read_texts(data)[0], int(tokenizer.partition(":")[2]), tmp)
+                train_bpe(read_texts(data, text_key)[0], int(tokenizer.partition(":")[2]), tmp)
         if wait is not None:
             wait("train the tokenizer")
         return read(FileTokenizer(path, name=f"{tokenizer} ({path})"))

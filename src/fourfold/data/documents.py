@@ -125,9 +125,9 @@ def skewed_documents(count: int, longest: int, *, short_fraction: float = 0.8, s
     return Documents.from_list(docs, name)
 
 
-def open_documents(path: str | None, tokenizer: ByteTokenizer | FileTokenizer) -> Documents:
-    """The documents of a run: the built-in set (``path`` None), or a JSON Lines file / folder / text file read
-    and encoded by ``tokenizer``."""
+def open_documents(path: str | None, tokenizer: ByteTokenizer | FileTokenizer, *, text_key: str = "text") -> Documents:
+    """The documents of a run: the built-in set (``path`` None), or a JSON Lines file (each record's
+    ``text_key``) / folder / text file read and encoded by ``tokenizer``."""
     if path is not None and is_token_file(path):
         raise ValueError(f"--pack needs document boundaries, got the token file {path!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none")
@@ -138,7 +138,7 @@ def open_documents(path: str | None, tokenizer: ByteTokenizer | FileTokenizer) -
         texts = [builtin[k].numpy().tobytes().decode("utf-8") for k in range(len(builtin))]
         digest, name = builtin.sha256, builtin.name
     else:
-        texts, raw, name = read_texts(path)
+        texts, raw, name = read_texts(path, text_key)
         digest = hashlib.sha256(raw).hexdigest()
     if isinstance(tokenizer, ByteTokenizer):
         return Documents.from_list([tokenizer.encode(t) for t in texts], name, digest)

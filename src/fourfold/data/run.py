@@ -25,7 +25,7 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
     what run.json records of the data."""
     t = cfg.train
     corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=is_main, wait=wait,
-                        documents=t.pack != "none")
+                        documents=t.pack != "none", text_key=t.text_key)
     if isinstance(corpus, Documents):
         budget = {"tokens_per_step": t.tokens_per_step} if t.tokens_per_step else {"docs_per_step": t.batch_size}
         loader: BatchLoader | DocumentLoader = DocumentLoader(
