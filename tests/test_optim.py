@@ -106,6 +106,13 @@ def test_a_resume_names_a_changed_schedule_and_the_decays_new_end():
         "max_grad_norm 1.0 (was 0.0)"]  # what it ran with then: the defaults
     constant = Config(train=TrainConfig(steps=20))  # no decay: more steps are the same run, continued
     assert changed_settings(constant, {"config": Config(train=TrainConfig(steps=10)).to_dict()}) == []
+    evaluated = Config(train=TrainConfig(steps=20, eval_every=5))
+    assert changed_settings(evaluated, {"config": evaluated.record()}) == []
+    before = evaluated.record()
+    del before["held_out"]  # a run before 2026-11-24 held out the data's end
+    assert changed_settings(evaluated, {"config": before}) == [
+        "held-out data spread through the data (the checkpoint's run, before 2026-11-24, held out its end: training "
+        "reads other windows or documents)"]
 
 
 def test_a_run_stopped_by_its_gradient_norm_says_so_in_metrics_and_exits_1(tmp_path, monkeypatch, capsys):

@@ -171,9 +171,9 @@ class TrainConfig:
         "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
         "are the checkpoint's"))
     eval_every: int = field(default=0, metadata=_help(
-        "every N steps and at the last, the loss on held-out data (the last --eval-batches x --batch-size "
-        "windows or documents, which training then never reads), forward only in eval mode: metrics.jsonl "
-        "eval_loss (0: off)"))
+        "every N steps and at the last, the loss on held-out data (--eval-batches x --batch-size windows or "
+        "documents spread evenly through the data, which training then never reads), forward only in eval mode: "
+        "metrics.jsonl eval_loss (0: off)"))
     eval_batches: int = field(default=2, metadata=_help("with --eval-every: held-out batches per evaluation"))
     verify: int = field(default=0, metadata=_help(
         "after the run, re-run its first N steps in one process (rank 0) and print the loss and parameter "
@@ -412,6 +412,10 @@ class Config:
         record: dict[str, Any] = self.to_dict()
         if self.model_config_values is not None:
             record["model_config_values"] = self.model_config_values
+        if self.train.eval_every:
+            from fourfold.checkpoint.resume import HELD_OUT
+
+            record["held_out"] = HELD_OUT  # which data evaluation holds out, as a resume compares it
         return record
 
 

@@ -110,6 +110,11 @@ CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_dec
 not: a checkpoint loads exactly under any layout)."""
 
 
+HELD_OUT = "spread"
+"""How a run records which data evaluation holds out (:class:`fourfold.data.loader.HeldOut`): every
+``stride``-th item. Runs before 2026-11-24 held out the data's end and recorded nothing."""
+
+
 def _value(key: str, value: Any) -> Any:
     """A setting as compared across runs: a tokenizer file by its absolute path (runs before 2026-11-24 recorded
     the path as typed, later ones absolute)."""
@@ -127,6 +132,9 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     if held != was:  # the held-out data are not trained on: the training order differs
         out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "
                    "documents)")
+    elif held and manifest["config"].get("held_out") != HELD_OUT:
+        out.append("held-out data spread through the data (the checkpoint's run, before 2026-11-24, held out its "
+                   "end: training reads other windows or documents)")
     if here["lr_decay"] != "none" and saved["steps"] != here["steps"]:
         out.append(f"steps {here['steps']} (was {saved['steps']}: the learning rate's decay now ends there)")
     return out

@@ -11,8 +11,8 @@ epoch order, the id check, the step as the whole state, :class:`Batch`).
 The corpus is cut into n = N // (T+1) windows of T+1 tokens, epoch e visits them in the order randperm(n) drawn
 from seed*1_000_003 + e, and step s takes positions [s*B, (s+1)*B) of the endless concatenation of epochs.
 Resuming is setting the step. Only the windows a batch takes are read (a memory-mapped corpus stays on disk).
-With ``eval_batches=E`` the last E*B windows are held out: training visits the others, and ``eval_batch(i)``
-reads held-out batch i.
+With ``eval_batches=E``, E*B windows spread evenly through the corpus are held out (:class:`HeldOut`): training
+visits the others, and ``eval_batch(i)`` reads held-out batch i.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from fourfold.data.corpus import Corpus
 
-__all__ = ["Batch", "BatchLoader", "EpochOrder", "StepLoader", "check_eval_batch", "check_ids", "held_out"]
+__all__ = ["Batch", "BatchLoader", "EpochOrder", "HeldOut", "StepLoader", "check_eval_batch", "check_ids", "held_out"]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -58,12 +58,39 @@ class Batch:
                 {"documents": docs, "num_tokens": self.num_tokens} if docs is not None else {})
 
 
+class HeldOut:
+    """Which of ``n`` items (windows or documents) evaluation holds out: ``count`` of them spread evenly through
+    the data, the middle item of each of ``count`` equal stretches (every ``stride``-th), not its end, so the
+    held-out loss reads every part of a corpus ordered by source or time. Training numbers the others
+    0..n-count-1 in their order; :meth:`trained` maps those numbers to items, :meth:`held` the held-out ones'.
+    Arithmetic only: nothing of size n is made."""
+
+    def __init__(self, n: int, count: int) -> None:
+        self.n, self.count = n, count
+        self.stride = n // count if count else 0  # >= 2: held_out() keeps count <= n / 2
+        self.offset = self.stride // 2
+
+    def held(self, k: torch.Tensor) -> torch.Tensor:
+        """Held-out item ``k`` (0 <= k < count) of each element."""
+        return k * self.stride + self.offset
+
+    def trained(self, position: torch.Tensor) -> torch.Tensor:
+        """The item training numbers ``position`` (0 <= position < n - count) of each element."""
+        if not self.count:
+            return position
+        per = self.stride - 1  # training items in each stretch; after the last stretch, all are
+        block, r = position // per, position % per
+        inside = block * self.stride + r + (r >= self.offset).long()
+        return torch.where(position < self.count * per, inside, position + self.count)
+
+
 class EpochOrder:
     """The endless sequence of epochs over ``n`` items: epoch e visits them in ``randperm(n)`` drawn from
-    seed*1_000_003 + e, so any position's item is a pure function of (seed, position)."""
+    seed*1_000_003 + e, so any position's item is a pure function of (seed, position). With ``held`` (n its
+    training items), the items are its training items (:meth:`HeldOut.trained`)."""
 
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
+    def __init__(self, n: int, seed: int, held: HeldOut | None = None) -> None:
+        self.n, self.seed, self.held = n, seed, held
         self._perms: dict[int, torch.Tensor] = {}
 
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -82,10 +109,11 @@ class EpochOrder:
         for epoch in range(start // n, (stop - 1) // n + 1):
             lo, hi = max(start, epoch * n), min(stop, (epoch + 1) * n)
             out[lo - start : hi - start] = self.permutation(epoch)[lo - epoch * n : hi - epoch * n]
-        return out
+        return self.held.trained(out) if self.held is not None else out
 
     def __getitem__(self, position: int) -> int:
-        return int(self.permutation(position // self.n)[position % self.n])
+        number = self.permutation(position // self.n)[position % self.n]
+        return int(self.held.trained(number) if self.held is not None else number)
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int | None, name: str) -> None:
@@ -194,14 +222,15 @@ class BatchLoader(StepLoader):
         self._windows = corpus.tokens[: n * (seq_len + 1)].view(n, seq_len + 1)  # (n, T+1) uint8
         self.eval_batches = eval_batches
         self.held_out = held_out(n, eval_batches, batch_size, "window", corpus.name)
-        self.order = EpochOrder(n - self.held_out, seed)  # training never reads the held-out windows
+        self.split = HeldOut(n, self.held_out)
+        self.order = EpochOrder(n - self.held_out, seed, self.split)  # training never reads the held-out windows
 
     def eval_batch(self, i: int) -> Batch:
-        """Held-out batch ``i`` (this rank's rows): the last ``eval_batches * batch_size`` windows of the
-        corpus, in order, which training never takes."""
+        """Held-out batch ``i`` (this rank's rows) of the ``eval_batches * batch_size`` windows spread through the
+        corpus (:class:`HeldOut`), in order, which training never takes."""
         check_eval_batch(i, self.eval_batches)
-        first = self.num_windows - self.held_out + i * self.batch_size + self.dp_rank * self.shard_size
-        return self._windows_batch(torch.arange(first, first + self.shard_size))
+        first = i * self.batch_size + self.dp_rank * self.shard_size
+        return self._windows_batch(self.split.held(torch.arange(first, first + self.shard_size)))
 
     def window_indices(self, step: int) -> torch.Tensor:
         """Window ids of global batch ``step``: positions [step*B, (step+1)*B) of the epoch sequence, (B,)."""

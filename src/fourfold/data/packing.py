@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from fourfold.data.documents import Documents
-from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_eval_batch, check_ids, held_out
+from fourfold.data.loader import Batch, EpochOrder, HeldOut, StepLoader, check_eval_batch, check_ids, held_out
 from fourfold.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
@@ -144,7 +144,8 @@ class DocumentLoader(StepLoader):
                              f"{eval_batches}, got {eval_docs}.")
         self.eval_batches, self.eval_docs = eval_batches, eval_docs  # held-out batches, documents in each
         self.held_out = held_out(len(documents), eval_batches, eval_docs, "document", documents.name)
-        self.order = EpochOrder(len(documents) - self.held_out, seed)  # training never reads the held-out ones
+        self.split = HeldOut(len(documents), self.held_out)
+        self.order = EpochOrder(len(documents) - self.held_out, seed, self.split)  # never the held-out ones
 
     def doc_indices(self, step: int) -> list[int]:
         """The documents of global batch ``step``, in the step's order."""
@@ -168,11 +169,11 @@ class DocumentLoader(StepLoader):
         return self._packed(self.doc_indices(step))
 
     def eval_batch(self, i: int) -> Batch:
-        """Held-out batch ``i`` (this rank's rows): ``eval_docs`` of the last documents, in order, packed as a
-        step's are; training never takes them."""
+        """Held-out batch ``i`` (this rank's rows): ``eval_docs`` of the documents spread through the data
+        (:class:`~fourfold.data.loader.HeldOut`), in order, packed as a step's are; training never takes them."""
         check_eval_batch(i, self.eval_batches)
-        first = len(self.documents) - self.held_out + i * self.eval_docs
-        return self._shard(self._packed(list(range(first, first + self.eval_docs))))
+        ks = torch.arange(i * self.eval_docs, (i + 1) * self.eval_docs)
+        return self._shard(self._packed(self.split.held(ks).tolist()))
 
     def _packed(self, docs: list[int]) -> Batch:
         """The documents ``docs`` packed into the rows of one global batch."""
