@@ -146,9 +146,8 @@ def _opened(path: Path) -> Iterator[Any]:
 
 
 def stored_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights stored at ``path`` (every shard of a directory), one at a time on the CPU: from safetensors
-    each read as it is asked for, from a torch file memory-mapped, so no more than one is held besides the
-    model."""
+    """The weights stored at ``path`` (every shard of a directory), one at a time on the CPU, memory-mapped (from
+    safetensors each as it is asked for; a torch file with ``mmap=True``)."""
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
             with _opened(f) as opened:
@@ -219,8 +218,8 @@ def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> 
 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype,
-    one tensor at a time: a rank holds the model and one stored tensor, not a second copy of the model. Returns
-    ``model``."""
+    one tensor at a time from memory-mapped files (file pages a machine's ranks share, not a private copy of the
+    model). Returns ``model``."""
     shapes = stored_shapes(path)
     check_weights(model, shapes, repr(str(path)))
     names = model_names(model, shapes)
