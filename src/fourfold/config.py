@@ -382,16 +382,14 @@ class Config:
             given = ", ".join(f"{f}={getattr(self.model, f)!r}" for f in sized)
             flags = ", ".join("--" + f.replace("_", "-") for f in sized)
             one = len(sized) == 1
-            if self.train.model_config is None and self.train.init_from is not None and \
-                    os.path.isdir(self.train.init_from):
-                raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
-                                 f"model={self.train.model!r}, sized by --init-from {self.train.init_from}'s "
-                                 f"config.json. Drop {'it' if one else 'them'}.")
+            sized_by_directory = self.train.model_config is None and self.train.init_from is not None and \
+                os.path.isdir(self.train.init_from)
+            source, fix = ((f"sized by --init-from {self.train.init_from}'s config.json", "") if sized_by_directory
+                           else ("whose size and vocabulary come from --model-config (a JSON object of its config's "
+                                 "keys, e.g. examples/gpt2-tiny.json, or of your factory's keyword arguments)",
+                                 ", or put the values in --model-config"))
             raise ValueError(f"{flags} {'shapes' if one else 'shape'} TinyGPT only, got {given} with "
-                             f"model={self.train.model!r}, whose size and vocabulary come from --model-config (a "
-                             "JSON object of its config's keys, e.g. examples/gpt2-tiny.json, or of your factory's "
-                             "keyword arguments). Drop "
-                             f"{'it' if one else 'them'}, or put the values in --model-config.")
+                             f"model={self.train.model!r}, {source}. Drop {'it' if one else 'them'}{fix}.")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}

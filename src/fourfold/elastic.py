@@ -171,7 +171,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
     return 0
 
 
-_ERROR_FILE = "error-rank{rank}.txt"
+_ERROR_PREFIX, _ERROR_SUFFIX = "error-rank", ".txt"  # error-rank3.txt: rank 3's traceback
 
 
 def report_error(error: BaseException) -> bool:
@@ -189,7 +189,8 @@ def report_error(error: BaseException) -> bool:
     if attempt < most:  # the launcher restarts the ranks and prints nothing of this attempt: say it here
         return False
     try:
-        Path(verdict).with_name(_ERROR_FILE.format(rank=int(rank))).write_text("".join(traceback.format_exception(error)))
+        Path(verdict).with_name(f"{_ERROR_PREFIX}{int(rank)}{_ERROR_SUFFIX}").write_text(
+            "".join(traceback.format_exception(error)))
     except (OSError, ValueError):
         return False
     return True
@@ -199,11 +200,11 @@ def _reported_errors(folder: Path, first: int) -> str:
     """The tracebacks the failed ranks left (:func:`report_error`), each different one once under the ranks that
     raised it, the first failure's first; "" when none left one."""
     texts: dict[str, list[int]] = {}
-    for path in folder.glob(_ERROR_FILE.format(rank="*")):
-        match = re.fullmatch(_ERROR_FILE.format(rank=r"(\d+)").replace(".", r"\."), path.name)
+    for path in folder.glob(f"{_ERROR_PREFIX}*{_ERROR_SUFFIX}"):
+        rank = path.name.removeprefix(_ERROR_PREFIX).removesuffix(_ERROR_SUFFIX)
         with contextlib.suppress(OSError):
-            if match:
-                texts.setdefault(path.read_text(errors="replace"), []).append(int(match.group(1)))
+            if rank.isdigit():
+                texts.setdefault(path.read_text(errors="replace"), []).append(int(rank))
     ordered = sorted(texts.items(), key=lambda tr: (first not in tr[1], min(tr[1])))
     blocks = []
     for text, ranks in ordered:

@@ -58,7 +58,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
                          f"got model={t.model!r}. Drop --sequence-parallel.")
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
     meta = functools.cache(functools.partial(meta_model, cfg))  # built once, for the checks that read shapes
-    if t.init_from is not None and resume_from(cfg) is None:  # a resume's weights are its checkpoint's
+    resume = resume_from(cfg)  # the checkpoint this run starts from, if any (its manifest read once)
+    if t.init_from is not None and resume is None:  # a resume's weights are its checkpoint's
         _check_init_from(cfg, meta)
     if t.verify and world_size > 1:  # one process's re-run of one process draws the same masks
         _check_no_dropout(cfg, meta)
@@ -84,7 +85,6 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if info.vocab_size is None and scan_data:  # a model of your own: its vocabulary is known once it is built
         info = _check_yours(cfg, info, mesh, stages, meta)
     check_data_vocab(cfg, info, scan=scan_data)
-    resume = resume_from(cfg)
     if resume is not None:
         check_resume(cfg, resume)
     existing = [p.name for p in earlier_outputs(out)]

@@ -13,6 +13,7 @@ from typing import Any
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
 from fourfold.config import Config, TrainConfig
 from fourfold.data.run import held_batches
+from fourfold.data.tokenizers import absolute_spec
 from fourfold.models.gpt import GPTConfig
 
 __all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
@@ -118,7 +119,7 @@ HELD_OUT = "spread"
 def _value(key: str, value: Any) -> Any:
     """A setting as compared across runs: a tokenizer file by its absolute path (runs before 2026-11-24 recorded
     the path as typed, later ones absolute)."""
-    return os.path.abspath(value) if key == "tokenizer" and str(value).endswith(".json") else value
+    return absolute_spec(value) if key == "tokenizer" else value
 
 
 def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from fourfold.checkpoint.resume import take_checkpoint_model
 from fourfold.config import MODEL_HELP, SECTIONS, Config
+from fourfold.data.tokenizers import absolute_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,8 +134,8 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
     for key in ("model_config", "init_from"):
         if t.get(key) is not None:
             t[key] = os.path.abspath(t[key])
-    if str(t.get("tokenizer")).endswith(".json"):  # a file (not bytes, bpe:N, or a typo the config names as given)
-        t["tokenizer"] = os.path.abspath(t["tokenizer"])
+    if t.get("tokenizer") is not None:
+        t["tokenizer"] = absolute_spec(t["tokenizer"])
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
         return Config(**parts)

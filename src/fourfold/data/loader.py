@@ -93,6 +93,11 @@ class EpochOrder:
         self.n, self.seed, self.held = n, seed, held
         self._perms: dict[int, torch.Tensor] = {}
 
+    @classmethod
+    def training(cls, held: HeldOut, seed: int) -> EpochOrder:
+        """The epochs over ``held``'s training items: the held-out ones are never visited."""
+        return cls(held.n - held.count, seed, held)
+
     def permutation(self, epoch: int) -> torch.Tensor:
         """The order of ``epoch``, (n,)."""
         if epoch not in self._perms:
@@ -128,7 +133,7 @@ def check_ids(ids: torch.Tensor, vocab_size: int | None, name: str) -> None:
                          "tokenizer / --data-dtype the data was made with")
 
 
-def held_out(n: int, batches: int, size: int, what: str, name: str) -> int:
+def held_out(n: int, batches: int, size: int, what: str, name: str) -> HeldOut:
     """The items (windows or documents) of ``name``'s ``n`` held out for evaluation: ``batches`` of ``size``,
     refused when that would leave training fewer than half of them."""
     wanted = batches * size
@@ -137,7 +142,7 @@ def held_out(n: int, batches: int, size: int, what: str, name: str) -> int:
         fix = f"--eval-batches {most} at most" if most else f"a --batch-size of {n // 2} at most"
         raise ValueError(f"evaluation would hold out {wanted} of the {n} {what}s of {name!r} (--eval-batches "
                          f"{batches} x {size}), more than half of them. Pass {fix}, or more data.")
-    return wanted
+    return HeldOut(n, wanted)
 
 
 def check_eval_batch(i: int, batches: int) -> None:
@@ -152,6 +157,12 @@ class StepLoader:
     step), so resuming is setting it) and iteration over :meth:`shard`."""
 
     step = 0
+    split: HeldOut  # what evaluation holds out (--eval-every), which training never reads
+
+    @property
+    def held_out(self) -> int:
+        """How many items (windows or documents) evaluation holds out."""
+        return self.split.count
 
     def shard(self, step: int) -> Any:
         raise NotImplementedError
@@ -221,9 +232,8 @@ class BatchLoader(StepLoader):
         # Non-overlapping windows, stride T+1: window k is tokens[k(T+1) : (k+1)(T+1)].
         self._windows = corpus.tokens[: n * (seq_len + 1)].view(n, seq_len + 1)  # (n, T+1) uint8
         self.eval_batches = eval_batches
-        self.held_out = held_out(n, eval_batches, batch_size, "window", corpus.name)
-        self.split = HeldOut(n, self.held_out)
-        self.order = EpochOrder(n - self.held_out, seed, self.split)  # training never reads the held-out windows
+        self.split = held_out(n, eval_batches, batch_size, "window", corpus.name)
+        self.order = EpochOrder.training(self.split, seed)  # training never reads the held-out windows
 
     def eval_batch(self, i: int) -> Batch:
         """Held-out batch ``i`` (this rank's rows) of the ``eval_batches * batch_size`` windows spread through the

@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from fourfold.data.documents import Documents
-from fourfold.data.loader import Batch, EpochOrder, HeldOut, StepLoader, check_eval_batch, check_ids, held_out
+from fourfold.data.loader import Batch, EpochOrder, StepLoader, check_eval_batch, check_ids, held_out
 from fourfold.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PACKINGS", "Batch", "DocumentLayout", "DocumentLoader", "Piece", "capture_layout",
@@ -143,9 +143,8 @@ class DocumentLoader(StepLoader):
             raise ValueError(f"eval_docs must be >= 1 (documents per held-out batch) with eval_batches="
                              f"{eval_batches}, got {eval_docs}.")
         self.eval_batches, self.eval_docs = eval_batches, eval_docs  # held-out batches, documents in each
-        self.held_out = held_out(len(documents), eval_batches, eval_docs, "document", documents.name)
-        self.split = HeldOut(len(documents), self.held_out)
-        self.order = EpochOrder(len(documents) - self.held_out, seed, self.split)  # never the held-out ones
+        self.split = held_out(len(documents), eval_batches, eval_docs, "document", documents.name)
+        self.order = EpochOrder.training(self.split, seed)  # training never reads the held-out documents
 
     def doc_indices(self, step: int) -> list[int]:
         """The documents of global batch ``step``, in the step's order."""

@@ -104,6 +104,12 @@ def check_tokenizer_spec(spec: str) -> None:
                      "--tokenizer path/to/tokenizer.json")
 
 
+def absolute_spec(spec: str) -> str:
+    """``spec`` as a run records and compares it: a tokenizer.json path made absolute (from wherever the run was
+    started), ``bytes`` and ``bpe:N`` as they are."""
+    return os.path.abspath(spec) if spec.endswith(".json") else spec
+
+
 def vocab_of(spec: str) -> int:
     """The number of ids tokenizer ``spec`` makes, known before any text is read."""
     check_tokenizer_spec(spec)
