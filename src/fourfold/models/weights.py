@@ -182,9 +182,10 @@ def model_names(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, str]:
     """Refuse ``shapes`` (name -> shape, as stored at ``source``) that do not fill ``model`` exactly
-    (:func:`weight_problems`; names as :func:`model_names` reads them), naming the first few of each kind."""
+    (:func:`weight_problems`; names as :func:`model_names` reads them), naming the first few of each kind; else
+    the stored names' model names."""
     names = model_names(model, shapes)
     twice = sorted(n for n, count in collections.Counter(names.values()).items() if count > 1)
     if twice:  # stored with and without the prefix: which one would load?
@@ -196,6 +197,7 @@ def check_weights(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], sourc
         raise ValueError(f"init_from {source} must hold the model's weights by its own names and shapes, got "
                          f"{problems}. Build the model these weights were saved from (the same "
                          "--model and --model-config, or the directory's config.json).")
+    return names
 
 
 def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
@@ -220,11 +222,9 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype,
     one tensor at a time from memory-mapped files (file pages a machine's ranks share, not a private copy of the
     model). Returns ``model``."""
-    shapes = stored_shapes(path)
-    check_weights(model, shapes, repr(str(path)))
-    names = model_names(model, shapes)
+    names = check_weights(model, stored_shapes(path), repr(str(path)))
     expected = model.state_dict().keys()
     for name, value in stored_weights(path):  # each through the model's own loading (its hooks, if it has any)
-        if names.get(name, name) in expected:
-            model.load_state_dict({names.get(name, name): value}, strict=False)
+        if names[name] in expected:  # not a buffer the model computes itself (COMPUTED)
+            model.load_state_dict({names[name]: value}, strict=False)
     return model
