@@ -47,7 +47,9 @@ def written_by_a_run(out: Path) -> bool:
 
 @contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed."""
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed. The
+    caller may make a directory there: it replaces ``path`` when that is absent or an empty directory (rename's
+    rule: anything in it stops the replacement), and is removed with its contents on failure."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Not mkstemp: its 0600 mode would stick to the final file; a plain name gets the usual umask.
@@ -56,7 +58,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise
 
 

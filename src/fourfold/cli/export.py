@@ -25,7 +25,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,8 @@ __all__ = ["export", "main"]
 
 def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
     """Write ``source``'s (a run directory or its ``model.pt``) final weights into ``out``: (the names written,
-    a note on the tokenizer). Written into a new directory beside ``out`` and renamed into place when complete,
-    so a failure leaves nothing half-written."""
+    a note on the tokenizer). Written into a new directory beside ``out`` and renamed into place when complete
+    (:func:`fourfold.files.atomic_path`), so a failure leaves nothing half-written."""
     from fourfold.checkpoint import load_checkpoint
     from fourfold.models.hf import FAMILIES
 
@@ -63,13 +62,15 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
         config = hf_config(family, overrides=record.get("model_config_values") or {})
     weights = _once(state, config)
     tokenizer, note = _tokenizer(train, model_pt.parent)
+    from fourfold.files import atomic_path
     from fourfold.models.weights import safetensors_module
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        safetensors_module().torch.save_file({k: v.contiguous() for k, v in weights.items()},
-                                             str(staging / "model.safetensors"), metadata={"format": "pt"})
+    with atomic_path(target) as staging:  # replaces an empty --out; a file put there meanwhile stops it
+        staging.mkdir()
+        weights_file = staging / "model.safetensors"
+        safetensors_module().torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(weights_file),
+                                             metadata={"format": "pt"})
+        weights_file.chmod(0o666 & ~_umask())  # save_file makes it its owner's alone; an export is for others too
         written = ["model.safetensors"]
         if config is not None:
             config.save_pretrained(staging)
@@ -77,23 +78,13 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
             written.append("tokenizer.json")
-        _readable(staging)  # mkdtemp's directory is its owner's alone; an export is for others to read too
-        if target.exists():
-            target.rmdir()  # empty (checked above); a file put there meanwhile stops the export here
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return written, note
 
 
-def _readable(folder: Path) -> None:
-    """``folder`` and its files with the modes a plain mkdir and open would give them under this umask."""
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
+    return umask
 
 
 def _once(state: dict[str, Any], config: Any) -> dict[str, Any]:

@@ -156,12 +156,11 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     config = getattr(module, "config", None)
     mask: Any = layout.mask
     window = sliding_window(config)
-    if window is not None and mask.size(-1) > window:  # some layers attend within a window shorter than the rows
-        if getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # one mask per kind of layer, as its forward
-            mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
-                    for kind in set(config.layer_types)}  # type: ignore[union-attr]
-        else:  # Mistral: every layer
-            mask = windowed(mask, window, mask.size(-1), mask.device)
+    if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
+        mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
+                for kind in set(config.layer_types)}  # type: ignore[union-attr]
+    else:  # Mistral: every layer (no window: the mask as it is)
+        mask = windowed(mask, window, mask.size(-1), mask.device)
     return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
 
 
