@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,12 @@ from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.pipeline.blocks import output_tensor
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.tensor import (
+    REPLICATED,
     ColumnParallelLinear,
     Layout,
     gather_full,
     parameter_bytes,
+    shard,
     sum_partial_grads,
 )
 from fourfold.parallel.tensor.comm import wire_bytes
@@ -367,6 +369,19 @@ class Engine:
                 return self._whole(self.model.state_dict())
             mine = [(st.index, self._whole(st.model_state_dict())) for st in self.pipeline.stages]
         return gather_stages(mine, self.ranks.pp_group)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """The inverse of :meth:`state_dict`: write each tensor this rank holds from its whole value,
+        ``state[name]`` under the model's own name, cut for this layout (its tensor-parallel piece). Only those
+        names are read, one at a time, so ``state`` may be a mapping that reads each from a file when asked
+        (:class:`fourfold.models.weights.StoredWeights`, a checkpoint's pieces). Every rank calls it alike (under
+        ZeRO it is a collective over dp)."""
+        with self.gathered(write=True):  # ZeRO: written whole, kept as this rank's segments
+            for name, t in self.local_state_dict().items():
+                whole = state[name]
+                layout = self.layouts.get(name, REPLICATED)
+                t.copy_(shard(whole, layout, self.ranks.coord.tp, self.mesh.tp) if layout.dim is not None else whole)
 
     def _whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mesh.tp > 1:  # gather_full makes new tensors
