@@ -215,3 +215,91 @@ def test_a_tinygpt_run_exports_its_weights_alone_which_init_from_takes(tmp_path,
     _same(load_checkpoint(second / "model.pt")["model"], load_checkpoint(first / "model.pt")["model"])
     assert export([str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "export reads a run's model.pt" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def _resident() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)")
+def test_unfilled_parameters_use_memory_only_where_written_and_keep_ties_and_built_buffers():
+    from torch import nn
+
+    from fourfold.models.weights import empty_parameters, zero_pages
+
+    mb = 2**20
+    with empty_parameters():
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(8)))  # 8 x 16 MB of float32
+        model.register_buffer("made", torch.arange(4.0))  # computed when built: kept
+    assert all(p.is_meta for p in model.parameters()) and torch.equal(model.made, torch.arange(4.0))
+    model[1].weight = model[0].weight
+    before = _resident()
+    zero_pages(model)
+    assert all(float(p.detach().sum()) == 0.0 for p in model.parameters())  # read: the zero page, no memory used
+    assert _resident() - before < 16 * mb
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)  # written: this parameter's pages, and its tie's (the same tensor)
+    assert model[1].weight is model[0].weight and float(model[1].weight.detach().sum()) == 2048 * 2048
+    assert 15 * mb < _resident() - before < 32 * mb
+
+
+def test_a_hugging_face_model_unfilled_keeps_its_rotary_frequencies_and_fills_from_stored_weights(tmp_path):
+    pytest.importorskip("transformers")
+    from fourfold.cli.args import parse_args
+    from fourfold.models.build import build_unfilled
+    from fourfold.models.hf import build_hf
+    from fourfold.models.weights import StoredWeights
+
+    llama = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}
+    saved = build_hf("llama", overrides=llama, seed=5)
+    saved.save_pretrained(tmp_path / "llama")
+    cfg = parse_args(["--model", "llama", "--init-from", str(tmp_path / "llama"), "--seq-len", "16"])
+    model = build_unfilled(cfg)
+    assert all(float(p.detach().abs().sum()) == 0.0 for p in model.parameters())
+    assert torch.equal(model.model.rotary_emb.inv_freq, saved.model.rotary_emb.inv_freq)
+    with StoredWeights(tmp_path / "llama", model) as stored:
+        assert set(stored) == set(model.state_dict())
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(stored[name])
+    _same(model.state_dict(), saved.state_dict())
+
+
+LLAMA = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 16}
+
+
+def _unfilled_llama(ctx, folder: str) -> dict | None:
+    """README's recipe: a Hugging Face model never whole on any rank, each rank filling its tp x pp part."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fourfold import Mesh, parallelize
+    from fourfold.models.weights import StoredWeights, empty_parameters, zero_pages
+
+    with empty_parameters():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), torch_dtype=torch.float64)
+    zero_pages(model)
+    ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
+    with StoredWeights(folder, model) as stored:
+        engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long), timeout_s=30)
+        engine.load_state_dict(stored)
+    held = sum(t.numel() for t in engine.local_state_dict().values())
+    state = engine.state_dict()
+    return {"state": state, "held": held, "total": sum(t.numel() for t in state.values())} if ctx.rank == 0 else \
+        {"held": held}
+
+
+@pytest.mark.timeout(240)
+def test_a_model_built_unfilled_is_cut_then_each_rank_fills_its_part_from_stored_weights(tmp_path):
+    pytest.importorskip("transformers")
+    from fourfold.models.hf import build_hf
+    from fourfold.testing import run_ranks
+
+    saved = build_hf("llama", overrides=LLAMA, seed=7, dtype=torch.float64)
+    saved.save_pretrained(tmp_path / "llama")
+    got = run_ranks(_unfilled_llama, 4, str(tmp_path / "llama"), timeout_s=200)
+    _same(got[0]["state"], saved.state_dict())
+    assert all(r["held"] < got[0]["total"] / 2 for r in got)  # a tp x pp rank holds under half of the model

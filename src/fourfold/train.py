@@ -67,10 +67,12 @@ from fourfold.files import (
 from fourfold.mesh import Mesh
 from fourfold.models.build import (
     build_model,
+    build_unfilled,
     built_info,
     model_info,
     num_parameters,
 )
+from fourfold.models.weights import StoredWeights
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
@@ -167,7 +169,11 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
             move_aside(out)
-    model = build_model(cfg, ctx.device, weights=resume is None)  # a resume's weights: the checkpoint's, below
+    # The weights: the seed's, or loaded once the layout has cut the model (each rank reads the tensors it keeps)
+    # from the checkpoint or --init-from, into zeros whose memory is used only where written
+    later = resume is not None or t.init_from is not None
+    model = build_unfilled(cfg, ctx.device) if later else build_model(cfg, ctx.device)
+    stored = StoredWeights(t.init_from, model) if resume is None and t.init_from is not None else None
     known = model_info(cfg)
     info = built_info(known, model)  # a model of your own: its vocabulary, known only now
     if known.vocab_size is None:
@@ -183,6 +189,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
+    if stored is not None:
+        with stored:
+            engine.load_state_dict(stored)
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace)
     first = 1

@@ -24,7 +24,7 @@ from torch import nn
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES
 
-__all__ = ["ModelError", "ModelInfo", "build_model", "built_info", "check_forward", "check_model", "check_vocab",
+__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "built_info", "check_forward", "check_model", "check_vocab",
            "model_info", "num_parameters", "read_model_config"]
 
 
@@ -151,15 +151,35 @@ def build_model(cfg: Any, device: torch.device | str = "cpu", *, weights: bool =
     return model
 
 
-def _build(cfg: Any, device: torch.device | str) -> nn.Module:
+def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
+    """The run's model for weights that come after a layout has cut it (``--init-from``'s, a checkpoint's:
+    :meth:`~fourfold.engine.Engine.load_state_dict`): TinyGPT and the Hugging Face families built with their
+    parameters on the meta device, then given zeros in memory untouched until written
+    (:func:`~fourfold.models.weights.zero_pages`), so each rank's memory holds the part it keeps, not the whole
+    model. A model of your own (``--model module:factory``, which may read its values as it builds) is built
+    whole, as for a fresh run."""
+    from fourfold.models.weights import empty_parameters, zero_pages
+
+    if cfg.train.model == "tinygpt":
+        return zero_pages(_build(cfg, "meta"), device)
+    if cfg.train.model in FAMILIES:
+        with empty_parameters():
+            model = _build(cfg, None)
+        return zero_pages(model, device)
+    return _build(cfg, device)
+
+
+def _build(cfg: Any, device: torch.device | str | None) -> nn.Module:
+    """The model as configured, on ``device`` (None: where it was made)."""
     t = cfg.train
     dtype = DTYPES[t.dtype]
     if t.model == "tinygpt":
-        return TinyGPT(cfg.model, seed=t.seed, dtype=dtype, device=device)
+        return TinyGPT(cfg.model, seed=t.seed, dtype=dtype, device="cpu" if device is None else device)
     if t.model in FAMILIES:
         from fourfold.models.hf import build_hf
 
-        return build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype).to(device)
+        model = build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype)
+        return model if device is None else model.to(device)
     torch.manual_seed(t.seed)
     factory, kwargs = _factory(t.model), read_model_config(t.model_config)
     try:
@@ -170,7 +190,7 @@ def _build(cfg: Any, device: torch.device | str) -> nn.Module:
                          "arguments (--model-config is a JSON object of its keyword arguments).") from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {t.model!r} must return an nn.Module, got {type(model).__name__}.")
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype) if device is None else model.to(device=device, dtype=dtype)
 
 
 def check_forward(model: nn.Module, cfg: Any) -> None:

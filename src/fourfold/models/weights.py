@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import mmap
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WEIGHT_FILES", "check_file", "check_weights", "hf_directory", "load_weights", "model_names", "safetensors_module",
-           "stored_shapes", "stored_weights", "tied_names", "weight_problems"]
+__all__ = ["WEIGHT_FILES", "StoredWeights", "check_file", "check_weights", "empty_parameters", "hf_directory",
+           "load_weights", "model_names", "safetensors_module", "stored_shapes", "tied_names",
+           "weight_problems", "zero_pages"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 """A Hugging Face directory's weights, in the order they are looked for."""
@@ -117,17 +119,22 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every stored weight's name and shape, the tensors' data left unread (safetensors' header; a torch file
-    memory-mapped)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def _index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every stored weight's name -> its file and shape, the tensors' data left unread (safetensors' header; a
+    torch file memory-mapped)."""
+    index: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
             with _opened(f) as opened:
-                shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in opened.keys()})  # noqa: SIM118
+                index.update({k: (f, tuple(opened.get_slice(k).get_shape())) for k in opened.keys()})  # noqa: SIM118
         else:
-            shapes.update({k: tuple(v.shape) for k, v in _torch_file(f).items()})
-    return shapes
+            index.update({k: (f, tuple(v.shape)) for k, v in _torch_file(f).items()})
+    return index
+
+
+def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every stored weight's name and shape, the tensors' data left unread."""
+    return {k: shape for k, (_, shape) in _index(path).items()}
 
 
 @contextlib.contextmanager
@@ -145,16 +152,49 @@ def _opened(path: Path) -> Iterator[Any]:
         yield opened
 
 
-def stored_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights stored at ``path`` (every shard of a directory), one at a time on the CPU, memory-mapped (from
-    safetensors each as it is asked for; a torch file with ``mmap=True``)."""
-    for f in _files(Path(path)):
-        if f.suffix == ".safetensors":
-            with _opened(f) as opened:
-                for key in opened.keys():  # noqa: SIM118
-                    yield key, opened.get_tensor(key)
-        else:
-            yield from _torch_file(f).items()
+class StoredWeights(Mapping[str, torch.Tensor]):
+    """The weights stored at ``path`` by ``model``'s own names (checked first by :func:`check_weights`), each read
+    from its memory-mapped file only when asked for: ``stored[name]``. A weight ``model`` ties to another and
+    stored once is found under either name. Use it as a context manager (it closes the files it opened)::
+
+        with StoredWeights(path, model) as stored:  # model: the whole model, before anything cuts it
+            engine = parallelize(model, mesh)
+            engine.load_state_dict(stored)          # each rank reads the tensors it holds, and cuts them
+    """
+
+    def __init__(self, path: str | Path, model: nn.Module) -> None:
+        self.path = Path(path)
+        index = _index(path)
+        names = check_weights(model, {k: shape for k, (_, shape) in index.items()}, repr(str(path)))
+        self._where = {names[k]: (f, k) for k, (f, _) in index.items()}  # the model's name -> (file, stored name)
+        for name, others in tied_names(model).items():  # a tied weight stored under one of its names
+            if name not in self._where:
+                self._where[name] = next(self._where[o] for o in sorted(others) if o in self._where)
+        self._files = contextlib.ExitStack()
+        self._open: dict[Path, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, key = self._where[name]
+        if f not in self._open:
+            self._open[f] = self._files.enter_context(_opened(f)) if f.suffix == ".safetensors" else _torch_file(f)
+        opened = self._open[f]
+        return opened.get_tensor(key) if f.suffix == ".safetensors" else opened[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        self._files.close()
+        self._open.clear()
+
+    def __enter__(self) -> StoredWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def tied_names(model: nn.Module) -> dict[str, set[str]]:
@@ -219,12 +259,55 @@ def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> 
 
 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load the weights at ``path`` into ``model`` (checked first by :func:`check_weights`), cast to its dtype,
-    one tensor at a time from memory-mapped files (file pages a machine's ranks share, not a private copy of the
-    model). Returns ``model``."""
-    names = check_weights(model, stored_shapes(path), repr(str(path)))
-    expected = model.state_dict().keys()
-    for name, value in stored_weights(path):  # each through the model's own loading (its hooks, if it has any)
-        if names[name] in expected:  # not a buffer the model computes itself (COMPUTED)
-            model.load_state_dict({names[name]: value}, strict=False)
+    """Load the weights at ``path`` into the whole ``model`` (:class:`StoredWeights`: checked first), cast to its
+    dtype, one tensor at a time from memory-mapped files. Returns ``model``. (A run's ranks load after the
+    layout has cut the model, each only what it holds: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
+    with StoredWeights(path, model) as stored, torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.copy_(stored[name])
     return model
+
+
+@contextlib.contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Modules built inside put their parameters on the ``meta`` device (shapes and dtypes, no memory, no
+    initialisation drawn), their buffers where they were made: what a model computes when built (rotary
+    frequencies) stays. :func:`zero_pages` then gives the parameters memory."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def zero_pages(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give each of ``model``'s parameters on the ``meta`` device zeros on ``device``, in place (the same
+    ``nn.Parameter`` objects, so ties hold). On the CPU each lies in an anonymous memory map: its pages are the
+    kernel's one zero page until written, so a rank that keeps a part of the model and fills it
+    (:meth:`~fourfold.engine.Engine.load_state_dict`) uses memory for that part only, however much it reads the
+    rest meanwhile. The buffers move to ``device``. Returns ``model``."""
+    device = torch.device(device)
+    for p in model.parameters():  # a tied parameter once
+        if p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(_zeros(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+    meta = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise ValueError(f"a model built on the meta device must compute its buffers, got {', '.join(meta[:4])} on "
+                         "the meta device. Build it under fourfold.models.weights.empty_parameters(), which keeps "
+                         "buffers.")
+    return model.to(device)
+
+
+def _zeros(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    numel, size = shape.numel(), torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    private = mmap.mmap(-1, numel * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would fill on read
+    return torch.frombuffer(private, dtype=dtype, count=numel).view(shape)

@@ -474,5 +474,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
         src = dist.get_process_group_ranks(group)[0] if group is not None else 0
         dist.broadcast_object_list(chosen, src=src, group=group)
         boundaries = chosen[0]
-    stages = split_model(model, schedule.stages, balance=balance, boundaries=boundaries, example=example)
+    pp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+    held = [s for s in range(schedule.stages) if schedule.owner(s) == pp_rank]
+    stages = split_model(model, schedule.stages, balance=balance, boundaries=boundaries, example=example, held=held)
     return Pipeline(stages, schedule, group, **kwargs)

@@ -30,7 +30,7 @@ checks every message against them. A model whose blocks do not compose is refuse
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -261,22 +261,26 @@ def plan(model: nn.Module | Sequence[nn.Module], stages: int, *, balance: Balanc
 
 
 def split_model(model: nn.Module | Sequence[nn.Module], stages: int, *, balance: Balance = "params",
-                boundaries: Sequence[int | str] | None = None,
-                example: torch.Tensor | None = None) -> list[Stage]:
-    """``stages`` contiguous :class:`Stage` s covering every block of ``model`` in order, cut by :func:`plan`."""
+                boundaries: Sequence[int | str] | None = None, example: torch.Tensor | None = None,
+                held: Collection[int] | None = None) -> list[Stage]:
+    """``stages`` contiguous :class:`Stage` s covering every block of ``model`` in order, cut by :func:`plan`.
+    ``held``: the stages the caller keeps (default all); only those get their own copy of a tied weight (a
+    stage dropped unused keeps the shared one, so no rank copies a tensor it will not hold)."""
     starts = plan(model, stages, balance=balance, boundaries=boundaries, example=example)
     named = named_blocks(model)
     examples = _examples(model, named, example)
     specs = _trace(named, examples) if examples is not None else None
     ends = (*starts[1:], len(named))
     parts = [named[a:b] for a, b in zip(starts, ends, strict=True)]
-    tied = _untie(parts)
+    tied = _untie(parts, range(stages) if held is None else held)
     return [Stage(k, stages, part, in_spec=specs[a] if specs else None, out_spec=specs[b] if specs else None,
                   tied=tied[k]) for k, (part, a, b) in enumerate(zip(parts, starts, ends, strict=True))]
 
 
-def _untie(parts: list[list[tuple[str, nn.Module]]]) -> list[dict[str, tuple[int, tuple[int, ...]]]]:
-    """Give each later stage its own copy of a parameter several stages share; say who holds copies."""
+def _untie(parts: list[list[tuple[str, nn.Module]]],
+           held: Collection[int]) -> list[dict[str, tuple[int, tuple[int, ...]]]]:
+    """Give each later stage of ``held`` its own copy of a parameter several stages share; say who holds
+    copies."""
     holders: dict[int, list[tuple[int, str]]] = {}  # id(parameter) -> [(stage, local name)], first use each
     for k, part in enumerate(parts):
         probe = Stage(k, len(parts), part)  # only for the local names
@@ -289,7 +293,7 @@ def _untie(parts: list[list[tuple[str, nn.Module]]]) -> list[dict[str, tuple[int
         stages = tuple(k for k, _ in group)
         for k, name in group:
             out[k][name] = (tie, stages)
-            if k != stages[0]:
+            if k != stages[0] and k in held:
                 _replace_parameter(parts[k], name)
     return out
 
