@@ -288,8 +288,9 @@ def _unfilled_llama(ctx, folder: str) -> dict | None:
         engine.load_state_dict(stored)
     held = sum(t.numel() for t in engine.local_state_dict().values())
     state = engine.state_dict()
-    return {"state": state, "held": held, "total": sum(t.numel() for t in state.values())} if ctx.rank == 0 else \
-        {"held": held}
+    to_3 = engine.state_dict(to=3)  # gathered onto rank 3 alone (pp 1, tp 1): the others never hold it whole
+    return {"state": state, "held": held, "total": sum(t.numel() for t in state.values()),
+            "to_3": to_3 if ctx.rank == 3 else len(to_3)}
 
 
 @pytest.mark.timeout(240)
@@ -303,3 +304,5 @@ def test_a_model_built_unfilled_is_cut_then_each_rank_fills_its_part_from_stored
     got = run_ranks(_unfilled_llama, 4, str(tmp_path / "llama"), timeout_s=200)
     _same(got[0]["state"], saved.state_dict())
     assert all(r["held"] < got[0]["total"] / 2 for r in got)  # a tp x pp rank holds under half of the model
+    assert list(got[3]["to_3"]) == list(got[3]["state"]) and [got[r]["to_3"] for r in range(3)] == [0, 0, 0]
+    _same(got[3]["to_3"], got[3]["state"])

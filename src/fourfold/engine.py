@@ -32,12 +32,11 @@ from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.pipeline.blocks import output_tensor
 from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.tensor import (
-    REPLICATED,
     ColumnParallelLinear,
     Layout,
+    fill_pieces,
     gather_full,
     parameter_bytes,
-    shard,
     sum_partial_grads,
 )
 from fourfold.parallel.tensor.comm import wire_bytes
@@ -358,17 +357,22 @@ class Engine:
                 optimizer.state[p] = states[n]
 
     @torch.no_grad()
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole, unsharded state dict (CPU tensors, the model's names and key order), on every rank.
+    def state_dict(self, to: int | None = None) -> dict[str, torch.Tensor]:
+        """The whole, unsharded state dict (CPU tensors, the model's names and key order), on every rank, or on
+        global rank ``to`` alone (the others return ``{}`` and never hold the whole model: what a writer needs).
 
         A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts, in stage order). It
         loads into the model as one process builds it, and is a snapshot: never a view of a live parameter.
         """
+        # with ``to``, only the ranks of its replica and tensor-parallel rank keep anything: its pipeline group
+        there = self.mesh.coord(to) if to is not None else None
+        keep = there is None or (there.dp, there.tp) == (self.ranks.coord.dp, self.ranks.coord.tp)
         with self.gathered():
             if self.pipeline is None:
-                return self._whole(self.model.state_dict())
-            mine = [(st.index, self._whole(st.model_state_dict())) for st in self.pipeline.stages]
-        return gather_stages(mine, self.ranks.pp_group)
+                whole = self._whole(self.model.state_dict(), keep)
+                return whole if to is None or self.ranks.rank == to else {}
+            mine = [(st.index, self._whole(st.model_state_dict(), keep)) for st in self.pipeline.stages]
+        return gather_stages(mine, self.ranks.pp_group, dst=to) if keep else {}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -378,15 +382,13 @@ class Engine:
         (:class:`fourfold.models.weights.StoredWeights`, a checkpoint's pieces). Every rank calls it alike (under
         ZeRO it is a collective over dp)."""
         with self.gathered(write=True):  # ZeRO: written whole, kept as this rank's segments
-            for name, t in self.local_state_dict().items():
-                whole = state[name]
-                layout = self.layouts.get(name, REPLICATED)
-                t.copy_(shard(whole, layout, self.ranks.coord.tp, self.mesh.tp) if layout.dim is not None else whole)
+            fill_pieces(self.local_state_dict(), state, self.layouts, self.ranks.coord.tp, self.mesh.tp)
 
-    def _whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _whole(self, state: dict[str, torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
+        """``state`` made whole over tp, on the CPU; with ``keep`` False only the collectives (``{}``)."""
         if self.mesh.tp > 1:  # gather_full makes new tensors
-            return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group).items()}
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group, keep=keep).items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if keep else {}
 
     @functools.cached_property
     def grad_copies(self) -> dict[int, int]:

@@ -98,8 +98,8 @@ class TrainResult:
     num_parameters: int = 0
     label: str = "TinyGPT"  # the model, as the summary names it
     out: Path | None = None
-    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step
+    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # the final weights, on rank 0 only
+    snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step, rank 0
     traced: bool = True  # --no-trace: no spans, so no bytes counted either
 
     def summary(self) -> str:
@@ -254,7 +254,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                 row["eval_loss"] = _evaluate(engine, loader, t.eval_batches, ctx.device, tracer)
             if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
-                result.snapshots.append(engine.state_dict())
+                result.snapshots.append(engine.state_dict(to=0))  # rank 0 re-runs them alone
             result.losses.append(global_loss)
             result.metrics.append(row)
             if metrics_file is not None:
@@ -352,9 +352,9 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
             shown = median_step(result.metrics) or cfg.train.steps
             draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
                       labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
-    # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp), so
-    # model.pt is the same checkpoint, under the model's own names, whatever the layout.
-    result.state = engine.state_dict()
+    # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp) onto rank 0
+    # alone, which writes it: model.pt is the same checkpoint, under the model's own names, whatever the layout.
+    result.state = engine.state_dict(to=0)
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.record(), step=cfg.train.steps)
     barrier("finish the run")

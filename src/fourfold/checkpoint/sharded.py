@@ -197,11 +197,14 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
 class _Whole(Mapping[str, torch.Tensor]):
     """name -> the whole tensor, rebuilt from a checkpoint's pieces when asked for (``whole(prefix + name)``)."""
 
-    def __init__(self, whole: Callable[[str], torch.Tensor], prefix: str, names: Iterable[str] = ()) -> None:
+    def __init__(self, whole: Callable[[str], torch.Tensor], prefix: str, names: Iterable[str]) -> None:
         self._get, self._prefix, self._names = whole, prefix, list(names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._get(self._prefix + name)
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self._names
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

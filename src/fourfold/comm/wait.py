@@ -123,14 +123,21 @@ def _explain(entry: Any) -> str:
     return f"Hang doctor: {text} " if text else ""
 
 
-def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str) -> list[Any]:
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str, dst: int | None = None
+                   ) -> list[Any]:
     """``dist.all_gather_object`` under the ledger: every rank's ``obj``, in group-rank order. Bounded by the
-    process group's timeout (``--timeout``); the doctor sees the wait like any other."""
+    process group's timeout (``--timeout``); the doctor sees the wait like any other. ``dst`` (a global rank of
+    ``group``): only it receives them (``dist.gather_object``); the others get ``[]``."""
     ranks = group_ranks(group)
     everyone: list[Any] = [None] * len(ranks)
     entry = LEDGER.enter(op, "gather objects from the group of", group=ranks)
     try:
-        dist.all_gather_object(everyone, obj, group=group)
+        if dst is None:
+            dist.all_gather_object(everyone, obj, group=group)
+        else:
+            mine = dist.get_rank() == dst
+            dist.gather_object(obj, everyone if mine else None, dst=dst, group=group)
+            everyone = everyone if mine else []
     except RuntimeError as e:
         raise CommError(f"rank {dist.get_rank()}: {op}: gather objects from the group of ranks {list(ranks)} "
                         f"failed. {HINT} {_explain(entry)}[{_first_line(e)}]") from e

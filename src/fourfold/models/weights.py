@@ -180,6 +180,9 @@ class StoredWeights(Mapping[str, torch.Tensor]):
         opened = self._open[f]
         return opened.get_tensor(key) if f.suffix == ".safetensors" else opened[key]
 
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

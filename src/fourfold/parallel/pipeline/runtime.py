@@ -447,11 +447,12 @@ class Pipeline:
             peak_in_flight_by_rank=tuple(int(r[3]) for r in rows), wait_by_rank=tuple(r[1] for r in rows))
 
 
-def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None
-                  ) -> dict[str, torch.Tensor]:
+def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None,
+                  dst: int | None = None) -> dict[str, torch.Tensor]:
     """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
-    (so in the model's key order, interleaved stages included), on every rank of ``group``. A collective."""
-    everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict")
+    (so in the model's key order, interleaved stages included), on every rank of ``group`` (or on global rank
+    ``dst`` alone; the others get ``{}``). A collective."""
+    everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict", dst=dst)
     out: dict[str, torch.Tensor] = {}
     for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
         out.update(part)

@@ -41,6 +41,7 @@ __all__ = [
     "gather_full",
     "gather_state_dict",
     "heads",
+    "fill_pieces",
     "load_full_state_dict",
     "parameter_bytes",
     "shard_layouts",
@@ -178,13 +179,13 @@ def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], group: Group
-                ) -> dict[str, torch.Tensor]:
+def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], group: Group, *,
+                keep: bool = True) -> dict[str, torch.Tensor]:
     """Every entry of ``state`` (this rank's pieces, cut as ``layouts`` says; missing: replicated) made whole
-    by an all-gather over ``group``: new tensors, never views of the pieces. A collective."""
+    by an all-gather over ``group``: new tensors, never views of the pieces. A collective. ``keep=False``: take
+    part in the collectives only, keeping nothing (``{}``: a rank another one gathers for)."""
     p = dist.get_world_size(group)
-    done: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
-    out = {}
+    done: dict[int, torch.Tensor | None] = {}  # a tied tensor is gathered once, on every rank alike
     for key, t in state.items():
         layout = layouts.get(key, REPLICATED)
         if id(t) not in done:
@@ -192,24 +193,31 @@ def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout]
             if layout.dim is not None and p > 1:
                 pieces = [torch.empty_like(t.detach()) for _ in range(p)]
                 dist.all_gather(pieces, t.detach().contiguous(), group=group)
-            done[id(t)] = unshard(pieces, layout)
-        out[key] = done[id(t)]
-    return out
+            done[id(t)] = unshard(pieces, layout) if keep else None
+    return {key: done[id(t)] for key, t in state.items()} if keep else {}  # type: ignore[misc]
+
+
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], group: Group) -> None:
+    """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
+    fill_pieces(model.state_dict(keep_vars=True), state, shard_layouts(model), dist.get_rank(group),
+                dist.get_world_size(group))
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], group: Group) -> None:
-    """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
-    layouts = shard_layouts(model)
-    for key, t in model.state_dict(keep_vars=True).items():
+def fill_pieces(local: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout],
+                rank: int, p: int) -> None:
+    """Copy into each ``local[name]`` (this rank's piece, cut as ``layouts`` says; missing: replicated) its piece
+    of the whole tensor ``state[name]``, read one at a time (``state`` may read each from a file when asked)."""
+    for key, t in local.items():
         if key not in state:
-            raise ValueError(f"state must hold every key of the model's state dict, got no {key!r}. Save it "
-                             "with gather_state_dict")
-        piece = shard(state[key], layouts[key], rank, p)
+            raise ValueError(f"state must hold every tensor of the model's state dict, got no {key!r}. Pass the "
+                             "whole model's state dict (gather_state_dict, Engine.state_dict, or stored weights)")
+        whole = state[key]
+        layout = layouts.get(key, REPLICATED)
+        piece = shard(whole, layout, rank, p) if layout.dim is not None else whole
         if piece.shape != t.shape:
             raise ValueError(f"state[{key!r}] must be the full tensor of this model's piece, got shape "
-                             f"{tuple(state[key].shape)}, which gives {tuple(piece.shape)} on rank {rank} for "
+                             f"{tuple(whole.shape)}, which gives {tuple(piece.shape)} on rank {rank} for "
                              f"{tuple(t.shape)}. Build the model from the checkpoint's config")
         t.copy_(piece)
 
