@@ -372,7 +372,7 @@ class Engine:
                 whole = self._whole(self.model.state_dict(), keep)
                 return whole if to is None or self.ranks.rank == to else {}
             mine = [(st.index, self._whole(st.model_state_dict(), keep)) for st in self.pipeline.stages]
-        return gather_stages(mine, self.ranks.pp_group, dst=to) if keep else {}
+        return gather_stages(mine, self.ranks.pp_group, dst=to, timeout_s=self.timeout_s) if keep else {}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

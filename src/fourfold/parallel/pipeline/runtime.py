@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait, gather_objects
+from fourfold.comm.wait import bounded_wait, gather_objects, group_ranks
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.memory import parameter_storages, saved_bytes_once
@@ -447,15 +447,54 @@ class Pipeline:
             peak_in_flight_by_rank=tuple(int(r[3]) for r in rows), wait_by_rank=tuple(r[1] for r in rows))
 
 
-def gather_stages(parts: Sequence[tuple[int, dict[str, torch.Tensor]]], group: dist.ProcessGroup | None,
-                  dst: int | None = None) -> dict[str, torch.Tensor]:
+Parts = list[tuple[int, dict[str, torch.Tensor]]]
+
+
+def gather_stages(parts: Parts, group: dist.ProcessGroup | None, dst: int | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, torch.Tensor]:
     """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
     (so in the model's key order, interleaved stages included), on every rank of ``group`` (or on global rank
     ``dst`` alone; the others get ``{}``). A collective."""
-    everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict", dst=dst)
+    if dst is None:
+        everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict")
+    else:
+        everyone = _gather_onto(parts, group, dst, timeout_s)
     out: dict[str, torch.Tensor] = {}
     for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
         out.update(part)
+    return out
+
+
+def _gather_onto(parts: Parts, group: dist.ProcessGroup | None, dst: int, timeout_s: float) -> list[Parts]:
+    """Every rank's ``parts`` on ``dst`` (``[]`` elsewhere), the tensors sent one at a time: only their names,
+    shapes and dtypes travel pickled, so ``dst`` holds each received tensor once (a pickled gather holds every
+    rank's pickle, padded to the largest, beside what it unpickles)."""
+    me = dist.get_rank()
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    shapes = [(index, [(k, tuple(v.shape), v.dtype) for k, v in part.items()]) for index, part in parts]
+    everyone = gather_objects(shapes, group, op="gather the names and shapes of the pipeline's state_dict", dst=dst)
+    if me != dst:
+        for _, part in parts:
+            for k, v in part.items():
+                t = v.contiguous() if wire is None else v.to(wire)
+                bounded_wait(dist.isend(t, dst, group=group), timeout_s, rank=me, op=f"send {k} (state_dict)",
+                             awaited="send to", peer=dst, tensor=t, direction="send")
+        return []
+    out: list[Parts] = []
+    for src, theirs in zip(group_ranks(group), everyone, strict=True):
+        if src == me:
+            out.append(list(parts))
+            continue
+        got: Parts = []
+        for index, entries in theirs:
+            part = {}
+            for k, shape, dtype in entries:
+                t = torch.empty(shape, dtype=dtype, device=wire)
+                bounded_wait(dist.irecv(t, src, group=group), timeout_s, rank=me, op=f"receive {k} (state_dict)",
+                             awaited="receive from", peer=src, tensor=t, direction="recv")
+                part[k] = t.cpu()
+            got.append((index, part))
+        out.append(got)
     return out
 
 
