@@ -144,3 +144,31 @@ def test_each_layer_reads_its_own_window_from_its_config():
     band = hf.windowed(None, 2, 4, "cpu")[0, 0]
     assert band.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     assert hf.windowed(None, 4, 4, "cpu") is None  # the window covers the sequence: plain causal
+
+
+def _eager_pipeline(ctx) -> str:
+    model = build("gpt2")
+    model.set_attn_implementation("eager")
+    ranks = Mesh.for_world(ctx.world_size, pp=2).build(30)
+    try:
+        parallelize(model, ranks, microbatches=2, timeout_s=30)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_eager_attention_which_would_add_fourfolds_boolean_masks_is_refused_under_pp_and_packing():
+    from fourfold.data.packing import document_layout
+
+    said = run_ranks(_eager_pipeline, 2, timeout_s=90)
+    assert all("a pipeline (pp=2) passes" in s and "attn_implementation='eager'" in s and
+               "set_attn_implementation('sdpa')" in s for s in said), said
+    model = build("gpt2")
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with document_layout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])):
+        model(ids)  # sdpa reads the masks: packed documents are kept apart
+        model.set_attn_implementation("eager")
+        with pytest.raises(ValueError, match="a packed batch passes .* every token would attend everywhere"):
+            model(ids)
+    model(ids)  # no packed batch: the model's own causal mask, which eager attention reads as it should

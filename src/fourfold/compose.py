@@ -161,8 +161,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if group is not None:  # each rank keeps its part of its own model: they must be the same model
             _check_same_model(model, group, axis)
     family = family_of(model)
-    if m.tp > 1 and family is not None and family.check is not None:
-        family.check(model, m.tp)  # whole heads per rank, and the like: before anything is cut
+    if (m.tp > 1 or m.pp > 1) and family is not None and family.check is not None:
+        family.check(model, m.tp, m.pp)  # whole heads per rank, and the like: before anything is cut
     if m.pp > 1 and microbatches > 1 and strategy != "model":
         batchnorm_for_microbatches(model, microbatches)
     with _untouched(model):  # the split's check and the pipeline's trace run the model on examples

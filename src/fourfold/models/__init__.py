@@ -28,14 +28,15 @@ from fourfold.parallel.pipeline.blocks import Split
 class Family:
     """What fourfold knows of a model family: its tensor-parallel ``plan`` (a ``{module: style}`` mapping, or
     ``fn(model, group, *, sequence_parallel, tracer)``), its pipeline ``split`` (None: the model lists its
-    blocks itself), ``check(model, tp)`` run before sharding, ``fixups(model, tp)`` after, ``examples``:
+    blocks itself), ``check(model, tp, pp)`` run before anything is cut, ``fixups(model, tp)`` after sharding,
+    ``examples``:
     inputs showing the dims that may vary, and ``documents(model)``, which makes the model keep packed
     documents apart (positions and attention read :func:`fourfold.data.packing.current_layout`)."""
 
     name: str
     plan: Callable[[nn.Module], Mapping[str, str] | Callable[..., nn.Module]] | None = None
     split: Callable[[nn.Module], Split] | None = None
-    check: Callable[[nn.Module, int], None] | None = None
+    check: Callable[[nn.Module, int, int], None] | None = None
     fixups: Callable[[nn.Module, int], None] | None = None
     examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
     documents: Callable[[nn.Module], None] | None = None
@@ -79,8 +80,10 @@ def _tinygpt_plan(model: nn.Module) -> Callable[..., nn.Module]:
 def _hf(name: str) -> Family:
     from fourfold.models import hf
 
-    def check(model: nn.Module, tp: int) -> None:
+    def check(model: nn.Module, tp: int, pp: int) -> None:
         hf.check_tp(model.config, tp)  # type: ignore[union-attr]
+        if pp > 1:  # the pipeline's pieces pass the layers fourfold's masks
+            hf.check_attention(model, f"a pipeline (pp={pp})")
 
     split = hf.gpt2_split if name == "gpt2" else hf.llama_split
     return Family(name, plan=hf.plan, split=split, check=check, fixups=hf.shard_fixups, examples=hf.examples,

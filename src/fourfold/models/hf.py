@@ -148,11 +148,26 @@ def read_documents(model: nn.Module) -> None:
         _READING.add(model)
 
 
+def check_attention(model: nn.Module, needs: str) -> None:
+    """Refuse a model whose attention would misread fourfold's masks, which ``needs`` (a pipeline, packed
+    documents) passes its layers: boolean, True where a token may attend, as SDPA reads them. Eager attention adds
+    the mask to the scores instead (True is 1, False 0: every token attends everywhere, silently)."""
+    used = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if used not in (None, "sdpa"):
+        raise ValueError(f"{needs} passes the model's layers fourfold's boolean attention masks, which SDPA reads "
+                         f"as masks, got a model with attn_implementation={used!r}"
+                         + (" (it adds a mask to the scores: every token would attend everywhere)"
+                            if used == "eager" else "") + ". Build it with attn_implementation='sdpa' "
+                         "(from_pretrained(..., attn_implementation='sdpa')), or call "
+                         "model.set_attn_implementation('sdpa') before parallelize.")
+
+
 def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     layout = current_layout()
     if layout is None:
         return None
+    check_attention(module, "a packed batch")
     config = getattr(module, "config", None)
     mask: Any = layout.mask
     window = sliding_window(config)
