@@ -33,7 +33,7 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_tp", "examples", "gpt2_split", "hf_family",
+__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_tp", "examples", "gpt2_split", "hf_family",
            "llama_split", "meta_kwargs", "prepare", "read_documents", "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
