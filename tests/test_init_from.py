@@ -235,6 +235,11 @@ def test_unfilled_parameters_use_memory_only_where_written_and_keep_ties_and_bui
         model.register_buffer("made", torch.arange(4.0))  # computed when built: kept
     assert all(p.is_meta for p in model.parameters()) and torch.equal(model.made, torch.arange(4.0))
     model[1].weight = model[0].weight
+    with empty_parameters():  # one parameter registered on two modules as they are built stays one
+        shared = nn.Parameter(torch.ones(3))
+        first, second = nn.Module(), nn.Module()
+        first.w, second.w = shared, shared
+    assert first.w is second.w and first.w.is_meta
     before = _resident()
     zero_pages(model)
     assert all(float(p.detach().sum()) == 0.0 for p in model.parameters())  # read: the zero page, no memory used
@@ -306,3 +311,19 @@ def test_a_model_built_unfilled_is_cut_then_each_rank_fills_its_part_from_stored
     assert all(r["held"] < got[0]["total"] / 2 for r in got)  # a tp x pp rank holds under half of the model
     assert list(got[3]["to_3"]) == list(got[3]["state"]) and [got[r]["to_3"] for r in range(3)] == [0, 0, 0]
     _same(got[3]["to_3"], got[3]["state"])
+
+
+@pytest.mark.timeout(240)
+def test_one_process_with_dropout_verifies_from_stored_weights(tmp_path, capfd):
+    """The run builds the model unfilled (its initialisation draws nothing) and --verify's re-run builds it
+    whole: both leave the generator at the seed, so one process draws the same dropout masks twice."""
+    pytest.importorskip("transformers")
+    from fourfold.models.hf import build_hf
+
+    folder = tmp_path / "gpt2"
+    build_hf("gpt2", overrides={**GPT2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
+             seed=3).save_pretrained(folder)
+    assert train_mod.main(["--init-from", str(folder), "--steps", "2", "--seq-len", "16", "--batch-size", "4",
+                           "--dtype", "float64", "--no-progress", "--no-trace", "--verify", "2",
+                           "--out", str(tmp_path / "run")]) == 0
+    assert "verify: OK" in capfd.readouterr().out

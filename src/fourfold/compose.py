@@ -240,9 +240,7 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> 
     ``group`` (data parallelism broadcasts rank 0's weights instead, so it needs no check)."""
     params = list(model.named_parameters())
     meta = any(p.is_meta for _, p in params)  # nothing to compare: decided by every rank together, below
-    with torch.no_grad():
-        sums = [] if meta else [(float(p.sum(dtype=torch.float64)), float((p * p).sum(dtype=torch.float64)))
-                                for _, p in params]
+    sums = [] if meta else [_sums(p) for _, p in params]
     mine = ([(n, tuple(p.shape)) for n, p in params], sums, meta)
     everyone = gather_objects(mine, group, op=f"compare the model built on each {axis} rank")
     if any(m for _, _, m in everyone):
@@ -262,6 +260,19 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> 
                 f"{r}), and {'tensor' if axis == 'tp' else 'pipeline'} parallelism keeps each rank's part of its "
                 "own. Build the model the same way on every rank: seed first (torch.manual_seed(0) before building "
                 "it), or load the same weights.")
+
+
+@torch.no_grad()
+def _sums(p: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
+    """The sum of ``p``'s elements and of their squares, in float64, a million elements at a time: no
+    temporary the size of ``p`` (a model's parameters may be untouched pages that should stay so:
+    :func:`fourfold.models.weights.zero_pages`)."""
+    total = squares = 0.0
+    for part in p.detach().reshape(-1).split(chunk):
+        wide = part.double()
+        total += float(wide.sum())
+        squares += float(torch.dot(wide, wide))
+    return total, squares
 
 
 def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:

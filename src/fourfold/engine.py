@@ -364,10 +364,11 @@ class Engine:
         A collective over tp (all-gather of each sharded tensor) and pp (the stages' parts, in stage order). It
         loads into the model as one process builds it, and is a snapshot: never a view of a live parameter.
         """
-        # with ``to``, only the ranks of its replica and tensor-parallel rank keep anything: its pipeline group
-        there = self.mesh.coord(to) if to is not None else None
-        keep = there is None or (there.dp, there.tp) == (self.ranks.coord.dp, self.ranks.coord.tp)
-        with self.gathered():
+        there, here = (self.mesh.coord(to) if to is not None else None), self.ranks.coord
+        with self.gathered():  # every dp rank enters it: ZeRO's gather is a collective over dp
+            if there is not None and there.dp != here.dp:
+                return {}  # another replica's copy: its ranks need not gather anything
+            keep = there is None or there.tp == here.tp  # with ``to``, its pipeline group keeps; its tp peers help
             if self.pipeline is None:
                 whole = self._whole(self.model.state_dict(), keep)
                 return whole if to is None or self.ranks.rank == to else {}

@@ -155,8 +155,8 @@ def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     """The run's model for weights that come after a layout has cut it (``--init-from``'s, a checkpoint's:
     :meth:`~fourfold.engine.Engine.load_state_dict`): TinyGPT and the Hugging Face families built with their
     parameters on the meta device, then given zeros in memory untouched until written
-    (:func:`~fourfold.models.weights.zero_pages`), so each rank's memory holds the part it keeps, not the whole
-    model. A model of your own (``--model module:factory``, which may read its values as it builds) is built
+    (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds the part it keeps, not the
+    whole model (on a GPU the zeros are the device's, whole until the cut). A model of your own (``--model module:factory``, which may read its values as it builds) is built
     whole, as for a fresh run."""
     from fourfold.models.weights import empty_parameters, zero_pages
 
@@ -170,7 +170,15 @@ def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
 
 
 def _build(cfg: Any, device: torch.device | str | None) -> nn.Module:
-    """The model as configured, on ``device`` (None: where it was made)."""
+    """The model as configured, on ``device`` (None: where it was made). The global generator is left at the
+    seed, however much the model's initialisation drew from it (nothing, built unfilled): a run's dropout then
+    starts where ``--verify``'s one-process re-run, which builds it whole, starts."""
+    model = _construct(cfg, device)
+    torch.manual_seed(cfg.train.seed)
+    return model
+
+
+def _construct(cfg: Any, device: torch.device | str | None) -> nn.Module:
     t = cfg.train
     dtype = DTYPES[t.dtype]
     if t.model == "tinygpt":

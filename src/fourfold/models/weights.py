@@ -1,5 +1,7 @@
-"""``--init-from``: a run's first weights from a file, loaded into the whole model every rank builds, before any
-strategy cuts it (so every layout starts from them, and ``--verify``'s one process too).
+"""``--init-from``: a run's first weights from a file. Every rank builds the model unfilled (its parameters zeros in
+pages untouched until written: :func:`empty_parameters`, :func:`zero_pages`), the layout cuts it, and each rank
+fills only the tensors it keeps (:class:`StoredWeights` through :meth:`fourfold.engine.Engine.load_state_dict`), so
+every layout starts from them; ``--verify``'s one process loads them whole (:func:`load_weights`).
 
     fourfold train --model llama --init-from ./my-llama --data my.jsonl ...   # its tokenizer.json, by default
     fourfold train --init-from runs/first/model.pt --steps 200 ...         # go on from a finished run's weights
@@ -166,14 +168,18 @@ class StoredWeights(Mapping[str, torch.Tensor]):
         self.path = Path(path)
         index = _index(path)
         names = check_weights(model, {k: shape for k, (_, shape) in index.items()}, repr(str(path)))
-        self._where = {names[k]: (f, k) for k, (f, _) in index.items()}  # the model's name -> (file, stored name)
+        expected = model.state_dict().keys()  # not the buffers older files hold that the model computes (COMPUTED)
+        self._where = {names[k]: (f, k) for k, (f, _) in index.items() if names[k] in expected}  # name -> (file, key)
         for name, others in tied_names(model).items():  # a tied weight stored under one of its names
             if name not in self._where:
                 self._where[name] = next(self._where[o] for o in sorted(others) if o in self._where)
         self._files = contextlib.ExitStack()
         self._open: dict[Path, Any] = {}
+        self._closed = False
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self._closed:
+            raise ValueError(f"StoredWeights of {str(self.path)!r} is closed; read its tensors inside its with block.")
         f, key = self._where[name]
         if f not in self._open:
             self._open[f] = self._files.enter_context(_opened(f)) if f.suffix == ".safetensors" else _torch_file(f)
@@ -192,6 +198,7 @@ class StoredWeights(Mapping[str, torch.Tensor]):
     def close(self) -> None:
         self._files.close()
         self._open.clear()
+        self._closed = True
 
     def __enter__(self) -> StoredWeights:
         return self
@@ -277,10 +284,16 @@ def empty_parameters() -> Iterator[None]:
     initialisation drawn), their buffers where they were made: what a model computes when built (rotary
     frequencies) stays. :func:`zero_pages` then gives the parameters memory."""
     register = nn.Module.register_parameter
+    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the parameter made, its meta twin): one
+    # parameter registered on two modules (a tie made while building) stays one
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and type(param) is nn.Parameter and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if id(param) not in moved:
+                twin = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                twin.__dict__.update(param.__dict__)
+                moved[id(param)] = (param, twin)  # the made one kept alive, so its id is not reused meanwhile
+            param = moved[id(param)][1]
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
@@ -299,7 +312,9 @@ def zero_pages(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modul
     device = torch.device(device)
     for p in model.parameters():  # a tied parameter once
         if p.is_meta:
-            torch.utils.swap_tensors(p, nn.Parameter(_zeros(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+            zeros = nn.Parameter(_zeros(p.shape, p.dtype, device), requires_grad=p.requires_grad)
+            zeros.__dict__.update(p.__dict__)  # attributes set on it (swap_tensors swaps them too)
+            torch.utils.swap_tensors(p, zeros)
     meta = [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise ValueError(f"a model built on the meta device must compute its buffers, got {', '.join(meta[:4])} on "

@@ -448,6 +448,9 @@ class Pipeline:
 
 
 Parts = list[tuple[int, dict[str, torch.Tensor]]]
+STATE_TAG = 1 << 30
+"""The first tag of a state dict's tensors sent to one rank (then one each): above every pipeline message's
+(:meth:`Links._tag`)."""
 
 
 def gather_stages(parts: Parts, group: dist.ProcessGroup | None, dst: int | None = None,
@@ -473,29 +476,30 @@ def _gather_onto(parts: Parts, group: dist.ProcessGroup | None, dst: int, timeou
     wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     shapes = [(index, [(k, tuple(v.shape), v.dtype) for k, v in part.items()]) for index, part in parts]
     everyone = gather_objects(shapes, group, op="gather the names and shapes of the pipeline's state_dict", dst=dst)
-    if me != dst:
-        for _, part in parts:
-            for k, v in part.items():
-                t = v.contiguous() if wire is None else v.to(wire)
-                bounded_wait(dist.isend(t, dst, group=group), timeout_s, rank=me, op=f"send {k} (state_dict)",
-                             awaited="send to", peer=dst, tensor=t, direction="send")
+    if me != dst:  # one tensor at a time, each under a tag of its own (its place in this rank's list)
+        tensors = [(k, v) for _, part in parts for k, v in part.items()]
+        for j, (k, v) in enumerate(tensors):
+            t = v.contiguous() if wire is None else v.to(wire)
+            bounded_wait(dist.isend(t, dst, group=group, tag=STATE_TAG + j), timeout_s, rank=me,
+                         op=f"send {k} (state_dict)", awaited="send to", peer=dst, tensor=t, direction="send")
         return []
-    out: list[Parts] = []
+    posted = []  # every receive posted at once, so no sender waits for the ranks before it to be received
     for src, theirs in zip(group_ranks(group), everyone, strict=True):
         if src == me:
-            out.append(list(parts))
             continue
-        got: Parts = []
-        for index, entries in theirs:
-            part = {}
-            for k, shape, dtype in entries:
-                t = torch.empty(shape, dtype=dtype, device=wire)
-                bounded_wait(dist.irecv(t, src, group=group), timeout_s, rank=me, op=f"receive {k} (state_dict)",
-                             awaited="receive from", peer=src, tensor=t, direction="recv")
-                part[k] = t.cpu()
-            got.append((index, part))
-        out.append(got)
-    return out
+        entries = [(index, k, shape, dtype) for index, listed in theirs for k, shape, dtype in listed]
+        for j, (index, k, shape, dtype) in enumerate(entries):
+            t = torch.empty(shape, dtype=dtype, device=wire)
+            posted.append((src, index, k, t, dist.irecv(t, src, group=group, tag=STATE_TAG + j)))
+    got: dict[int, Parts] = {me: list(parts)}
+    for src, index, k, t, work in posted:
+        bounded_wait(work, timeout_s, rank=me, op=f"receive {k} (state_dict)", awaited="receive from", peer=src,
+                     tensor=t, direction="recv")
+        theirs_parts = got.setdefault(src, [])
+        if not theirs_parts or theirs_parts[-1][0] != index:
+            theirs_parts.append((index, {}))
+        theirs_parts[-1][1][k] = t.cpu()
+    return [got.get(src, []) for src in group_ranks(group)]
 
 
 def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
