@@ -27,6 +27,7 @@ import collections
 import contextlib
 import json
 import mmap
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -284,16 +285,17 @@ def empty_parameters() -> Iterator[None]:
     initialisation drawn), their buffers where they were made: what a model computes when built (rotary
     frequencies) stays. :func:`zero_pages` then gives the parameters memory."""
     register = nn.Module.register_parameter
-    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the parameter made, its meta twin): one
-    # parameter registered on two modules (a tie made while building) stays one
+    twins: dict[int, nn.Parameter] = {}  # id of a parameter made -> its meta twin, while the made one lives: one
+    # parameter registered on two modules (a tie made while building) stays one, and none is kept alive
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and type(param) is nn.Parameter and not param.is_meta:
-            if id(param) not in moved:
-                twin = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-                twin.__dict__.update(param.__dict__)
-                moved[id(param)] = (param, twin)  # the made one kept alive, so its id is not reused meanwhile
-            param = moved[id(param)][1]
+            key = id(param)
+            if key not in twins:
+                twins[key] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                twins[key].__dict__.update(param.__dict__)
+                weakref.finalize(param, twins.pop, key, None)  # gone with it, before its id can be reused
+            param = twins[key]
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
