@@ -27,6 +27,9 @@ pytest.importorskip("transformers")
 
 DATA = GPTConfig(vocab_size=64, seq_len=8)  # the token batches every model trains on
 TOL = 1e-9
+# Gemma's RMSNorm computes in float32 whatever the model's dtype (x.float(), then 1 + weight.float()), so its
+# weights' gradients are float32 sums, which a batch cut otherwise rounds otherwise: about 5e-8 after 3 steps
+TOL_FLOAT32_NORMS = 1e-6
 MICRO = 2
 GPT2 = dict(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0)
@@ -37,7 +40,9 @@ MISTRAL = {**LLAMA, "sliding_window": 4}  # on every layer
 QWEN2 = {**LLAMA, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}  # on layer 1 only; and
 # its q/k/v have biases: column-parallel with their weights
 QWEN3 = {**LLAMA, "head_dim": 4}  # per-head q/k norms: whole on every rank, their gradients summed over tp
-CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+# its embedding scaled by sqrt(hidden_size), its norms by (1 + weight), its head tied to the embedding
+GEMMA = {**LLAMA, "head_dim": 4}
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA}
 MODELS = ("mlp", *CONFIGS)
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
@@ -106,7 +111,8 @@ def _check(world: int, index: int) -> None:
         assert max(errs) <= TOL, f"{got['label']} rank {r}: losses {layouts[index]['losses']} vs {want_losses}"
     assert list(got["state"]) == list(want), f"{got['label']}: names {list(got['state'])} vs {list(want)}"
     name, err = max_error(got["state"], want)
-    assert err <= TOL, f"{got['label']}: final weights off one process, worst {name}: {err:.3g}"
+    tol = TOL_FLOAT32_NORMS if got["label"].startswith("gemma") else TOL
+    assert err <= tol, f"{got['label']}: final weights off one process, worst {name}: {err:.3g}"
     # the layout really applied: tp shards some weights, pp keeps a part of the model on each rank
     whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight" or
                 "transformer.wte.weight" not in want)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -33,8 +34,9 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["FAMILIES", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_tp", "examples", "gpt2_split", "hf_family",
-           "llama_split", "meta_kwargs", "prepare", "read_documents", "shard_fixups", "sliding_window"]
+__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_tp",
+           "examples", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare", "read_documents",
+           "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -47,8 +49,13 @@ GPT2_PLAN = {
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
-            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3")}
+            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3"),
+            "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma")}
 """Each family's causal LM class, config class and name, in transformers."""
+
+FLOAT32_NORMS = ("gemma",)
+"""Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``): a float64 run
+equals one process to float32's rounding of their gradients' sums, not to 1e-10."""
 
 FAMILIES = tuple(_CLASSES)
 """The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
@@ -88,15 +95,42 @@ def prepare(model: nn.Module) -> None:
     read_documents(model)
 
 
-def plan(model: nn.Module) -> dict[str, str]:
-    """The model's tensor-parallel plan: fourfold's for GPT-2, the model's own (``tp_plan``) for Llama."""
+def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
+    """The model's tensor-parallel plan: fourfold's for GPT-2, the model's own (``tp_plan``) for the others;
+    Gemma's applied around its scaled embedding (:func:`_scaled_embedding_plan`)."""
     if hf_family(model) == "gpt2":
         return dict(GPT2_PLAN)
     carried = dict(getattr(model, "tp_plan", None) or {})
     if not carried:
         raise ValueError(f"tensor parallelism needs a plan, got a {type(model).__name__} carrying none "
                          "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
+    if hf_family(model) == "gemma":
+        return functools.partial(_scaled_embedding_plan, carried)
     return carried
+
+
+def _scaled_embedding_plan(carried: dict[str, str], model: nn.Module, group: Any, *, sequence_parallel: bool,
+                           tracer: Any) -> nn.Module:
+    """Gemma's plan: its token embedding multiplies what it looks up by ``embed_scale`` (sqrt(hidden_size)), in a
+    subclass of ``nn.Embedding`` the vocabulary-parallel style does not take as it is. The table is sharded as a
+    plain embedding's (tied to the head still), and the scale applied to the summed lookup, as Gemma's does."""
+    from fourfold.parallel.tensor import tensor_parallel
+
+    if sequence_parallel:
+        raise ValueError("sequence_parallel needs a model-family plan that runs its non-parallel parts on sequence "
+                         "shards, got Gemma's {module: style} plan. Drop sequence_parallel.")
+    scaled: Any = model.get_submodule("model.embed_tokens")
+    plain = nn.Embedding(scaled.num_embeddings, scaled.embedding_dim, scaled.padding_idx, device="meta",
+                         dtype=scaled.weight.dtype)
+    plain.weight = scaled.weight  # the same parameter: the head's tie holds
+    model.get_submodule("model").embed_tokens = plain
+    out = tensor_parallel(model, carried, group, tracer=tracer)
+    out.get_submodule("model.embed_tokens").register_forward_hook(functools.partial(_scale, scaled.embed_scale))
+    return out
+
+
+def _scale(scale: torch.Tensor, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * scale.to(output.dtype)  # as GemmaTextScaledWordEmbedding: the scale in the table's dtype
 
 
 def shard_fixups(model: nn.Module, tp: int) -> None:
