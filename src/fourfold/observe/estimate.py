@@ -260,7 +260,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     act = {s: sum(per_sample[u] for u in stage_units[s]) * micro for s in range(sched.stages)}
     extra = {s: sum(kept_for_w[u] for u in stage_units[s]) * micro for s in range(sched.stages)}
     for r in range(pp):
-        mine = [s for s in range(sched.stages) if sched.owner(s) == r]
+        mine = sched.held(r)
         elements = sum(numel([p for u in stage_units[s] for p in units[u]]) for s in mine)
         held = estimate_held(elements, itemsize, dp=dp, zero=zero, optimizer_slots=optimizer_slots)
         activations = _peak(sched.ranks[r], act, extra, sched.split_backward)

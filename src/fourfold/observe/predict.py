@@ -332,7 +332,7 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
         forward, ends = 0.0, [max(t.end for t in row) for row in timeline.ranks]
-        mine = [[s for s in range(sched.stages) if sched.owner(s) == r] for r in range(L.pp)]
+        mine = [sched.held(r) for r in range(L.pp)]
         held = [elements([p for s in ss for u in stages[s] for p in units[u]]) for ss in mine]
         last_backward = [sum(sum(b[s]) for s in ss) for ss in mine]
     dp_link, dp_node = _dp_links(links, L)

@@ -105,6 +105,10 @@ class Schedule:
         """The rank that holds ``stage``."""
         return stage % self.pp
 
+    def held(self, rank: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order (:meth:`owner`'s inverse)."""
+        return [s for s in range(self.stages) if self.owner(s) == rank]
+
     def sends(self, a: Action) -> bool:
         """Whether ``a`` hands a tensor to another rank: an F its activation to the next stage, a B its input's
         gradient to the one before (the messages :func:`_inputs` waits for); a W nothing."""

@@ -140,7 +140,7 @@ class Pipeline:
             raise ValueError(f"the pipeline group must have pp ranks, got {size} ranks for {schedule.name} with "
                              f"pp={schedule.pp}. Build the schedule with pp={size}, or pass the pp group.")
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-        want = [s for s in range(schedule.stages) if schedule.owner(s) == self.pp_rank]
+        want = schedule.held(self.pp_rank)
         bad = [st.index for st in stages if st.stages != schedule.stages]
         if bad:
             raise ValueError(f"every stage must come from a split into {schedule.stages} stages (pp * virtual = "
@@ -518,7 +518,6 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
         src = dist.get_process_group_ranks(group)[0] if group is not None else 0
         dist.broadcast_object_list(chosen, src=src, group=group)
         boundaries = chosen[0]
-    pp_rank = dist.get_rank(group) if dist.is_initialized() else 0
-    held = [s for s in range(schedule.stages) if schedule.owner(s) == pp_rank]
+    held = schedule.held(dist.get_rank(group) if dist.is_initialized() else 0)
     stages = split_model(model, schedule.stages, balance=balance, boundaries=boundaries, example=example, held=held)
     return Pipeline(stages, schedule, group, **kwargs)
