@@ -369,11 +369,11 @@ class Engine:
             if there is not None and there.dp != here.dp:
                 return {}  # another replica's copy: its ranks need not gather anything
             keep = there is None or there.tp == here.tp  # with ``to``, its pipeline group keeps; its tp peers help
-            if self.pipeline is None:
-                whole = self._whole(self.model.state_dict(), keep)
-                return whole if to is None or self.ranks.rank == to else {}
+            if self.pipeline is None:  # (dp, tp) name a rank: kept on ``to`` alone
+                return self._whole(self.model.state_dict(), keep)
             mine = [(st.index, self._whole(st.model_state_dict(), keep)) for st in self.pipeline.stages]
-        return gather_stages(mine, self.ranks.pp_group, dst=to, timeout_s=self.timeout_s) if keep else {}
+        return gather_stages(mine, self.ranks.pp_group, dst=to, timeout_s=self.timeout_s,
+                             device=self.device) if keep else {}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -454,52 +454,53 @@ STATE_TAG = 1 << 30
 
 
 def gather_stages(parts: Parts, group: dist.ProcessGroup | None, dst: int | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, torch.Tensor]:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
     (so in the model's key order, interleaved stages included), on every rank of ``group`` (or on global rank
-    ``dst`` alone; the others get ``{}``). A collective."""
+    ``dst`` alone, the tensors crossing on ``device``, the group's; the others get ``{}``). A collective."""
     if dst is None:
         everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict")
     else:
-        everyone = _gather_onto(parts, group, dst, timeout_s)
+        everyone = _gather_onto(parts, group, dst, timeout_s, torch.device(device))
     out: dict[str, torch.Tensor] = {}
     for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
         out.update(part)
     return out
 
 
-def _gather_onto(parts: Parts, group: dist.ProcessGroup | None, dst: int, timeout_s: float) -> list[Parts]:
+def _gather_onto(parts: Parts, group: dist.ProcessGroup | None, dst: int, timeout_s: float,
+                 device: torch.device) -> list[Parts]:
     """Every rank's ``parts`` on ``dst`` (``[]`` elsewhere), the tensors sent one at a time: only their names,
     shapes and dtypes travel pickled, so ``dst`` holds each received tensor once (a pickled gather holds every
-    rank's pickle, padded to the largest, beside what it unpickles)."""
+    rank's pickle, padded to the largest, beside what it unpickles). Each tensor has a tag of its own, its place
+    in its sender's list (:func:`_tensors`)."""
     me = dist.get_rank()
-    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     shapes = [(index, [(k, tuple(v.shape), v.dtype) for k, v in part.items()]) for index, part in parts]
     everyone = gather_objects(shapes, group, op="gather the names and shapes of the pipeline's state_dict", dst=dst)
-    if me != dst:  # one tensor at a time, each under a tag of its own (its place in this rank's list)
-        tensors = [(k, v) for _, part in parts for k, v in part.items()]
-        for j, (k, v) in enumerate(tensors):
-            t = v.contiguous() if wire is None else v.to(wire)
+    if me != dst:  # one tensor at a time
+        for j, (k, v) in enumerate(_tensors(parts)):
+            t = v.contiguous().to(device)
             bounded_wait(dist.isend(t, dst, group=group, tag=STATE_TAG + j), timeout_s, rank=me,
                          op=f"send {k} (state_dict)", awaited="send to", peer=dst, tensor=t, direction="send")
         return []
+    received: dict[int, Parts] = {me: list(parts)}
     posted = []  # every receive posted at once, so no sender waits for the ranks before it to be received
     for src, theirs in zip(group_ranks(group), everyone, strict=True):
-        if src == me:
-            continue
-        entries = [(index, k, shape, dtype) for index, listed in theirs for k, shape, dtype in listed]
-        for j, (index, k, shape, dtype) in enumerate(entries):
-            t = torch.empty(shape, dtype=dtype, device=wire)
-            posted.append((src, index, k, t, dist.irecv(t, src, group=group, tag=STATE_TAG + j)))
-    got: dict[int, Parts] = {me: list(parts)}
-    for src, index, k, t, work in posted:
+        if src != me:
+            received[src] = [(index, {k: torch.empty(shape, dtype=dtype, device=device) for k, shape, dtype in listed})
+                             for index, listed in theirs]
+            posted += [(src, k, t, dist.irecv(t, src, group=group, tag=STATE_TAG + j))
+                       for j, (k, t) in enumerate(_tensors(received[src]))]
+    for src, k, t, work in posted:
         bounded_wait(work, timeout_s, rank=me, op=f"receive {k} (state_dict)", awaited="receive from", peer=src,
                      tensor=t, direction="recv")
-        theirs_parts = got.setdefault(src, [])
-        if not theirs_parts or theirs_parts[-1][0] != index:
-            theirs_parts.append((index, {}))
-        theirs_parts[-1][1][k] = t.cpu()
-    return [got.get(src, []) for src in group_ranks(group)]
+    return [[(index, {k: t.cpu() for k, t in part.items()}) for index, part in received[src]]
+            for src in group_ranks(group)]
+
+
+def _tensors(parts: Parts) -> list[tuple[str, torch.Tensor]]:
+    """``parts``' tensors in one list, stage by stage: the order a sender sends them and its receiver tags them."""
+    return [(k, t) for _, part in parts for k, t in part.items()]
 
 
 def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
