@@ -13,7 +13,7 @@ when the layout is the same; under another it starts afresh.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     dtypes) differ from the checkpoint's, naming them. RNG states and gradient compressors' state are restored
     when the layout is the same.
     """
+    from fourfold.parallel.tensor import LazyState
     from fourfold.parallel.tensor.layers import Layout, shard, unshard
 
     manifest = read_manifest(path)
@@ -177,7 +178,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
         return shard(full, layout, coord.tp, mesh.tp) if layout.dim is not None else full
 
     names = [key[len("model/"):-len("#0")] for key in pieces if key.startswith("model/") and key.endswith("#0")]
-    engine.load_state_dict(_Whole(whole, "model/", names))  # each tensor read when this rank asks for it
+    engine.load_state_dict(LazyState(names, lambda name: whole(f"model/{name}")))  # each read when asked for
     if optimizer is not None:
         with torch.no_grad():
             _load_optimizer(engine, optimizer, manifest, pieces, mine, where)
@@ -192,25 +193,6 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
             if "cuda" in own["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(own["rng"]["cuda"])
     return manifest
-
-
-class _Whole(Mapping[str, torch.Tensor]):
-    """name -> the whole tensor, rebuilt from a checkpoint's pieces when asked for (``whole(prefix + name)``)."""
-
-    def __init__(self, whole: Callable[[str], torch.Tensor], prefix: str, names: Iterable[str]) -> None:
-        self._get, self._prefix, self._names = whole, prefix, list(names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._get(self._prefix + name)
-
-    def __contains__(self, name: object) -> bool:  # without reading it
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dict[str, Any],

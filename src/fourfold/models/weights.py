@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fourfold.parallel.tensor.plan import LazyState
+
 __all__ = ["WEIGHT_FILES", "StoredWeights", "check_file", "check_weights", "empty_parameters", "hf_directory",
            "load_weights", "model_names", "safetensors_module", "stored_shapes", "tied_names",
            "weight_problems", "zero_pages"]
@@ -155,7 +157,7 @@ def _opened(path: Path) -> Iterator[Any]:
         yield opened
 
 
-class StoredWeights(Mapping[str, torch.Tensor]):
+class StoredWeights(LazyState):
     """The weights stored at ``path`` by ``model``'s own names (checked first by :func:`check_weights`), each read
     from its memory-mapped file only when asked for: ``stored[name]``. A weight ``model`` ties to another and
     stored once is found under either name. Use it as a context manager (it closes the files it opened)::
@@ -177,8 +179,9 @@ class StoredWeights(Mapping[str, torch.Tensor]):
         self._files = contextlib.ExitStack()
         self._open: dict[Path, Any] = {}
         self._closed = False
+        super().__init__(self._where, self._tensor)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _tensor(self, name: str) -> torch.Tensor:
         if self._closed:
             raise ValueError(f"StoredWeights of {str(self.path)!r} is closed; read its tensors inside its with block.")
         f, key = self._where[name]
@@ -186,15 +189,6 @@ class StoredWeights(Mapping[str, torch.Tensor]):
             self._open[f] = self._files.enter_context(_opened(f)) if f.suffix == ".safetensors" else _torch_file(f)
         opened = self._open[f]
         return opened.get_tensor(key) if f.suffix == ".safetensors" else opened[key]
-
-    def __contains__(self, name: object) -> bool:  # without reading it
-        return name in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
 
     def close(self) -> None:
         self._files.close()

@@ -12,7 +12,7 @@ knows no model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -36,12 +36,13 @@ from fourfold.parallel.tensor.layers import (
 
 __all__ = [
     "HF_STYLES",
+    "LazyState",
     "ParameterBytes",
     "expand_plan",
+    "fill_pieces",
     "gather_full",
     "gather_state_dict",
     "heads",
-    "fill_pieces",
     "load_full_state_dict",
     "parameter_bytes",
     "shard_layouts",
@@ -201,6 +202,28 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], gr
     """Copy this rank's piece of every full tensor in ``state`` (one process's state dict) into ``model``."""
     fill_pieces(model.state_dict(keep_vars=True), state, shard_layouts(model), dist.get_rank(group),
                 dist.get_world_size(group))
+
+
+class LazyState(Mapping[str, torch.Tensor]):
+    """Whole tensors by name, each read only when asked for (``read(name)``): what :func:`fill_pieces` takes from
+    a file or a checkpoint's pieces, so that no rank holds more than one whole tensor it does not keep."""
+
+    def __init__(self, names: Iterable[str], read: Callable[[str], torch.Tensor]) -> None:
+        self._names, self._read = dict.fromkeys(names), read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @torch.no_grad()
