@@ -202,7 +202,10 @@ def verify(cfg: Config, losses: list[float], states: list[dict[str, Any]]) -> tu
     t = cfg.train
     kind, lossy = judged_as(t)
     rows = compare(losses[:len(states)], states, ref_losses, ref_states, kind)
-    what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {lossy}, the reference "
-            "uncompressed") if lossy else f"float64, {t.model}'s norms in float32" if kind != t.dtype == "float64" \
-        else None
+    what = None
+    if lossy:
+        what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {lossy}, the reference "
+                "uncompressed")
+    elif t.dtype == "float64" and kind == "float32":  # judged_as: a family with float32 norms
+        what = f"float64, {t.model}'s norms in float32"
     return all(r.ok for r in rows), report(rows, kind, what)

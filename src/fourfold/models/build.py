@@ -24,8 +24,8 @@ from torch import nn
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES
 
-__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "built_info", "check_forward", "check_model", "check_vocab",
-           "model_info", "num_parameters", "read_model_config"]
+__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "built_info", "check_forward", "check_model",
+           "check_vocab", "model_info", "num_parameters", "read_model_config"]
 
 
 class ModelError(ValueError):
@@ -156,8 +156,8 @@ def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     :meth:`~fourfold.engine.Engine.load_state_dict`): TinyGPT and the Hugging Face families built with their
     parameters on the meta device, then given zeros in memory untouched until written
     (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds the part it keeps, not the
-    whole model (on a GPU the zeros are the device's, whole until the cut). A model of your own (``--model module:factory``, which may read its values as it builds) is built
-    whole, as for a fresh run."""
+    whole model (on a GPU the zeros are the device's, whole until the cut). A model of your own (``--model
+    module:factory``, which may read its values as it builds) is built whole, as for a fresh run."""
     from fourfold.models.weights import empty_parameters, zero_pages
 
     if cfg.train.model == "tinygpt":
