@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fourfold.lab.net import PREFIX, Lab, leftovers, parse_rate, unavailable
+from fourfold.lab import net
+from fourfold.lab.net import PREFIX, Lab, default_tcp, leftovers, parse_rate, unavailable
 
 WHY = unavailable()
 needs_lab = pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -47,6 +48,22 @@ def test_link_rates_parse_and_bad_ones_are_refused():
         Lab(0)
 
 
+def test_a_congestion_control_a_namespace_may_not_choose_is_said_or_refused(monkeypatch):
+    """A kernel whose tcp_allowed_congestion_control leaves cubic out refuses it inside a namespace (with a write
+    error only at close): the default then keeps the machine's and says why; an explicit one is refused."""
+    lists = {"available": ["reno", "bbr", "cubic"], "allowed": ["reno", "bbr"]}
+    monkeypatch.setattr(net, "congestion_controls", lambda which="available": lists[which])
+    lab = Lab(2)
+    assert lab.tcp != "cubic" and "cubic cannot be chosen inside a network namespace on this kernel" in lab.note
+    assert "sysctl -w net.ipv4.tcp_allowed_congestion_control='reno bbr cubic'" in lab.note
+    with pytest.raises(ValueError, match=r"tcp must be one a network namespace may choose on this kernel .* got "
+                                         r"'cubic'. Pass --tcp bbr"):
+        Lab(2, tcp="cubic")
+    assert Lab(2, tcp="bbr").note is None and Lab(2, tcp="keep").tcp == "keep"
+    lists["allowed"] = ["reno", "cubic"]
+    assert (Lab(2).tcp, Lab(2).note) == ("cubic", None)
+
+
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fourfold.cli", "lab", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -68,7 +85,8 @@ def test_lab_shapes_each_link_and_removes_a_crashed_labs_leftovers():
     with Lab(2, "50mbit") as lab:
         assert leftovers() == [PREFIX + "n0", PREFIX + "n1", PREFIX + "sw"]  # n9 is gone
         assert "tbf" in lab.qdiscs(0) and "rate 50Mbit" in lab.qdiscs(0)
-        assert lab.tcp_settings(0) == lab.tcp_settings(1) == ("cubic", 0)  # whatever the machine's are
+        # cubic where the kernel lets a namespace choose it, else the machine's default, said; set, not assumed
+        assert lab.tcp_settings(0) == lab.tcp_settings(1) == (default_tcp()[0], 0)
         server = subprocess.Popen(lab.exec_argv(0, [sys.executable, "-c", (
             "import socket\ns = socket.socket(); s.bind(('10.213.0.1', 5000)); s.listen(); c, _ = s.accept()\n"
             "n = 0\nwhile (b := c.recv(1 << 20)):\n    n += len(b)\nprint(n)")]), stdout=subprocess.PIPE, text=True)
@@ -167,7 +185,8 @@ def test_a_lab_keeps_its_cost_model_apart_from_this_machines(monkeypatch):
 
     monkeypatch.delenv("FOURFOLD_COST_MODEL", raising=False)
     env = _node_env(Lab(4, "250mbit"), 1, 2)
-    assert env["FOURFOLD_COST_MODEL"].endswith("/.cache/fourfold/lab/cost_model-4x2-250mbit-cubic.json")
+    tcp = default_tcp()[0]  # the congestion control the lab uses: cubic, where a namespace may choose it
+    assert env["FOURFOLD_COST_MODEL"].endswith(f"/.cache/fourfold/lab/cost_model-4x2-250mbit-{tcp}.json")
     monkeypatch.setenv("FOURFOLD_COST_MODEL", "/tmp/mine.json")  # the user's choice wins
     assert _node_env(Lab(4, "250mbit"), 1, 2)["FOURFOLD_COST_MODEL"] == "/tmp/mine.json"
 

@@ -817,7 +817,7 @@ def test_plan_for_a_lab_joins_its_nodes_by_the_labs_link(capsys, monkeypatch, tm
     assert main([*flags, "--lab", "2", "--link", "10mbit"]) == 0
     lab = capsys.readouterr().out
     assert "links: lab 10mbit, not fitted (fit it: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit" in lab
-    assert "run the first in the lab: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit --tcp cubic -- " \
+    assert "run the first in the lab: fourfold lab run --nodes 2 --gpus-per-node 2 --link 10mbit --tcp auto -- " \
            "fourfold train --dp" in lab and "--nproc" not in lab.splitlines()[-1]
     assert _first_step_ms(lab) > 1.5 * _first_step_ms(here), (here, lab)  # 10 Mbit/s between the nodes
     path = cost_model_path(2, 2, "10mbit")  # what lab run's bench allreduce saves: the node link, then the network
@@ -837,7 +837,7 @@ def test_runs_in_a_lab_go_through_lab_run_with_a_nodes_ranks(capsys):
 
     shape = LabShape(2, "250mbit")
     assert shape.command(Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)) == [
-        "lab", "run", "--nodes", "2", "--gpus-per-node", "2", "--link", "250mbit", "--tcp", "cubic", "--",
+        "lab", "run", "--nodes", "2", "--gpus-per-node", "2", "--link", "250mbit", "--tcp", "auto", "--",
         "fourfold", "train"]
     with pytest.raises(ValueError, match="cannot run dp3 tp1 pp1 .3 ranks.. Pick layouts of a multiple of 2"):
         shape.command(Layout(dp=3))

@@ -33,9 +33,11 @@ RDZV_PORT = 29411
 
 
 def _tcp_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tcp", default="cubic", help="each node's TCP congestion control, windows kept across idle "
-                   "(tcp_slow_start_after_idle=0); keep: this machine's TCP settings (default: cubic, Linux's "
-                   "default; bbr's pacing and probing over the shaped links made a ring 19%% slower than its model)")
+    p.add_argument("--tcp", default="auto", help="each node's TCP congestion control, windows kept across idle "
+                   "(tcp_slow_start_after_idle=0); keep: this machine's TCP settings (default auto: cubic, Linux's "
+                   "default, where the kernel lets a namespace choose it (tcp_allowed_congestion_control), else "
+                   "the machine's default, said at start; bbr's pacing and probing over the shaped links made a "
+                   "ring 19%% slower than its model)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,7 +120,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     return [int(p.returncode) for p in procs]
 
 
-def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str = "cubic") -> int:
+def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str = "auto") -> int:
     """Make the lab, run ``command`` on every node, remove the lab; the worst node's exit code."""
     from fourfold.lab import Lab
     from fourfold.lab.net import rate_words
@@ -137,7 +139,9 @@ def run_command(nodes: int, gpus: int, link: str, command: list[str], tcp: str =
     with tempfile.TemporaryDirectory(prefix="fourfold-lab-") as tmp, contextlib.ExitStack() as files, lab:
         logs = Path(tmp)
         print(f"fourfold lab: {nodes} node(s) x {gpus} rank(s), links {rate_words(link, lab.rate)} each way, TCP "
-              f"{tcp}, addresses {lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
+              f"{lab.tcp}, addresses {lab.address(0)}..{lab.address(nodes - 1)}", file=sys.stderr, flush=True)
+        if lab.note:
+            print(f"fourfold lab: note: {lab.note}", file=sys.stderr, flush=True)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed lab run still removes its lab
         try:
             for k in range(nodes):  # node 0 speaks on this terminal; the others into a log, shown if they fail

@@ -394,7 +394,8 @@ PAPER_FLAGS = """with --gpus (on paper):
 on this machine (without --gpus):
   --lab N             plan for `fourfold lab run --nodes N`: --nproc / N ranks per node, nodes joined by --link
                       (default: 1gbit), the lab's fitted model where one was saved (docs/lab.md)
-  --tcp NAME          the lab's TCP congestion control, as lab run's --tcp (default: cubic)
+  --tcp NAME          the lab's TCP congestion control, as lab run's --tcp (default: auto, cubic where a
+                      namespace may choose it)
   --calibrate         first fit the simulator to short runs of fourfold train here, the fastest of 2 of each
                       of dp=2, tp=2, pp=2, dp=4, dp=2 pp=2 (about two minutes for a small model): how ranks
                       sharing the cores slow each other, the links' real alpha and beta, a pipeline action's
@@ -408,7 +409,7 @@ def _time(s: float) -> str:
 
 RANKING_FLAGS: dict[str, dict[str, Any]] = {
     "--gpus": {"type": int}, "--gpu-mem": {"default": None}, "--gpus-per-node": {"type": int, "default": 8},
-    "--link": {"default": None}, "--lab": {"type": int, "default": None}, "--tcp": {"default": "cubic"},
+    "--link": {"default": None}, "--lab": {"type": int, "default": None}, "--tcp": {"default": "auto"},
     "--node-link": {"default": None}, "--latency": {"type": float, "default": 10e-6},
     "--gpu-flops": {"type": float, "default": 989e12}, "--mfu": {"type": float, "default": 0.4},
     "--top": {"type": int, "default": 10}, "--calibrate": {"action": "store_true"},

@@ -12,7 +12,7 @@ node's link carries ``--link`` each way, full duplex, as a NIC does. Everything 
 qdiscs go with them), and :meth:`Lab.up` first removes what a crashed lab left.
 
 Each node's TCP uses ``tcp`` congestion control (default ``cubic``, Linux's own default and a cluster's usual
-one) and keeps a connection's window while it sits idle (``tcp_slow_start_after_idle=0``, the usual tuning for
+one, where the kernel lets a namespace choose it: :func:`default_tcp`) and keeps a connection's window while it sits idle (``tcp_slow_start_after_idle=0``, the usual tuning for
 long-lived connections that carry bursts); ``keep`` leaves the machine's settings. This VM's kernel defaults to
 ``bbr``, whose pacing and probing over these shaped links made a G = 4 ring all-reduce 19 % slower than its
 alpha-beta model, against 3-4 % with ``cubic``; Rabenseifner, whose partner changes every step so that each
@@ -36,8 +36,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LOCK", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls", "cost_model_path",
-           "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored", "unavailable"]
+__all__ = ["LOCK", "PREFERRED_TCP", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls",
+           "cost_model_path", "default_tcp", "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored", "unavailable"]
 
 PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"
@@ -147,19 +147,45 @@ def unavailable() -> str | None:
     return None
 
 
-def cost_model_path(nodes: int, ranks_per_node: int, link: str, tcp: str = "cubic") -> Path:
+def cost_model_path(nodes: int, ranks_per_node: int, link: str, tcp: str | None = None) -> Path:
     """Where a cost model fitted in a lab of this shape is kept (``fourfold lab run`` points
-    ``FOURFOLD_COST_MODEL`` there; ``fourfold plan --lab`` reads it): apart from this machine's own."""
+    ``FOURFOLD_COST_MODEL`` there; ``fourfold plan --lab`` reads it): apart from this machine's own. ``tcp``: the
+    congestion control the lab used (None: the one it uses unless told, :func:`default_tcp`)."""
+    tcp = default_tcp()[0] if tcp is None else tcp
     return Path.home() / ".cache" / "fourfold" / "lab" / f"cost_model-{nodes}x{ranks_per_node}-{link}-{tcp}.json"
 
 
-def congestion_controls() -> list[str]:
-    """This kernel's TCP congestion controls (empty where it does not say)."""
+def congestion_controls(which: str = "available") -> list[str]:
+    """This kernel's TCP congestion controls (empty where it does not say): those it has (``available``), or
+    those a network namespace other than the machine's may choose (``allowed``: the kernel refuses the others
+    there, whatever the user)."""
     try:
-        with open(_CONGESTION.replace("congestion_control", "available_congestion_control")) as f:
+        with open(_CONGESTION.replace("congestion_control", f"{which}_congestion_control")) as f:
             return f.read().split()
     except OSError:
         return []
+
+
+PREFERRED_TCP = "cubic"
+"""The lab's congestion control where the kernel lets a namespace choose it (see the module's docstring)."""
+
+
+def default_tcp() -> tuple[str, str | None]:
+    """The congestion control a lab uses unless told (``--tcp auto``), and a note when it is not
+    :data:`PREFERRED_TCP`: a kernel whose ``tcp_allowed_congestion_control`` leaves cubic out (this VM's 6.18
+    allows ``reno bbr``) refuses it inside a namespace, so the nodes keep the machine's default."""
+    allowed = congestion_controls("allowed")
+    if not allowed or PREFERRED_TCP in allowed:
+        return PREFERRED_TCP, None
+    try:
+        with open(_CONGESTION) as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = allowed[-1]
+    return machine, (f"{PREFERRED_TCP} cannot be chosen inside a network namespace on this kernel (its "
+                     f"tcp_allowed_congestion_control is {' '.join(allowed)}), so the nodes use {machine}, the "
+                     f"machine's default. To let the lab use {PREFERRED_TCP}: sysctl -w "
+                     f"net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {PREFERRED_TCP}'")
 
 
 def leftovers() -> list[str]:
@@ -174,17 +200,26 @@ class Lab:
 
     nodes: int
     link: str = "1gbit"
-    tcp: str = "cubic"  # each node's TCP congestion control; "keep": the machine's
+    tcp: str = "auto"  # each node's TCP congestion control; "auto": default_tcp()'s; "keep": the machine's
     _lock: int | None = field(default=None, init=False, repr=False, compare=False)  # holding(): while it is up
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes must be between 1 and {MAX_NODES}, got {self.nodes}.")
         self.rate = parse_rate(self.link)
-        known = congestion_controls()
+        self.note: str | None = None  # said at start: the congestion control is not the one asked for
+        if self.tcp == "auto":
+            self.tcp, self.note = default_tcp()
+            return
+        known, allowed = congestion_controls(), congestion_controls("allowed")
         if self.tcp != "keep" and known and self.tcp not in known:
-            raise ValueError(f"tcp must be one of this kernel's congestion controls {known} or keep, got "
+            raise ValueError(f"tcp must be one of this kernel's congestion controls {known}, auto or keep, got "
                              f"{self.tcp!r}.")
+        if self.tcp != "keep" and allowed and self.tcp not in allowed:
+            raise ValueError(f"tcp must be one a network namespace may choose on this kernel (its "
+                             f"tcp_allowed_congestion_control: {allowed}), auto or keep, got {self.tcp!r}. Pass "
+                             f"--tcp {allowed[-1]}, or allow it machine-wide: sysctl -w "
+                             f"net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {self.tcp}'")
 
     def namespace(self, k: int) -> str:
         return f"{PREFIX}n{k}"
@@ -221,9 +256,11 @@ class Lab:
                 _run(["ip", "-n", sw, "link", "set", switch_end, "up"])
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", node_end, *shape])      # what node k sends
                 _run(["tc", "-n", sw, "qdisc", "add", "dev", switch_end, *shape])    # what reaches node k
-                if self.tcp != "keep":  # /proc/sys/net is the namespace's own, seen from inside it
+                if self.tcp != "keep":  # /proc/sys/net is the namespace's own, seen from inside it; each file
+                    # closed in turn, so a value the kernel refuses fails here instead of at garbage collection
                     _run(["ip", "netns", "exec", ns, sys.executable, "-c",
-                          f"open({_CONGESTION!r}, 'w').write({self.tcp!r}); open({_IDLE_RESTART!r}, 'w').write('0')"])
+                          f"for path, value in (({_CONGESTION!r}, {self.tcp!r}), ({_IDLE_RESTART!r}, '0')):\n"
+                          "    with open(path, 'w') as f:\n        f.write(value)"])
         except BaseException:
             self.down()
             raise

@@ -21,11 +21,12 @@ __all__ = ["sweep"]
 
 
 def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, iters: int, out: Path,
-          tcp: str = "cubic") -> int:
+          tcp: str = "auto") -> int:
     """Run the bench in a lab per entry of ``nodes``; report and draw. The worst exit code of the runs."""
     from fourfold.bench.harness import format_bytes, parse_size, write_report
     from fourfold.cli.lab import run_command
     from fourfold.comm.network import link_bytes, messages
+    from fourfold.lab import Lab
 
     started = time.monotonic()
     nbytes = parse_size(size)
@@ -61,7 +62,8 @@ def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, it
     targets += _flat_ring(table)
     for what, ok in targets:
         print(f"  {'met   ' if ok else 'MISSED'} {what}")
-    result = {"command": " ".join(sys.argv), "nodes": nodes, "gpus_per_node": gpus, "link": link, "tcp": tcp,
+    result = {"command": " ".join(sys.argv), "nodes": nodes, "gpus_per_node": gpus, "link": link,
+              "tcp": Lab(1, link, tcp).tcp,
               "bytes": nbytes, "rows": table, "targets": [{"target": w, "met": ok} for w, ok in targets]}
     write_report(out, result, time.monotonic() - started, lambda path: _chart(table, names, nbytes, link, gpus, path), name="sweep")
     return 0

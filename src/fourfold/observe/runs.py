@@ -60,7 +60,7 @@ class LabShape:
 
     ranks_per_node: int
     link: str
-    tcp: str = "cubic"
+    tcp: str = "auto"  # as `fourfold lab run --tcp`: resolved where the lab is made (Lab's)
 
     def links(self, here: Links, nodes: int | None = None) -> Links:
         """``here`` (this machine's links) as this lab joins them: a node's ranks over the machine's own link, the
@@ -70,8 +70,8 @@ class LabShape:
         from fourfold.comm.auto import CostModel
         from fourfold.lab.net import Lab, cost_model_path
 
-        rate = Lab(1, self.link, self.tcp).rate  # checks the link and tcp
-        g, link, tcp = self.ranks_per_node, self.link, self.tcp
+        lab = Lab(1, self.link, self.tcp)  # checks the link and tcp; "auto": the congestion control it would use
+        rate, g, link, tcp = lab.rate, self.ranks_per_node, self.link, lab.tcp
         exact = cost_model_path(nodes or 0, g, link, tcp)
         fitted = [exact] if exact.exists() else sorted(exact.parent.glob(f"cost_model-*x{g}-{link}-{tcp}.json"))
         if fitted:  # with several ranks a node, the saved model's network pair is the link between nodes
