@@ -52,6 +52,7 @@ from fourfold.parallel.tensor import (
     shard_layouts,
     sync_replicated_grads,
     tensor_parallel,
+    unshard,
     vocab_parallel_cross_entropy,
 )
 from fourfold.testing import run_ranks
@@ -99,10 +100,10 @@ def _linear(seed: int, n_in: int, n_out: int, bias: bool = True) -> nn.Linear:
 # ----------------------------------------------------------------------------------- layers: one spawn per tp
 
 
-def _check_column(out: dict, rank: int, p: int, label: str, *, parts: int = 1, gather: bool = False,
-                  sp: bool = False) -> None:
-    full = _linear(0, IN, OUT)
-    x, gy = _seeded(2, B, T, IN), _seeded(3, B, T, OUT)
+def _check_column(out: dict, rank: int, p: int, label: str, *, parts: int | tuple[int, ...] = 1,
+                  gather: bool = False, sp: bool = False, n_out: int = OUT) -> None:
+    full = _linear(0, IN, n_out)
+    x, gy = _seeded(2, B, T, IN), _seeded(3, B, T, n_out)
     xr = x.clone().requires_grad_()
     yr = full(xr)
     (yr * gy).sum().backward()
@@ -244,6 +245,7 @@ def _refusals(p: int) -> dict[str, str]:
     cases = {
         "column": lambda: ColumnParallelLinear(4, odd, None),
         "column_parts": lambda: ColumnParallelLinear(4, 3 * (p + 1), None, parts=3),
+        "column_gqa": lambda: ColumnParallelLinear(4, 4 * (p + 1), None, parts=(2, 1, 1)),
         "row": lambda: RowParallelLinear(odd, 4, None),
         "vocab": lambda: VocabParallelEmbedding(255, 4, None),
         "n_head": lambda: parallelize_tinygpt(TinyGPT(GPTConfig(n_layer=1, n_head=3, d_model=24)), None),
@@ -276,6 +278,7 @@ def _layers(ctx) -> dict:
     _check_column(out, rank, p, "column")
     _check_column(out, rank, p, "column.gather", gather=True)
     _check_column(out, rank, p, "column.qkv", parts=3)
+    _check_column(out, rank, p, "column.gqa", parts=(2, 1, 1), n_out=16)  # q|k|v, twice the query heads
     _check_column(out, rank, p, "column.sp", sp=True)
     _check_row(out, rank, p, "row")
     _check_row(out, rank, p, "row.split_input", split_input=True)
@@ -298,7 +301,7 @@ def _layer_results(tp: int) -> dict:
     return {"errors": errors, "refusals": per_rank[0]["refusals"]}
 
 
-LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.sp", "row",
+LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.gqa", "column.sp", "row",
                                              "row.split_input", "row.sp", "chain", "chain.sp")
                 for q in ("output", "grad_input", "grad_weight", "grad_bias")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad")
@@ -319,6 +322,7 @@ def test_layer_matches_unsharded(tp, check):
 REFUSALS = {
     "column": "out_features must be divisible by tp, got {odd} and {p}",
     "column_parts": "out_features must be divisible by tp*3, got {parts3} and {p}",
+    "column_gqa": "out_features must be divisible by tp*4 (blocks in proportions 2:1:1), got {gqa} and {p}",
     "row": "in_features must be divisible by tp, got {odd} and {p}",
     "vocab": "vocab_size must be divisible by tp, got 255 and {p}. Pad the vocabulary to 256",
     "n_head": "n_head must be divisible by tp, got n_head=3 and tp={p}. Pass --tp 1 (no tensor parallelism), or "
@@ -345,10 +349,27 @@ REFUSALS = {
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_bad_sizes_refused_by_name(tp, case):
-    want = REFUSALS[case].format(p=tp, odd=2 * tp + 1, parts3=3 * (tp + 1), seq=2 * tp - 1, vocab=3 * tp,
+    want = REFUSALS[case].format(p=tp, odd=2 * tp + 1, parts3=3 * (tp + 1), gqa=4 * (tp + 1), seq=2 * tp - 1,
+                                 vocab=3 * tp,
                                  heads={2: 4, 4: 4}[tp], seq_up=2 * tp)
     got = _layer_results(tp)["refusals"][case]
     assert want in got, f"tp={tp} {case}: want a message containing {want!r}, got {got!r}"
+
+
+def test_fused_blocks_of_unequal_widths_each_split_by_rank():
+    """q|k|v of grouped-query attention, 8 + 4 + 4 rows: each rank takes its slice of each block, by hand."""
+    from fourfold.parallel.tensor.plan import _parse_style
+
+    full = torch.arange(16.0).unsqueeze(1)
+    layout = Layout(0, (2, 1, 1))
+    rows = {0: [0, 1, 2, 3, 8, 9, 12, 13], 1: [4, 5, 6, 7, 10, 11, 14, 15]}
+    pieces = [shard(full, layout, r, 2) for r in (0, 1)]
+    assert [p.squeeze(1).tolist() for p in pieces] == [[float(i) for i in rows[r]] for r in (0, 1)]
+    assert torch.equal(unshard(pieces, layout), full)
+    assert _parse_style("qkv", "column:32,8,8") == ("column", (4, 1, 1))  # lowest terms, any unit
+    assert _parse_style("qkv", "column:8,8,8") == ("column", 3)  # equal widths: a count
+    with pytest.raises(ValueError, match="must be one of column, column:<parts>"):
+        _parse_style("qkv", "column:32,0")
 
 
 # --------------------------------------------------------------------- TinyGPT training: one spawn per tp

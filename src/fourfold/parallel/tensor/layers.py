@@ -41,53 +41,73 @@ __all__ = [
     "Sharded",
     "Style",
     "VocabParallelEmbedding",
+    "blocks",
     "is_conv1d",
+    "proportions",
     "shard",
     "unshard",
 ]
 
-Style = Literal["column", "row", "vocab", "head"]  # or "column:<parts>" for a fused weight
+Style = Literal["column", "row", "vocab", "head"]  # or "column:<parts>" for a fused weight ("column:32,8,8")
 
 
 class Layout(NamedTuple):
     """How a full tensor is cut: along ``dim`` (None: replicated), each of its ``parts`` blocks split p ways.
 
-    ``parts`` > 1 is a fused weight such as [W_q; W_k; W_v] (parts=3): rank i holds [W_q,i; W_k,i; W_v,i].
+    ``parts`` > 1 is a fused weight such as [W_q; W_k; W_v] (parts=3): rank i holds [W_q,i; W_k,i; W_v,i]. Blocks
+    of unequal sizes are given by their proportions, lowest terms: ``(2, 1, 1)`` for the fused q|k|v of
+    grouped-query attention with twice as many query heads as key/value heads (Phi-3's ``qkv_proj``).
     """
 
     dim: int | None
-    parts: int = 1
+    parts: int | tuple[int, ...] = 1
 
 
 REPLICATED = Layout(None)
+
+
+def proportions(parts: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks' relative sizes: ``parts`` equal ones, or the proportions given."""
+    return (1,) * parts if isinstance(parts, int) else tuple(parts)
+
+
+def blocks(t: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+    """``t`` (a full tensor, or one rank's piece of it) as its fused blocks along ``layout.dim`` (views)."""
+    assert layout.dim is not None
+    shares = proportions(layout.parts)
+    unit = t.shape[layout.dim] // sum(shares)
+    return t.split([s * unit for s in shares], layout.dim)
 
 
 def shard(full: torch.Tensor, layout: Layout, rank: int, p: int) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` under ``layout`` (a copy)."""
     if layout.dim is None:
         return full.detach().clone()
-    blocks = full.detach().chunk(layout.parts, layout.dim)
-    n = blocks[0].shape[layout.dim] // p
-    return torch.cat([b.narrow(layout.dim, rank * n, n) for b in blocks], layout.dim)
+    dim = layout.dim
+    return torch.cat([b.narrow(dim, rank * (b.shape[dim] // p), b.shape[dim] // p)
+                      for b in blocks(full.detach(), layout)], dim)
 
 
 def unshard(pieces: list[torch.Tensor], layout: Layout) -> torch.Tensor:
     """The full tensor from every rank's piece, in rank order: the inverse of :func:`shard`."""
     if layout.dim is None:
         return pieces[0].clone()
-    per_rank = [piece.chunk(layout.parts, layout.dim) for piece in pieces]
-    return torch.cat([blocks[j] for j in range(layout.parts) for blocks in per_rank], layout.dim)
+    per_rank = [blocks(piece, layout) for piece in pieces]
+    return torch.cat([b[j] for j in range(len(per_rank[0])) for b in per_rank], layout.dim)
 
 
 def _tp(group: Group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _divisible(what: str, n: int, p: int, parts: int = 1) -> None:
-    m = p * parts  # parts > 1: each of the fused blocks is split p ways
+def _divisible(what: str, n: int, p: int, parts: int | tuple[int, ...] = 1) -> None:
+    shares = proportions(parts)
+    m = p * sum(shares)  # fused: each block (its share of n) is split p ways
     if n % m:
-        raise ValueError(f"{what} must be divisible by tp{'' if parts == 1 else f'*{parts}'}, got {n} and {p}. "
-                         f"Use {what}={-(-n // m) * m} or a tp that divides {n // parts}")
+        times = "" if m == p else f"*{sum(shares)}" + ("" if len(set(shares)) == 1 else
+                                                       f" (blocks in proportions {':'.join(map(str, shares))})")
+        raise ValueError(f"{what} must be divisible by tp{times}, got {n} and {p}. "
+                         f"Use {what}={-(-n // m) * m} or a tp that divides {n // sum(shares)}")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -97,20 +117,22 @@ class ColumnParallelLinear(nn.Module):
     (dL/dX = sum_i dL/dY_i A_i^T is all-reduced in backward); the output is Y_i (B, T, out/p), or with
     ``gather_output`` [Y_1 ... Y_p] (B, T, out). ``sequence_parallel``: X arrives as this rank's sequence shard
     (B, T/p, in) and is all-gathered first (dL/dX reduce-scattered back). ``parts`` > 1: A is ``parts`` blocks
-    side by side (fused q, k, v: parts=3), each split p ways, so Y_i = [X A^(1)_i ... X A^(parts)_i].
+    side by side (fused q, k, v: parts=3; of unequal widths: their proportions, as ``(2, 1, 1)``), each split p
+    ways, so Y_i = [X A^(1)_i ... X A^(parts)_i].
     ``transposed``: the weight is stored as A itself, (in, out/p), as GPT-2's ``Conv1D`` keeps it, so the
     state dict keeps the model's shapes. ``head``: this layer's output is the logits; it is gathered
     (``gather_output``) unless the engine applies the vocabulary-parallel loss to the split logits.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True, parts: int = 1,
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 parts: int | tuple[int, ...] = 1,
                  gather_output: bool = False, sequence_parallel: bool = False, tracer: Tracer | None = None,
                  site: str = "", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  transposed: bool = False, head: bool = False) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
         _divisible("out_features", out_features, self.tp, parts)
-        if gather_output and parts > 1:
+        if gather_output and len(proportions(parts)) > 1:
             raise ValueError(f"gather_output needs parts=1, got parts={parts}: the gathered blocks would be "
                              "interleaved by rank. Split the output into its parts first, then gather each")
         self.in_features, self.out_features, self.parts = in_features, out_features, parts

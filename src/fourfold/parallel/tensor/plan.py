@@ -12,6 +12,7 @@ knows no model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -78,14 +79,22 @@ def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | No
     return out
 
 
-def _parse_style(name: str, style: str) -> tuple[str, int]:
-    kind, _, parts = style.partition(":")
-    if kind in ("column", "row", "vocab", "head", "partial") and (not parts or (kind == "column" and parts.isdigit()
-                                                                                and int(parts) >= 1)):
-        return kind, int(parts or 1)
+def _parse_style(name: str, style: str) -> tuple[str, int | tuple[int, ...]]:
+    """``(kind, parts)``: ``column:3`` is 3 equal fused blocks, ``column:32,8,8`` blocks of those widths' proportions
+    (lowest terms: ``(4, 1, 1)``)."""
+    kind, _, given = style.partition(":")
+    widths = given.split(",")
+    if kind in ("column", "row", "vocab", "head", "partial") and (not given or (
+            kind == "column" and all(w.isdigit() and int(w) >= 1 for w in widths))):
+        if len(widths) == 1:
+            return kind, int(given or 1)
+        shares = [int(w) for w in widths]
+        common = math.gcd(*shares)
+        return kind, len(shares) if len(set(shares)) == 1 else tuple(w // common for w in shares)
     hf = ", ".join(k for k in HF_STYLES)
     raise ValueError(f"plan style for {name!r} must be one of {', '.join(STYLES)} (or Hugging Face's {hf}), "
-                     f"got {style!r}. Shard that module with one of these, or leave it out of the plan (replicated)")
+                     f"got {style!r}. Shard that module with one of these, or leave it out of the plan (replicated). "
+                     "<parts>: a fused weight's count of equal blocks (3), or their widths (32,8,8)")
 
 
 def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
@@ -94,7 +103,8 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
 
     Styles: ``"column"``: nn.Linear (or GPT-2's Conv1D) -> :class:`ColumnParallelLinear` (output left split:
     feed it, through elementwise work only, to a ``"row"`` layer); ``"column:3"``: the same for a fused
-    weight of 3 parts side by side (q|k|v), each split p ways; ``"row"``: -> :class:`RowParallelLinear` (its
+    weight of 3 parts side by side (q|k|v), each split p ways, and ``"column:32,8,8"`` for parts of unequal
+    widths (grouped-query q|k|v: 32 query heads, 8 key and 8 value heads; any unit); ``"row"``: -> :class:`RowParallelLinear` (its
     input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
     ``"head"``: a column layer whose output is the logits (the engine's loss reads them split; any other
     caller gets them gathered); ``"partial"``: a module left whole that sees only this rank's part of a split
