@@ -104,7 +104,7 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
         (["--model", "gpt2", "--model-config", str(tmp_path / "config.json"), "--init-from", str(folder)],
          "init_from's config.json sizes the model"),
         ([*SMALL, "--init-from", str(tmp_path)], "init_from's config.json must be of a family fourfold has a plan "
-                                                  "for (gpt2, llama, mistral, qwen2, qwen3, gemma), got model_type=None"),
+                                                  "for (gpt2, llama, mistral, qwen2, qwen3, gemma, phi3), got model_type=None"),
         ([*SMALL, "--nproc", "2", "--init-from", str(run / "checkpoints")], "without a readable config.json"),
     ]
     for argv, message in cases:
@@ -275,27 +275,32 @@ def test_a_hugging_face_model_unfilled_keeps_its_rotary_frequencies_and_fills_fr
 
 LLAMA = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 16}
+PHI3 = {**LLAMA, "num_attention_heads": 4}  # q|k|v fused, blocks 2:1:1: each rank fills its slice of each
 
 
-def _unfilled_llama(ctx, folder: str) -> dict | None:
+def _unfilled(ctx, folders: list[str]) -> list[dict]:
     """README's recipe: a Hugging Face model never whole on any rank, each rank filling its tp x pp part."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fourfold import Mesh, parallelize
     from fourfold.models.weights import StoredWeights, empty_parameters, zero_pages
 
-    with empty_parameters():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), torch_dtype=torch.float64)
-    zero_pages(model)
-    ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
-    with StoredWeights(folder, model) as stored:
-        engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long), timeout_s=30)
-        engine.load_state_dict(stored)
-    held = sum(t.numel() for t in engine.local_state_dict().values())
-    state = engine.state_dict()
-    to_3 = engine.state_dict(to=3)  # gathered onto rank 3 alone (pp 1, tp 1): the others never hold it whole
-    return {"state": state, "held": held, "total": sum(t.numel() for t in state.values()),
-            "to_3": to_3 if ctx.rank == 3 else len(to_3)}
+    out = []
+    for folder in folders:
+        with empty_parameters():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), torch_dtype=torch.float64)
+        zero_pages(model)
+        ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
+        with StoredWeights(folder, model) as stored:
+            engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long),
+                                 timeout_s=30)
+            engine.load_state_dict(stored)
+        held = sum(t.numel() for t in engine.local_state_dict().values())
+        state = engine.state_dict()
+        to_3 = engine.state_dict(to=3)  # gathered onto rank 3 alone (pp 1, tp 1): the others never hold it whole
+        out.append({"state": state, "held": held, "total": sum(t.numel() for t in state.values()),
+                    "to_3": to_3 if ctx.rank == 3 else len(to_3)})
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -304,13 +309,17 @@ def test_a_model_built_unfilled_is_cut_then_each_rank_fills_its_part_from_stored
     from fourfold.models.hf import build_hf
     from fourfold.testing import run_ranks
 
-    saved = build_hf("llama", overrides=LLAMA, seed=7, dtype=torch.float64)
-    saved.save_pretrained(tmp_path / "llama")
-    got = run_ranks(_unfilled_llama, 4, str(tmp_path / "llama"), timeout_s=200)
-    _same(got[0]["state"], saved.state_dict())
-    assert all(r["held"] < got[0]["total"] / 2 for r in got)  # a tp x pp rank holds under half of the model
-    assert list(got[3]["to_3"]) == list(got[3]["state"]) and [got[r]["to_3"] for r in range(3)] == [0, 0, 0]
-    _same(got[3]["to_3"], got[3]["state"])
+    saved = {name: build_hf(name, overrides=config, seed=7, dtype=torch.float64)
+             for name, config in (("llama", LLAMA), ("phi3", PHI3))}
+    for name, model in saved.items():
+        model.save_pretrained(tmp_path / name)
+    per_rank = run_ranks(_unfilled, 4, [str(tmp_path / name) for name in saved], timeout_s=200)
+    for i, model in enumerate(saved.values()):
+        got = [r[i] for r in per_rank]
+        _same(got[0]["state"], model.state_dict())
+        assert all(r["held"] < got[0]["total"] / 2 for r in got)  # a tp x pp rank holds under half of the model
+        assert list(got[3]["to_3"]) == list(got[3]["state"]) and [got[r]["to_3"] for r in range(3)] == [0, 0, 0]
+        _same(got[3]["to_3"], got[3]["state"])
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,5 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2 and Qwen3 (tiny configs, float64, 3 AdamW steps), each equal to the same
+Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
 model trained in one process: the losses and every parameter, by the model's own names, to 1e-9.
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
@@ -42,7 +42,11 @@ QWEN2 = {**LLAMA, "use_sliding_window": True, "sliding_window": 4, "max_window_l
 QWEN3 = {**LLAMA, "head_dim": 4}  # per-head q/k norms: whole on every rank, their gradients summed over tp
 # its embedding scaled by sqrt(hidden_size), its norms by (1 + weight), its head tied to the embedding
 GEMMA = {**LLAMA, "head_dim": 4}
-CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA}
+# q|k|v fused in one projection (4 query heads, 2 key/value heads: blocks 2:1:1), gate|up in another; a window on
+# every layer; rotary on half of each head (Phi-4-mini's partial_rotary_factor)
+PHI3 = {**LLAMA, "sliding_window": 4, "partial_rotary_factor": 0.5}
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA,
+           "phi3": PHI3}
 MODELS = ("mlp", *CONFIGS)
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),

@@ -14,9 +14,15 @@ nothing is downloaded: models are built from a config.
   window (Mistral's ``sliding_window`` on every layer, Qwen2's with ``use_sliding_window`` on the layers its
   ``layer_types`` say) is the model's own forward's under dp and tp; where fourfold gives attention its mask (the
   pipeline's pieces, packed documents) the window is in it too (:func:`windowed`).
+* **Gemma** (``GemmaForCausalLM``): Llama's layout with an embedding scaled by sqrt(hidden_size) and norms
+  computed in float32 (:data:`FLOAT32_NORMS`).
+* **Phi-3** (``Phi3ForCausalLM``, also Phi-4-mini's architecture): Llama's layout with fused projections, q|k|v in
+  ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`fused_plan`), and Mistral's
+  window on every layer.
 
-Both attention modules find their head count from the (split) projection's width, so a column-parallel
-q/k/v gives each rank its own heads; GPT-2's ``split_size`` is the one attribute that must follow.
+The attention modules find their head count from the (split) projection's width, so a column-parallel q/k/v
+gives each rank its own heads; GPT-2's ``split_size`` and Phi-3's head counts, which slice a fused output, are
+what must follow (:func:`shard_fixups`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
 __all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_tp",
-           "examples", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare", "read_documents",
+           "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare", "read_documents",
            "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
@@ -50,7 +56,7 @@ GPT2_PLAN = {
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3"),
-            "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma")}
+            "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma"), "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
 FLOAT32_NORMS = ("gemma",)
@@ -106,7 +112,21 @@ def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
                          "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
     if hf_family(model) == "gemma":
         return functools.partial(_scaled_embedding_plan, carried)
+    if hf_family(model) == "phi3":
+        return {**carried, **fused_plan(model.config)}
     return carried
+
+
+def fused_plan(config: Any) -> dict[str, str]:
+    """Phi-3's fused projections split as Megatron splits them. Its own plan gathers ``qkv_proj`` and
+    ``gate_up_proj`` whole on every rank (``colwise_gather_output``) because its forward slices them; here each
+    rank takes its heads of q, of k and of v (``column:<q>,<kv>,<kv>``, in heads) and its slice of gate and of
+    up (``column:2``), so attention and the MLP run on this rank's part only, as Llama's separate projections do.
+    The attention's slicing then reads this rank's head counts (:func:`shard_fixups`)."""
+    q, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    layers = "model.layers.*"
+    return {f"{layers}.self_attn.qkv_proj": f"column:{q},{kv},{kv}", f"{layers}.self_attn.o_proj": "row",
+            f"{layers}.mlp.gate_up_proj": "column:2", f"{layers}.mlp.down_proj": "row"}
 
 
 def _scaled_embedding_plan(carried: dict[str, str], model: nn.Module, group: Any, *, sequence_parallel: bool,
@@ -134,14 +154,33 @@ def _scale(scale: torch.Tensor, module: nn.Module, args: Any, output: torch.Tens
 
 
 def shard_fixups(model: nn.Module, tp: int) -> None:
-    """After sharding: GPT-2's attention splits its c_attn output by ``split_size``, now C/tp per part."""
-    if hf_family(model) != "gpt2":
-        return
+    """After sharding: GPT-2's attention splits its c_attn output by ``split_size``, now C/tp per part; Phi-3's
+    slices its qkv_proj output by the config's head counts, which each attention now reads as this rank's."""
+    family = hf_family(model)
     module: Any
     for module in model.modules():
-        if hasattr(module, "split_size") and hasattr(module, "c_attn"):
+        if family == "gpt2" and hasattr(module, "split_size") and hasattr(module, "c_attn"):
             module.split_size //= tp
             module.num_heads //= tp
+        elif family == "phi3" and hasattr(module, "qkv_proj") and tp > 1:
+            module.config = _RankHeads(module.config, tp)
+            module.num_key_value_heads //= tp
+
+
+class _RankHeads:
+    """A model's config as one tensor-parallel rank's attention reads it: its share of the query and key/value
+    heads; every other attribute the model's own (read through, so a later ``set_attn_implementation`` on the model
+    reaches it)."""
+
+    def __init__(self, config: Any, tp: int) -> None:
+        self._config = config
+        self.num_attention_heads = config.num_attention_heads // tp
+        self.num_key_value_heads = (config.num_key_value_heads or config.num_attention_heads) // tp
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_config":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self._config, name)
 
 
 def _sizes(config: Any) -> dict[str, tuple[int, str]]:
@@ -241,6 +280,9 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
     return m.model.embed_tokens(ids)
 
 
+EVERY_LAYER_WINDOWS = ("mistral", "phi3")
+"""Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
+
 PER_LAYER_WINDOWS = ("qwen2", "qwen3")
 """Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
 forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
@@ -252,7 +294,7 @@ def sliding_window(config: Any, layer: int | None = None) -> int | None:
     ``use_sliding_window``, on the layers their ``layer_types`` mark ``sliding_attention``; no other family's
     (Llama's forward ignores a ``sliding_window`` key)."""
     kind, window = getattr(config, "model_type", None), getattr(config, "sliding_window", None)
-    if not window or kind not in ("mistral", *PER_LAYER_WINDOWS):
+    if not window or kind not in (*EVERY_LAYER_WINDOWS, *PER_LAYER_WINDOWS):
         return None
     if kind in PER_LAYER_WINDOWS:
         types = getattr(config, "layer_types", None) or []
