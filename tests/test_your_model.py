@@ -1,5 +1,5 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
+Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
 model trained in one process: the losses and every parameter, by the model's own names, to 1e-9.
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
@@ -45,8 +45,13 @@ GEMMA = {**LLAMA, "head_dim": 4}
 # q|k|v fused in one projection (4 query heads, 2 key/value heads: blocks 2:1:1), gate|up in another; a window on
 # every layer; rotary on half of each head (Phi-4-mini's partial_rotary_factor)
 PHI3 = {**LLAMA, "sliding_window": 4, "partial_rotary_factor": 0.5}
+# Gemma 3: Gemma's embedding and norms, Qwen3's q/k norms, a window on its sliding layers only, whose rotary
+# frequencies differ from its full layers', four norms a layer, and its logits soft-capped (a cap small enough to
+# matter at this size: a pipeline's last piece must cap them as the model's forward does)
+GEMMA3 = {**LLAMA, "head_dim": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "query_pre_attn_scalar": 4, "final_logit_softcapping": 5.0}
 CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA,
-           "phi3": PHI3}
+           "gemma3_text": GEMMA3, "phi3": PHI3}
 MODELS = ("mlp", *CONFIGS)
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
@@ -115,7 +120,7 @@ def _check(world: int, index: int) -> None:
         assert max(errs) <= TOL, f"{got['label']} rank {r}: losses {layouts[index]['losses']} vs {want_losses}"
     assert list(got["state"]) == list(want), f"{got['label']}: names {list(got['state'])} vs {list(want)}"
     name, err = max_error(got["state"], want)
-    tol = TOL_FLOAT32_NORMS if got["label"].startswith("gemma") else TOL
+    tol = TOL_FLOAT32_NORMS if got["label"].startswith("gemma") else TOL  # Gemma and Gemma 3
     assert err <= tol, f"{got['label']}: final weights off one process, worst {name}: {err:.3g}"
     # the layout really applied: tp shards some weights, pp keeps a part of the model on each rank
     whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight" or
@@ -182,3 +187,11 @@ def test_eager_attention_which_would_add_fourfolds_boolean_masks_is_refused_unde
         with pytest.raises(ValueError, match="a packed batch passes .* every token would attend everywhere"):
             model(ids)
     model(ids)  # no packed batch: the model's own causal mask, which eager attention reads as it should
+
+
+def test_a_gemma3_that_attends_both_ways_is_refused():
+    """An embedding model's config (Gemma 3 with use_bidirectional_attention): fourfold's masks are causal."""
+    from fourfold.models.hf import hf_config
+
+    with pytest.raises(ValueError, match="gemma3_text use_bidirectional_attention must be false"):
+        hf_config("gemma3_text", overrides={**GEMMA3, "use_bidirectional_attention": True})

@@ -16,6 +16,10 @@ nothing is downloaded: models are built from a config.
   pipeline's pieces, packed documents) the window is in it too (:func:`windowed`).
 * **Gemma** (``GemmaForCausalLM``): Llama's layout with an embedding scaled by sqrt(hidden_size) and norms
   computed in float32 (:data:`FLOAT32_NORMS`).
+* **Gemma 3** (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``: the text-only models, Gemma 3 1B's and
+  the language model of the larger ones): Gemma's embedding and norms, Qwen3's per-head q/k norms, a window on the
+  layers its ``layer_types`` mark, rotary frequencies per kind of layer (the pipeline's pieces ask for the
+  layer's own), and logits soft-capped where ``final_logit_softcapping`` is set (the last piece caps them too).
 * **Phi-3** (``Phi3ForCausalLM``, also Phi-4-mini's architecture): Llama's layout with fused projections, q|k|v in
   ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`fused_plan`), and Mistral's
   window on every layer.
@@ -40,7 +44,8 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_tp",
+__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_causal",
+           "check_tp",
            "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare", "read_documents",
            "shard_fixups", "sliding_window"]
 
@@ -56,10 +61,12 @@ GPT2_PLAN = {
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3"),
-            "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma"), "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
+            "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma"),
+            "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3"),
+            "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
-FLOAT32_NORMS = ("gemma",)
+FLOAT32_NORMS = ("gemma", "gemma3_text")
 """Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``): a float64 run
 equals one process to float32's rounding of their gradients' sums, not to 1e-10."""
 
@@ -110,7 +117,7 @@ def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
     if not carried:
         raise ValueError(f"tensor parallelism needs a plan, got a {type(model).__name__} carrying none "
                          "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
-    if hf_family(model) == "gemma":
+    if hf_family(model) in ("gemma", "gemma3_text"):
         return functools.partial(_scaled_embedding_plan, carried)
     if hf_family(model) == "phi3":
         return {**carried, **fused_plan(model.config)}
@@ -195,6 +202,15 @@ def _sizes(config: Any) -> dict[str, tuple[int, str]]:
             "num_key_value_heads": (kv, "each rank needs whole key/value heads for its query heads"),
             "intermediate_size": (config.intermediate_size, "the MLP's hidden width is split"),
             "vocab_size": (config.vocab_size, "the embedding and head are split by vocabulary rows")}
+
+
+def check_causal(config: Any) -> None:
+    """Refuse a config whose attention looks both ways (Gemma 3's ``use_bidirectional_attention``, for embedding
+    models): fourfold trains causal LMs, and its pipeline's and packing's masks are causal."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{config.model_type} use_bidirectional_attention must be false (fourfold trains causal "
+                         "language models: next-token loss, causal masks), got true. Set "
+                         "\"use_bidirectional_attention\": false in the config")
 
 
 def check_tp(config: Any, tp: int) -> None:
@@ -283,22 +299,22 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
 EVERY_LAYER_WINDOWS = ("mistral", "phi3")
 """Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
 
-PER_LAYER_WINDOWS = ("qwen2", "qwen3")
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
 """Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
 forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
 
 
 def sliding_window(config: Any, layer: int | None = None) -> int | None:
     """The attention window of ``layer`` (of any layer: None) as the family's own forward applies it, else None:
-    Mistral's ``sliding_window`` on every layer (its forward reads no ``layer_types``); Qwen2's and Qwen3's, with
-    ``use_sliding_window``, on the layers their ``layer_types`` mark ``sliding_attention``; no other family's
-    (Llama's forward ignores a ``sliding_window`` key)."""
+    Mistral's and Phi-3's ``sliding_window`` on every layer (their forward reads no ``layer_types``); Qwen2's and
+    Qwen3's, with ``use_sliding_window``, and Gemma 3's (no switch), on the layers their ``layer_types`` mark
+    ``sliding_attention``; no other family's (Llama's forward ignores a ``sliding_window`` key)."""
     kind, window = getattr(config, "model_type", None), getattr(config, "sliding_window", None)
     if not window or kind not in (*EVERY_LAYER_WINDOWS, *PER_LAYER_WINDOWS):
         return None
     if kind in PER_LAYER_WINDOWS:
         types = getattr(config, "layer_types", None) or []
-        if not getattr(config, "use_sliding_window", False) or \
+        if not getattr(config, "use_sliding_window", True) or \
                 "sliding_attention" not in (types if layer is None else types[layer:layer + 1]):
             return None
     return int(window)
@@ -323,11 +339,12 @@ def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
 
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    attention = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
+    attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
     window = sliding_window(getattr(attention, "config", None), getattr(attention, "layer_idx", None))
     pos = position_ids(h)
     pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
-    rope = m.model.rotary_emb(h, pos)  # (cos, sin): no parameters
+    rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's, a frequency per kind of layer
+    rope = rotary(h, pos, attention.layer_type) if hasattr(rotary, "layer_types") else rotary(h, pos)
     return layer(h, attention_mask=windowed(_mask(), window, h.size(1), h.device), position_embeddings=rope,
                  position_ids=pos)
 
@@ -336,9 +353,17 @@ def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
     return m.lm_head(m.model.norm(h))
 
 
+def _capped_after(cap: float, m: Any, h: torch.Tensor) -> torch.Tensor:
+    """Gemma 3's last piece with ``final_logit_softcapping`` set: the logits capped as its forward caps them."""
+    return torch.tanh(_llama_after(m, h) / cap) * cap
+
+
 def llama_split(model: nn.Module) -> Split:
-    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head."""
-    return Split(blocks="model.layers", before=_llama_before, block=_llama_block, after=_llama_after)
+    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head
+    (its logits soft-capped where the config says: Gemma 3's ``final_logit_softcapping``)."""
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    after = _llama_after if cap is None else functools.partial(_capped_after, float(cap))
+    return Split(blocks="model.layers", before=_llama_before, block=_llama_block, after=after)
 
 
 class Sizes(NamedTuple):
@@ -407,4 +432,5 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
         tid = getattr(config, token, None)
         if isinstance(tid, int) and tid >= config.vocab_size:
             setattr(config, token, None)
+    check_causal(config)
     return config
