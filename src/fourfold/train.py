@@ -68,11 +68,12 @@ from fourfold.mesh import Mesh
 from fourfold.models.build import (
     build_model,
     build_unfilled,
+    builds_unfilled,
     built_info,
+    first_weights,
     model_info,
     num_parameters,
 )
-from fourfold.models.weights import StoredWeights
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
@@ -169,11 +170,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
             move_aside(out)
-    # The weights: the seed's, or loaded once the layout has cut the model (each rank reads the tensors it keeps)
-    # from the checkpoint or --init-from, into zeros whose memory is used only where written
-    later = resume is not None or t.init_from is not None
+    # The weights: filled once the layout has cut the model, each rank the tensors it keeps, into zeros whose
+    # memory is used only where written: the checkpoint's, --init-from's, a Hugging Face model's seeded ones; a
+    # TinyGPT or a model of your own starts as built
+    later = builds_unfilled(cfg, resuming=resume is not None)
     model = build_unfilled(cfg, ctx.device) if later else build_model(cfg, ctx.device)
-    stored = StoredWeights(t.init_from, model) if resume is None and t.init_from is not None else None
+    filling = first_weights(cfg, model) if later and resume is None else None
     known = model_info(cfg)
     info = built_info(known, model)  # a model of your own: its vocabulary, known only now
     if known.vocab_size is None:
@@ -189,9 +191,9 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
     engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
-    if stored is not None:
-        with stored:
-            engine.load_state_dict(stored)
+    if filling is not None:
+        with filling as weights:
+            engine.load_state_dict(weights)
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace)
     first = 1

@@ -11,10 +11,12 @@ model's positions) before any process starts. A model of your own carries its pl
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,8 +26,8 @@ from torch import nn
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES
 
-__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "built_info", "check_forward", "check_model",
-           "check_vocab", "model_info", "num_parameters", "read_model_config"]
+__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "builds_unfilled", "built_info", "check_forward",
+           "check_model", "check_vocab", "first_weights", "model_info", "num_parameters", "read_model_config"]
 
 
 class ModelError(ValueError):
@@ -152,33 +154,53 @@ def build_model(cfg: Any, device: torch.device | str = "cpu", *, weights: bool =
 
 
 def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
-    """The run's model for weights that come after a layout has cut it (``--init-from``'s, a checkpoint's:
-    :meth:`~fourfold.engine.Engine.load_state_dict`): TinyGPT and the Hugging Face families built with their
-    parameters on the meta device, then given zeros in memory untouched until written
-    (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds the part it keeps, not the
-    whole model (on a GPU the zeros are the device's, whole until the cut). A model of your own (``--model
-    module:factory``, which may read its values as it builds) is built whole, as for a fresh run."""
-    from fourfold.models.weights import empty_parameters, zero_pages
+    """The run's model for weights that come after a layout has cut it (``--init-from``'s, a checkpoint's, a
+    fresh Hugging Face model's seeded ones: :func:`first_weights`, :meth:`~fourfold.engine.Engine.load_state_dict`):
+    TinyGPT and the Hugging Face families built with their parameters on the meta device, then given zeros in
+    memory untouched until written (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds
+    the part it keeps, not the whole model (on a GPU the zeros are the device's, whole until the cut). A model of
+    your own (``--model module:factory``, which may read its values as it builds) is built whole, as for a fresh
+    run."""
+    from fourfold.models.weights import zero_pages
 
     if cfg.train.model == "tinygpt":
         return zero_pages(_build(cfg, "meta"), device)
     if cfg.train.model in FAMILIES:
-        with empty_parameters():
-            model = _build(cfg, None)
-        return zero_pages(model, device)
+        return zero_pages(_build(cfg, None, filled=False), device)
     return _build(cfg, device)
 
 
-def _build(cfg: Any, device: torch.device | str | None) -> nn.Module:
+def builds_unfilled(cfg: Any, resuming: bool) -> bool:
+    """Whether a run builds its model unfilled (:func:`build_unfilled`) and fills it once the layout has cut it:
+    from a checkpoint, from ``--init-from``, and a fresh Hugging Face model (:func:`first_weights`). TinyGPT,
+    small by design, and a model of your own start as built."""
+    return resuming or cfg.train.init_from is not None or cfg.train.model in FAMILIES
+
+
+def first_weights(cfg: Any, model: nn.Module) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
+    """What fills a model :func:`build_unfilled` made, not resumed, once a layout has cut it
+    (``engine.load_state_dict``), as a context manager: ``--init-from``'s stored weights, else a Hugging Face
+    model's seeded ones (:func:`fourfold.models.hf.seeded`: each rank makes only the layers it keeps, the values
+    one process makes). ``model``: the whole model, before anything cuts it."""
+    if cfg.train.init_from is not None:
+        from fourfold.models.weights import StoredWeights
+
+        return StoredWeights(cfg.train.init_from, model)
+    from fourfold.models.hf import seeded
+
+    return contextlib.nullcontext(seeded(model, cfg.train.seed))
+
+
+def _build(cfg: Any, device: torch.device | str | None, filled: bool = True) -> nn.Module:
     """The model as configured, on ``device`` (None: where it was made). The global generator is left at the
     seed, however much the model's initialisation drew from it (nothing, built unfilled): a run's dropout then
     starts where ``--verify``'s one-process re-run, which builds it whole, starts."""
-    model = _construct(cfg, device)
+    model = _construct(cfg, device, filled)
     torch.manual_seed(cfg.train.seed)
     return model
 
 
-def _construct(cfg: Any, device: torch.device | str | None) -> nn.Module:
+def _construct(cfg: Any, device: torch.device | str | None, filled: bool) -> nn.Module:
     t = cfg.train
     dtype = DTYPES[t.dtype]
     if t.model == "tinygpt":
@@ -186,7 +208,7 @@ def _construct(cfg: Any, device: torch.device | str | None) -> nn.Module:
     if t.model in FAMILIES:
         from fourfold.models.hf import build_hf
 
-        model = build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype)
+        model = build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype, filled=filled)
         return model if device is None else model.to(device)
     torch.manual_seed(t.seed)
     factory, kwargs = _factory(t.model), read_model_config(t.model_config)

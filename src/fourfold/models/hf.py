@@ -45,9 +45,8 @@ from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
 __all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_causal",
-           "check_tp",
-           "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare", "read_documents",
-           "shard_fixups", "sliding_window"]
+           "check_tp", "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare",
+           "read_documents", "seeded", "shard_fixups", "sliding_window"]
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -394,18 +393,38 @@ def examples(model: nn.Module) -> list[torch.Tensor]:
 
 
 def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, seed: int = 0,
-             dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None) -> nn.Module:
+             dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None,
+             filled: bool = True) -> nn.Module:
     """A freshly initialised causal LM of ``family`` (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) from a JSON
-    config (the keys of ``GPT2Config``, ``LlamaConfig``, ...); no weights are downloaded. Every rank builds the
-    same one (``seed``)."""
-    config = hf_config(family, config_path, overrides)
+    config (the keys of ``GPT2Config``, ``LlamaConfig``, ...); no weights are downloaded. Its weights are made
+    layer by layer from ``seed`` by the family's own initialisation (:func:`seeded`), so every rank, and one
+    process, builds the same model. ``filled=False``: its parameters are zeros in memory untouched until written
+    (:func:`~fourfold.models.weights.zero_pages`), to be filled once a layout has cut it, each rank making only
+    what it keeps (``engine.load_state_dict(seeded(model, seed))``, or stored weights). Under
+    ``torch.device("meta")`` (shapes only) nothing is made."""
+    from fourfold.models.weights import empty_parameters, fill, zero_pages
 
-    cls = causal_lm_class(family)
-    torch.manual_seed(seed)
-    model = cls(config).to(dtype)
+    config = hf_config(family, config_path, overrides)
+    with empty_parameters():  # nothing drawn or allocated yet: the rotary frequencies, computed, are kept
+        model = causal_lm_class(family)(config).to(dtype)
     model.set_attn_implementation("sdpa")  # fourfold's masks are boolean (True: attend), as sdpa reads them
     prepare(model)
-    return model
+    if torch.get_default_device().type == "meta":
+        return model
+    zero_pages(model)
+    return fill(model, seeded(model, seed)) if filled else model
+
+
+def seeded(model: nn.Module, seed: int) -> Any:
+    """A Hugging Face model's first weights from ``seed``, a decoder layer (or the embedding, the final norm, the
+    head) at a time (:class:`~fourfold.models.seeded.SeededInit`, its own ``_init_weights``), for ``model`` built
+    as :func:`build_hf` builds it, before anything cuts it."""
+    from fourfold.models.seeded import SeededInit
+
+    blocks = (gpt2_split if hf_family(model) == "gpt2" else llama_split)(model).blocks
+    assert isinstance(blocks, str)
+    init: Any = model._init_weights  # the family's rule for one module (transformers applies it children first)
+    return SeededInit(model, seed, blocks=blocks, init=init)
 
 
 def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,

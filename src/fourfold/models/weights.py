@@ -37,7 +37,7 @@ from torch import nn
 
 from fourfold.parallel.tensor.plan import LazyState
 
-__all__ = ["WEIGHT_FILES", "StoredWeights", "check_file", "check_weights", "empty_parameters", "hf_directory",
+__all__ = ["WEIGHT_FILES", "StoredWeights", "check_file", "check_weights", "empty_parameters", "fill", "hf_directory",
            "load_weights", "model_names", "safetensors_module", "stored_shapes", "tied_names",
            "weight_problems", "zero_pages"]
 
@@ -267,9 +267,17 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into the whole ``model`` (:class:`StoredWeights`: checked first), cast to its
     dtype, one tensor at a time from memory-mapped files. Returns ``model``. (A run's ranks load after the
     layout has cut the model, each only what it holds: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
-    with StoredWeights(path, model) as stored, torch.no_grad():
-        for name, t in model.state_dict().items():
-            t.copy_(stored[name])
+    with StoredWeights(path, model) as stored:
+        return fill(model, stored)
+
+
+@torch.no_grad()
+def fill(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Copy ``state`` (whole tensors by ``model``'s names, read one at a time: :class:`StoredWeights`,
+    :class:`~fourfold.models.seeded.SeededInit`) into the whole ``model``, each cast to its dtype. Returns
+    ``model``. (A layout's ranks take their pieces instead: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
+    for name, t in model.state_dict().items():
+        t.copy_(state[name])
     return model
 
 
