@@ -75,3 +75,23 @@ def test_each_rank_makes_only_the_layers_it_holds_and_starts_where_one_process_s
               1: ["lm_head", "model.layers.2", "model.layers.3", "model.norm"]}
     for r in got:  # the embedding and the first two layers on pp rank 0, the rest on 1: each makes its own
         assert r["made"] == stages[r["pp"]], (r["pp"], r["made"])
+
+
+def test_a_parameter_the_rule_leaves_unwritten_is_refused_by_name():
+    from torch import nn
+
+    from fourfold.models.hf import build_hf
+    from fourfold.models.seeded import SeededInit
+
+    def linear_only(m: nn.Module) -> None:  # a rule that knows no norm
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+
+    model = build_hf("llama", overrides=LLAMA, seed=5, dtype=torch.float64, filled=False)
+    with SeededInit(model, 5, blocks="model.layers", init=linear_only) as weights:
+        assert torch.isfinite(weights["lm_head.weight"]).all()
+        with pytest.raises(ValueError, match=r"must write every parameter of 'model.layers.1', got "
+                                             r"model.layers.1.input_layernorm.weight, "
+                                             r"model.layers.1.post_attention_layernorm.weight left unwritten"):
+            weights["model.layers.1.mlp.up_proj.weight"]
+    assert weights._made is None  # the with block let go of the unit it kept

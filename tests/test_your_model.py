@@ -189,9 +189,12 @@ def test_eager_attention_which_would_add_fourfolds_boolean_masks_is_refused_unde
     model(ids)  # no packed batch: the model's own causal mask, which eager attention reads as it should
 
 
-def test_a_gemma3_that_attends_both_ways_is_refused():
-    """An embedding model's config (Gemma 3 with use_bidirectional_attention): fourfold's masks are causal."""
+def test_a_gemma3_that_attends_both_ways_or_caps_its_scores_is_refused():
+    """An embedding model's config (Gemma 3 with use_bidirectional_attention): fourfold's masks are causal; and
+    capped attention scores, which SDPA does not compute."""
     from fourfold.models.hf import hf_config
 
     with pytest.raises(ValueError, match="gemma3_text use_bidirectional_attention must be false"):
         hf_config("gemma3_text", overrides={**GEMMA3, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="gemma3_text attn_logit_softcapping must be null .* got 50.0"):
+        hf_config("gemma3_text", overrides={**GEMMA3, "attn_logit_softcapping": 50.0})

@@ -81,7 +81,7 @@ def _hf(name: str) -> Family:
     from fourfold.models import hf
 
     def check(model: nn.Module, tp: int, pp: int) -> None:
-        hf.check_causal(model.config)
+        hf.check_supported(model.config)
         hf.check_tp(model.config, tp)  # type: ignore[union-attr]
         if pp > 1:  # the pipeline's pieces pass the layers fourfold's masks
             hf.check_attention(model, f"a pipeline (pp={pp})")

@@ -179,16 +179,17 @@ def builds_unfilled(cfg: Any, resuming: bool) -> bool:
 
 def first_weights(cfg: Any, model: nn.Module) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
     """What fills a model :func:`build_unfilled` made, not resumed, once a layout has cut it
-    (``engine.load_state_dict``), as a context manager: ``--init-from``'s stored weights, else a Hugging Face
-    model's seeded ones (:func:`fourfold.models.hf.seeded`: each rank makes only the layers it keeps, the values
-    one process makes). ``model``: the whole model, before anything cuts it."""
+    (``engine.load_state_dict``), as a context manager whose end lets go of what it held (StoredWeights' files,
+    SeededInit's last unit): ``--init-from``'s stored weights, else a Hugging Face model's seeded ones
+    (:func:`fourfold.models.hf.seeded`: each rank makes only the layers it keeps, the values one process makes).
+    ``model``: the whole model, before anything cuts it."""
     if cfg.train.init_from is not None:
         from fourfold.models.weights import StoredWeights
 
         return StoredWeights(cfg.train.init_from, model)
     from fourfold.models.hf import seeded
 
-    return contextlib.nullcontext(seeded(model, cfg.train.seed))
+    return seeded(model, cfg.train.seed)  # type: ignore[no-any-return]
 
 
 def _build(cfg: Any, device: torch.device | str | None, filled: bool = True) -> nn.Module:
@@ -208,6 +209,7 @@ def _construct(cfg: Any, device: torch.device | str | None, filled: bool) -> nn.
     if t.model in FAMILIES:
         from fourfold.models.hf import build_hf
 
+        filled = filled and (device is None or torch.device(device).type != "meta")  # shapes only: nothing made
         model = build_hf(t.model, model_config_path(t), seed=t.seed, dtype=dtype, filled=filled)
         return model if device is None else model.to(device)
     torch.manual_seed(t.seed)

@@ -43,8 +43,9 @@ from torch import nn
 from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
+from fourfold.parallel.tensor.layers import ColumnParallelLinear
 
-__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_causal",
+__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_supported",
            "check_tp", "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare",
            "read_documents", "seeded", "shard_fixups", "sliding_window"]
 
@@ -168,7 +169,8 @@ def shard_fixups(model: nn.Module, tp: int) -> None:
         if family == "gpt2" and hasattr(module, "split_size") and hasattr(module, "c_attn"):
             module.split_size //= tp
             module.num_heads //= tp
-        elif family == "phi3" and hasattr(module, "qkv_proj") and tp > 1:
+        elif family == "phi3" and isinstance(getattr(module, "qkv_proj", None), ColumnParallelLinear) \
+                and not isinstance(module.config, _RankHeads):  # split by the plan, and not already fixed
             module.config = _RankHeads(module.config, tp)
             module.num_key_value_heads //= tp
 
@@ -203,13 +205,20 @@ def _sizes(config: Any) -> dict[str, tuple[int, str]]:
             "vocab_size": (config.vocab_size, "the embedding and head are split by vocabulary rows")}
 
 
-def check_causal(config: Any) -> None:
-    """Refuse a config whose attention looks both ways (Gemma 3's ``use_bidirectional_attention``, for embedding
-    models): fourfold trains causal LMs, and its pipeline's and packing's masks are causal."""
+def check_supported(config: Any) -> None:
+    """Refuse, before any process starts, a config fourfold would run otherwise than it says: attention that
+    looks both ways (Gemma 3's ``use_bidirectional_attention``, for embedding models: fourfold trains causal LMs,
+    and its pipeline's and packing's masks are causal), or soft-capped attention scores (Gemma 3's
+    ``attn_logit_softcapping``: fourfold runs attention with SDPA, which has no cap)."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type} use_bidirectional_attention must be false (fourfold trains causal "
                          "language models: next-token loss, causal masks), got true. Set "
                          "\"use_bidirectional_attention\": false in the config")
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(f"{config.model_type} attn_logit_softcapping must be null (fourfold runs attention with "
+                         f"SDPA, which does not cap the scores; eager attention would misread fourfold's masks), got "
+                         f"{cap}. Set \"attn_logit_softcapping\": null in the config")
 
 
 def check_tp(config: Any, tp: int) -> None:
@@ -423,7 +432,9 @@ def seeded(model: nn.Module, seed: int) -> Any:
 
     blocks = (gpt2_split if hf_family(model) == "gpt2" else llama_split)(model).blocks
     assert isinstance(blocks, str)
-    init: Any = model._init_weights  # the family's rule for one module (transformers applies it children first)
+    # transformers' per-module initialisation hook (what a family overrides, and what post_init applies to every
+    # module, children first): the pinned transformers' own rule, not a copy of it
+    init: Any = model._init_weights
     return SeededInit(model, seed, blocks=blocks, init=init)
 
 
@@ -451,5 +462,5 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
         tid = getattr(config, token, None)
         if isinstance(tid, int) and tid >= config.vocab_size:
             setattr(config, token, None)
-    check_causal(config)
+    check_supported(config)
     return config

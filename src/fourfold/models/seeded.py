@@ -12,8 +12,8 @@ the unit's name alone::
     engine = parallelize(model, mesh)
     engine.load_state_dict(seeded)           # each rank makes the units it holds, and cuts them
 
-A rank then makes only the units its pipeline stages hold (each whole, once, while it takes its tensor-parallel
-piece), and one process filling the whole model (:func:`fourfold.models.hf.build_hf`, ``--verify``'s re-run)
+A rank then makes only the units its pipeline stages hold (each whole while it takes its tensor-parallel piece;
+a tied embedding twice where the head keeps a copy), and one process filling the whole model (:func:`fourfold.models.hf.build_hf`, ``--verify``'s re-run)
 makes the same values: a layout starts where one process starts. The distribution is transformers' own; the
 values are not those of ``cls(config)`` under ``torch.manual_seed(seed)``.
 """
@@ -49,11 +49,12 @@ def unit_seed(seed: int, unit: str) -> int:
 
 class SeededInit(LazyState):
     """``model``'s first weights by its state dict's names, each unit made when one of its tensors is asked for
-    (:func:`unit_of`, :func:`unit_seed`; the last unit made is kept until another is asked for). ``model`` is the
-    whole model, before anything cuts it: its units' shapes are copied (on the meta device) when this is made.
-    ``init`` is the rule applied to each module of a unit, children first (a Hugging Face model's
-    ``_init_weights``); ``blocks`` names the container of its layers. A tied weight is made with its first owner
-    (the token embedding, not the head); the model's buffers are given as it holds them."""
+    (:func:`unit_of`, :func:`unit_seed`; the last unit made is kept until another is asked for, or until the
+    ``with`` block ends). ``model`` is the whole model, before anything cuts it: its units' shapes are copied (on
+    the meta device) when this is made. ``init`` is the rule applied to each module of a unit, children first (a
+    Hugging Face model's ``_init_weights``); ``blocks`` names the container of its layers. A tied weight is made
+    with its first owner (the token embedding, not the head); the model's buffers are given as it holds them. A
+    parameter ``init`` leaves unwritten is refused by name, not left as whatever memory held."""
 
     def __init__(self, model: nn.Module, seed: int, *, blocks: str, init: Callable[[nn.Module], None]) -> None:
         self.seed, self.blocks, self._init = seed, blocks, init
@@ -84,9 +85,27 @@ class SeededInit(LazyState):
         module = copy.deepcopy(self._shapes[unit])
         for m in module.modules():
             for pname, p in list(m.named_parameters(recurse=False)):
-                setattr(m, pname, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(unit_seed(self.seed, unit))
+                unset = torch.full(p.shape, float("nan"), dtype=p.dtype, device="cpu")
+                setattr(m, pname, nn.Parameter(unset, requires_grad=p.requires_grad))
+        with torch.random.fork_rng(devices=[]):  # the CPU generator alone: it is put back, the devices' untouched
+            torch.default_generator.manual_seed(unit_seed(self.seed, unit))
             module.apply(self._init)
-        return {n: p.detach() for n, p in module.named_parameters()}
+        made = {n: p.detach() for n, p in module.named_parameters()}
+        unset_names = [n for n, t in made.items() if t.is_floating_point() and bool(t.isnan().any())]
+        if unset_names:
+            raise ValueError(f"the model's initialisation must write every parameter of {unit!r}, got "
+                             f"{', '.join(unit + '.' + n for n in unset_names[:4])} left unwritten. Give its "
+                             "family's _init_weights a rule for that module, or start from stored weights "
+                             "(--init-from).")
+        return made
+
+    def close(self) -> None:
+        """Drop the unit kept from the last read (a whole embedding, say): nothing is held after the fill."""
+        self._made = None
+
+    def __enter__(self) -> SeededInit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 

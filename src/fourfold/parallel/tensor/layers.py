@@ -15,6 +15,7 @@ collectives live in :mod:`~fourfold.parallel.tensor.comm`, the loss over sharded
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "Style",
     "VocabParallelEmbedding",
     "blocks",
+    "fused",
     "is_conv1d",
     "proportions",
     "shard",
@@ -69,6 +71,18 @@ REPLICATED = Layout(None)
 def proportions(parts: int | tuple[int, ...]) -> tuple[int, ...]:
     """The blocks' relative sizes: ``parts`` equal ones, or the proportions given."""
     return (1,) * parts if isinstance(parts, int) else tuple(parts)
+
+
+def fused(parts: int | Sequence[int]) -> int | tuple[int, ...]:
+    """``parts`` as a :class:`Layout` holds it: a count of equal blocks, or their proportions in lowest terms
+    (``(32, 8, 8)`` -> ``(4, 1, 1)``, ``(8, 8)`` -> ``2``), so that two cuts alike compare equal."""
+    if isinstance(parts, int):
+        return parts
+    shares = [int(s) for s in parts]
+    if not shares or min(shares) < 1:
+        raise ValueError(f"parts must be a count or block widths >= 1, got {list(parts)}.")
+    common = math.gcd(*shares)
+    return len(shares) if len(set(shares)) == 1 else tuple(s // common for s in shares)
 
 
 def blocks(t: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
@@ -131,6 +145,7 @@ class ColumnParallelLinear(nn.Module):
                  transposed: bool = False, head: bool = False) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
+        parts = fused(parts)
         _divisible("out_features", out_features, self.tp, parts)
         if gather_output and len(proportions(parts)) > 1:
             raise ValueError(f"gather_output needs parts=1, got parts={parts}: the gathered blocks would be "

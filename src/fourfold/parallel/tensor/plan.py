@@ -12,7 +12,6 @@ knows no model.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ from fourfold.parallel.tensor.layers import (
     RowParallelLinear,
     Sharded,
     VocabParallelEmbedding,
+    fused,
     is_conv1d,
     shard,
     unshard,
@@ -86,11 +86,7 @@ def _parse_style(name: str, style: str) -> tuple[str, int | tuple[int, ...]]:
     widths = given.split(",")
     if kind in ("column", "row", "vocab", "head", "partial") and (not given or (
             kind == "column" and all(w.isdigit() and int(w) >= 1 for w in widths))):
-        if len(widths) == 1:
-            return kind, int(given or 1)
-        shares = [int(w) for w in widths]
-        common = math.gcd(*shares)
-        return kind, len(shares) if len(set(shares)) == 1 else tuple(w // common for w in shares)
+        return kind, int(given or 1) if len(widths) == 1 else fused([int(w) for w in widths])
     hf = ", ".join(k for k in HF_STYLES)
     raise ValueError(f"plan style for {name!r} must be one of {', '.join(STYLES)} (or Hugging Face's {hf}), "
                      f"got {style!r}. Shard that module with one of these, or leave it out of the plan (replicated). "
