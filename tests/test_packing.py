@@ -48,6 +48,7 @@ def build(name: str) -> nn.Module:
                "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},  # layer 1
                "gemma": {"head_dim": 4},  # not a window: Gemma's heads are 256 wide unless told
                "phi3": {"sliding_window": 5, "partial_rotary_factor": 0.5},  # fused q|k|v and gate|up; every layer
+               "granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22},
                "gemma3_text": {"head_dim": 4, "sliding_window": 5, "query_pre_attn_scalar": 4,  # layer 0 windowed
                                "layer_types": ["sliding_attention", "full_attention"]}}
     return build_hf(name, overrides=GPT2 if name == "gpt2" else {**LLAMA, **windows.get(name, {})},
@@ -152,7 +153,8 @@ def test_documents_come_from_json_lines_and_token_files_are_refused(tmp_path):
 # ------------------------------------------------------------------------------- one process: exact
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "granite",
+                                  "phi3"])
 def test_packed_equals_documents_one_at_a_time(name):
     want_loss, want = reference(name)
     for packing in ("pad", "bfd"):
@@ -166,7 +168,8 @@ def test_packed_equals_documents_one_at_a_time(name):
         assert err <= tol, f"{name} {packing}: gradient of {worst} off by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "granite",
+                                  "phi3"])
 def test_no_document_sees_its_neighbours(name):
     """Changing one document's tokens leaves every other document's logits in the row bitwise unchanged."""
     model = build(name).eval()

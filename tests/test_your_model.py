@@ -1,5 +1,5 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
+Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, Granite and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
 model trained in one process: the losses and every parameter, by the model's own names, to 1e-9.
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
@@ -50,8 +50,12 @@ PHI3 = {**LLAMA, "sliding_window": 4, "partial_rotary_factor": 0.5}
 # matter at this size: a pipeline's last piece must cap them as the model's forward does)
 GEMMA3 = {**LLAMA, "head_dim": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "query_pre_attn_scalar": 4, "final_logit_softcapping": 5.0}
+# Granite: Llama with multipliers; the embedding's and the logits' divisor are its model's forward's, outside the
+# layers, so a pipeline's first and last pieces must apply them (values far from 1, so that they matter)
+GRANITE = {**LLAMA, "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+           "attention_multiplier": 0.0078125}
 CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA,
-           "gemma3_text": GEMMA3, "phi3": PHI3}
+           "gemma3_text": GEMMA3, "granite": GRANITE, "phi3": PHI3}
 MODELS = ("mlp", *CONFIGS)
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),

@@ -229,8 +229,8 @@ def test_a_split_on_your_model_must_be_a_split():
     ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a Hugging Face (gpt2, llama, mistral, qwen2, "
-     "qwen3, gemma, gemma3_text, phi3) or MODULE:FACTORY model"),
-    ("my model", [], "model must be tinygpt, gpt2, llama, mistral, qwen2, qwen3, gemma, gemma3_text, phi3 or "
+     "qwen3, gemma, gemma3_text, granite, phi3) or MODULE:FACTORY model"),
+    ("my model", [], "model must be tinygpt, gpt2, llama, mistral, qwen2, qwen3, gemma, gemma3_text, granite, phi3 or "
                   "MODULE:FACTORY"),
 ])
 def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model, flags, message):

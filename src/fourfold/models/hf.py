@@ -20,6 +20,9 @@ nothing is downloaded: models are built from a config.
   the language model of the larger ones): Gemma's embedding and norms, Qwen3's per-head q/k norms, a window on the
   layers its ``layer_types`` mark, rotary frequencies per kind of layer (the pipeline's pieces ask for the
   layer's own), and logits soft-capped where ``final_logit_softcapping`` is set (the last piece caps them too).
+* **Granite** (``GraniteForCausalLM``): Llama's layout with multipliers: the embedding's, each residual
+  branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
+  pipeline's first and last pieces scale as its forward does).
 * **Phi-3** (``Phi3ForCausalLM``, also Phi-4-mini's architecture): Llama's layout with fused projections, q|k|v in
   ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`fused_plan`), and Mistral's
   window on every layer.
@@ -63,6 +66,7 @@ _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("Llama
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3"),
             "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma"),
             "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3"),
+            "granite": ("GraniteForCausalLM", "GraniteConfig", "Granite"),
             "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
@@ -304,6 +308,11 @@ def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
     return m.model.embed_tokens(ids)
 
 
+def _scaled_before(multiplier: float, m: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Granite's first piece: the embedding times ``embedding_multiplier``, as its model's forward scales it."""
+    return _llama_before(m, ids) * multiplier
+
+
 EVERY_LAYER_WINDOWS = ("mistral", "phi3")
 """Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
 
@@ -361,17 +370,26 @@ def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
     return m.lm_head(m.model.norm(h))
 
 
-def _capped_after(cap: float, m: Any, h: torch.Tensor) -> torch.Tensor:
-    """Gemma 3's last piece with ``final_logit_softcapping`` set: the logits capped as its forward caps them."""
-    return torch.tanh(_llama_after(m, h) / cap) * cap
+def _scaled_after(divisor: float | None, cap: float | None, m: Any, h: torch.Tensor) -> torch.Tensor:
+    """The last piece of a family whose causal LM's forward changes the head's logits: Granite's divided by
+    ``logits_scaling``, Gemma 3's soft-capped by ``final_logit_softcapping`` (tanh(x / cap) * cap)."""
+    logits = _llama_after(m, h)
+    if divisor is not None:
+        logits = logits / divisor
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def llama_split(model: nn.Module) -> Split:
-    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head
-    (its logits soft-capped where the config says: Gemma 3's ``final_logit_softcapping``)."""
-    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    after = _llama_after if cap is None else functools.partial(_capped_after, float(cap))
-    return Split(blocks="model.layers", before=_llama_before, block=_llama_block, after=after)
+    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head;
+    what a family's forward does beyond them done too: Granite's ``embedding_multiplier`` and ``logits_scaling``,
+    Gemma 3's ``final_logit_softcapping`` (the split check would refuse a split that left them out)."""
+    config = getattr(model, "config", None)
+    multiplier = getattr(config, "embedding_multiplier", None)
+    divisor, cap = getattr(config, "logits_scaling", None), getattr(config, "final_logit_softcapping", None)
+    before = _llama_before if multiplier is None else functools.partial(_scaled_before, float(multiplier))
+    after = _llama_after if divisor is None and cap is None else functools.partial(
+        _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
+    return Split(blocks="model.layers", before=before, block=_llama_block, after=after)
 
 
 class Sizes(NamedTuple):
