@@ -27,39 +27,36 @@ nothing is downloaded: models are built from a config.
   ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`fused_plan`), and Mistral's
   window on every layer.
 
-The attention modules find their head count from the (split) projection's width, so a column-parallel q/k/v
-gives each rank its own heads; GPT-2's ``split_size`` and Phi-3's head counts, which slice a fused output, are
-what must follow (:func:`shard_fixups`).
+What a family is lives here (its classes, config, checks, sizes, and its first weights: :func:`build_hf`,
+:func:`seeded`); how tensor parallelism cuts it in :mod:`fourfold.models.hf_plan`, how a pipeline splits it and
+which masks its attention gets in :mod:`fourfold.models.hf_split`. Their public names are importable from here.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fourfold.data.packing import current_layout
-from fourfold.models.attention import position_ids
-from fourfold.parallel.pipeline.blocks import Split
-from fourfold.parallel.tensor.layers import ColumnParallelLinear
+from fourfold.models.hf_plan import GPT2_PLAN, fused_plan, plan, shard_fixups
+from fourfold.models.hf_split import (
+    EVERY_LAYER_WINDOWS,
+    PER_LAYER_WINDOWS,
+    check_attention,
+    gpt2_split,
+    llama_split,
+    read_documents,
+    sliding_window,
+    windowed,
+)
 
-__all__ = ["FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "build_hf", "causal_lm_class", "check_attention", "check_supported",
-           "check_tp", "examples", "fused_plan", "gpt2_split", "hf_family", "llama_split", "meta_kwargs", "prepare",
-           "read_documents", "seeded", "shard_fixups", "sliding_window"]
+__all__ = ["EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS", "build_hf",
+           "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "fused_plan",
+           "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "plan", "prepare", "read_documents",
+           "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
 
-GPT2_PLAN = {
-    "transformer.wte": "vocab",
-    "transformer.h.*.attn.c_attn": "column:3",  # [W_q | W_k | W_v]: each part split by heads
-    "transformer.h.*.attn.c_proj": "row",
-    "transformer.h.*.mlp.c_fc": "column",
-    "transformer.h.*.mlp.c_proj": "row",
-    "lm_head": "head",  # tied to wte: both split by vocabulary rows
-}
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
@@ -70,9 +67,11 @@ _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("Llama
             "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
+
 FLOAT32_NORMS = ("gemma", "gemma3_text")
 """Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``): a float64 run
 equals one process to float32's rounding of their gradients' sums, not to 1e-10."""
+
 
 FAMILIES = tuple(_CLASSES)
 """The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
@@ -110,89 +109,6 @@ def prepare(model: nn.Module) -> None:
     config: Any = model.config
     config.use_cache = False
     read_documents(model)
-
-
-def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
-    """The model's tensor-parallel plan: fourfold's for GPT-2, the model's own (``tp_plan``) for the others;
-    Gemma's applied around its scaled embedding (:func:`_scaled_embedding_plan`)."""
-    if hf_family(model) == "gpt2":
-        return dict(GPT2_PLAN)
-    carried = dict(getattr(model, "tp_plan", None) or {})
-    if not carried:
-        raise ValueError(f"tensor parallelism needs a plan, got a {type(model).__name__} carrying none "
-                         "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
-    if hf_family(model) in ("gemma", "gemma3_text"):
-        return functools.partial(_scaled_embedding_plan, carried)
-    if hf_family(model) == "phi3":
-        return {**carried, **fused_plan(model.config)}
-    return carried
-
-
-def fused_plan(config: Any) -> dict[str, str]:
-    """Phi-3's fused projections split as Megatron splits them. Its own plan gathers ``qkv_proj`` and
-    ``gate_up_proj`` whole on every rank (``colwise_gather_output``) because its forward slices them; here each
-    rank takes its heads of q, of k and of v (``column:<q>,<kv>,<kv>``, in heads) and its slice of gate and of
-    up (``column:2``), so attention and the MLP run on this rank's part only, as Llama's separate projections do.
-    The attention's slicing then reads this rank's head counts (:func:`shard_fixups`)."""
-    q, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    layers = "model.layers.*"
-    return {f"{layers}.self_attn.qkv_proj": f"column:{q},{kv},{kv}", f"{layers}.self_attn.o_proj": "row",
-            f"{layers}.mlp.gate_up_proj": "column:2", f"{layers}.mlp.down_proj": "row"}
-
-
-def _scaled_embedding_plan(carried: dict[str, str], model: nn.Module, group: Any, *, sequence_parallel: bool,
-                           tracer: Any) -> nn.Module:
-    """Gemma's plan: its token embedding multiplies what it looks up by ``embed_scale`` (sqrt(hidden_size)), in a
-    subclass of ``nn.Embedding`` the vocabulary-parallel style does not take as it is. The table is sharded as a
-    plain embedding's (tied to the head still), and the scale applied to the summed lookup, as Gemma's does."""
-    from fourfold.parallel.tensor import tensor_parallel
-
-    if sequence_parallel:
-        raise ValueError("sequence_parallel needs a model-family plan that runs its non-parallel parts on sequence "
-                         "shards, got Gemma's {module: style} plan. Drop sequence_parallel.")
-    scaled: Any = model.get_submodule("model.embed_tokens")
-    plain = nn.Embedding(scaled.num_embeddings, scaled.embedding_dim, scaled.padding_idx, device="meta",
-                         dtype=scaled.weight.dtype)
-    plain.weight = scaled.weight  # the same parameter: the head's tie holds
-    model.get_submodule("model").embed_tokens = plain
-    out = tensor_parallel(model, carried, group, tracer=tracer)
-    out.get_submodule("model.embed_tokens").register_forward_hook(functools.partial(_scale, scaled.embed_scale))
-    return out
-
-
-def _scale(scale: torch.Tensor, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    return output * scale.to(output.dtype)  # as GemmaTextScaledWordEmbedding: the scale in the table's dtype
-
-
-def shard_fixups(model: nn.Module, tp: int) -> None:
-    """After sharding: GPT-2's attention splits its c_attn output by ``split_size``, now C/tp per part; Phi-3's
-    slices its qkv_proj output by the config's head counts, which each attention now reads as this rank's."""
-    family = hf_family(model)
-    module: Any
-    for module in model.modules():
-        if family == "gpt2" and hasattr(module, "split_size") and hasattr(module, "c_attn"):
-            module.split_size //= tp
-            module.num_heads //= tp
-        elif family == "phi3" and isinstance(getattr(module, "qkv_proj", None), ColumnParallelLinear) \
-                and not isinstance(module.config, _RankHeads):  # split by the plan, and not already fixed
-            module.config = _RankHeads(module.config, tp)
-            module.num_key_value_heads //= tp
-
-
-class _RankHeads:
-    """A model's config as one tensor-parallel rank's attention reads it: its share of the query and key/value
-    heads; every other attribute the model's own (read through, so a later ``set_attn_implementation`` on the model
-    reaches it)."""
-
-    def __init__(self, config: Any, tp: int) -> None:
-        self._config = config
-        self.num_attention_heads = config.num_attention_heads // tp
-        self.num_key_value_heads = (config.num_key_value_heads or config.num_attention_heads) // tp
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_config":  # not set yet (a copy being made): no recursion
-            raise AttributeError(name)
-        return getattr(self._config, name)
 
 
 def _sizes(config: Any) -> dict[str, tuple[int, str]]:
@@ -234,162 +150,6 @@ def check_tp(config: Any, tp: int) -> None:
             fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
             raise ValueError(f"{config.model_type} {name} must be divisible by tp ({why}), got {name}={n} and "
                              f"tp={tp}. Use tp in {fits}, or a config whose {name} tp divides")
-
-
-_READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
-
-
-def read_documents(model: nn.Module) -> None:
-    """Make the whole model keep packed documents apart: while a layout is current (the engine sets it), its
-    forward gets the layout's ``position_ids`` (B, T) and block-diagonal causal mask as a 4-D
-    ``attention_mask`` (B, 1, T, T), which transformers passes to SDPA as it is. The pipeline's pieces below
-    read the layout themselves."""
-    if model not in _READING:
-        model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
-        _READING.add(model)
-
-
-def check_attention(model: nn.Module, needs: str) -> None:
-    """Refuse a model whose attention would misread fourfold's masks, which ``needs`` (a pipeline, packed
-    documents) passes its layers: boolean, True where a token may attend, as SDPA reads them. Eager attention adds
-    the mask to the scores instead (True is 1, False 0: every token attends everywhere, silently)."""
-    used = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if used not in (None, "sdpa"):
-        raise ValueError(f"{needs} passes the model's layers fourfold's boolean attention masks, which SDPA reads "
-                         f"as masks, got a model with attn_implementation={used!r}"
-                         + (" (it adds a mask to the scores: every token would attend everywhere)"
-                            if used == "eager" else "") + ". Build it with attn_implementation='sdpa' "
-                         "(from_pretrained(..., attn_implementation='sdpa')), or call "
-                         "model.set_attn_implementation('sdpa') before parallelize.")
-
-
-def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    layout = current_layout()
-    if layout is None:
-        return None
-    check_attention(module, "a packed batch")
-    config = getattr(module, "config", None)
-    mask: Any = layout.mask
-    window = sliding_window(config)
-    if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
-        mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
-                for kind in set(config.layer_types)}  # type: ignore[union-attr]
-    else:  # Mistral: every layer (no window: the mask as it is)
-        mask = windowed(mask, window, mask.size(-1), mask.device)
-    return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
-
-
-def _mask() -> torch.Tensor | None:
-    layout = current_layout()
-    return layout.mask if layout is not None else None
-
-
-def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
-    t = m.transformer
-    return t.drop(t.wte(ids) + t.wpe(position_ids(ids)))
-
-
-def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    out = layer(h, attention_mask=_mask())
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _gpt2_after(m: Any, h: torch.Tensor) -> torch.Tensor:
-    return m.lm_head(m.transformer.ln_f(h))
-
-
-def gpt2_split(model: nn.Module) -> Split:
-    """GPT-2 as embeddings (token + learned position, dropout), its blocks, then ln_f and the head."""
-    return Split(blocks="transformer.h", before=_gpt2_before, block=_gpt2_block, after=_gpt2_after)
-
-
-def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
-    return m.model.embed_tokens(ids)
-
-
-def _scaled_before(multiplier: float, m: Any, ids: torch.Tensor) -> torch.Tensor:
-    """Granite's first piece: the embedding times ``embedding_multiplier``, as its model's forward scales it."""
-    return _llama_before(m, ids) * multiplier
-
-
-EVERY_LAYER_WINDOWS = ("mistral", "phi3")
-"""Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
-
-PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
-"""Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
-forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
-
-
-def sliding_window(config: Any, layer: int | None = None) -> int | None:
-    """The attention window of ``layer`` (of any layer: None) as the family's own forward applies it, else None:
-    Mistral's and Phi-3's ``sliding_window`` on every layer (their forward reads no ``layer_types``); Qwen2's and
-    Qwen3's, with ``use_sliding_window``, and Gemma 3's (no switch), on the layers their ``layer_types`` mark
-    ``sliding_attention``; no other family's (Llama's forward ignores a ``sliding_window`` key)."""
-    kind, window = getattr(config, "model_type", None), getattr(config, "sliding_window", None)
-    if not window or kind not in (*EVERY_LAYER_WINDOWS, *PER_LAYER_WINDOWS):
-        return None
-    if kind in PER_LAYER_WINDOWS:
-        types = getattr(config, "layer_types", None) or []
-        if not getattr(config, "use_sliding_window", True) or \
-                "sliding_attention" not in (types if layer is None else types[layer:layer + 1]):
-            return None
-    return int(window)
-
-
-def windowed(mask: torch.Tensor | None, window: int | None, tokens: int, device: Any) -> torch.Tensor | None:
-    """``mask`` (a packed batch's (B, 1, T, T), or None: plain causal) with each query kept to the ``window``
-    keys before it, itself included, as transformers' sliding-window mask keeps them (query i sees key j when
-    0 <= i - j < window); ``mask`` as it is without a window or with sequences no longer than it."""
-    if window is None or tokens <= window:
-        return mask
-    band = _band(tokens, window, torch.device(device))
-    return band if mask is None else mask & band
-
-
-@functools.lru_cache(maxsize=2)
-def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, T, T) bool: j <= i < j + window. Made once per size (every layer, micro-batch and recompute reads
-    it), as booleans: no T x T integer tensor."""
-    ones = torch.ones(tokens, tokens, dtype=torch.bool, device=device)
-    return (ones.tril() & ~ones.tril(-window))[None, None]
-
-
-def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
-    window = sliding_window(getattr(attention, "config", None), getattr(attention, "layer_idx", None))
-    pos = position_ids(h)
-    pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
-    rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's, a frequency per kind of layer
-    rope = rotary(h, pos, attention.layer_type) if hasattr(rotary, "layer_types") else rotary(h, pos)
-    return layer(h, attention_mask=windowed(_mask(), window, h.size(1), h.device), position_embeddings=rope,
-                 position_ids=pos)
-
-
-def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
-    return m.lm_head(m.model.norm(h))
-
-
-def _scaled_after(divisor: float | None, cap: float | None, m: Any, h: torch.Tensor) -> torch.Tensor:
-    """The last piece of a family whose causal LM's forward changes the head's logits: Granite's divided by
-    ``logits_scaling``, Gemma 3's soft-capped by ``final_logit_softcapping`` (tanh(x / cap) * cap)."""
-    logits = _llama_after(m, h)
-    if divisor is not None:
-        logits = logits / divisor
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def llama_split(model: nn.Module) -> Split:
-    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head;
-    what a family's forward does beyond them done too: Granite's ``embedding_multiplier`` and ``logits_scaling``,
-    Gemma 3's ``final_logit_softcapping`` (the split check would refuse a split that left them out)."""
-    config = getattr(model, "config", None)
-    multiplier = getattr(config, "embedding_multiplier", None)
-    divisor, cap = getattr(config, "logits_scaling", None), getattr(config, "final_logit_softcapping", None)
-    before = _llama_before if multiplier is None else functools.partial(_scaled_before, float(multiplier))
-    after = _llama_after if divisor is None and cap is None else functools.partial(
-        _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
-    return Split(blocks="model.layers", before=before, block=_llama_block, after=after)
 
 
 class Sizes(NamedTuple):

@@ -1,0 +1,181 @@
+"""Each Hugging Face family's pipeline split, and the masks fourfold gives attention (:mod:`fourfold.models.hf`):
+GPT-2 as its embeddings, blocks, then ln_f and the head; the Llama-shaped families as the token embedding, their
+decoder layers (each computing its rotary embedding) and norm and head, with what a family's forward adds outside
+the layers (Granite's multipliers, Gemma 3's soft cap). Where fourfold passes attention its mask (a pipeline's
+pieces, packed documents: :func:`read_documents`) the family's sliding window is in it (:func:`windowed`), as
+its own forward applies it under dp and tp. The masks are boolean, True where a token may attend, as SDPA reads
+them (:func:`check_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from fourfold.data.packing import current_layout
+from fourfold.models.attention import position_ids
+from fourfold.parallel.pipeline.blocks import Split
+
+__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "check_attention", "gpt2_split", "llama_split",
+           "read_documents", "sliding_window", "windowed"]
+
+
+_READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
+
+
+def read_documents(model: nn.Module) -> None:
+    """Make the whole model keep packed documents apart: while a layout is current (the engine sets it), its
+    forward gets the layout's ``position_ids`` (B, T) and block-diagonal causal mask as a 4-D
+    ``attention_mask`` (B, 1, T, T), which transformers passes to SDPA as it is. The pipeline's pieces below
+    read the layout themselves."""
+    if model not in _READING:
+        model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
+        _READING.add(model)
+
+
+def check_attention(model: nn.Module, needs: str) -> None:
+    """Refuse a model whose attention would misread fourfold's masks, which ``needs`` (a pipeline, packed
+    documents) passes its layers: boolean, True where a token may attend, as SDPA reads them. Eager attention adds
+    the mask to the scores instead (True is 1, False 0: every token attends everywhere, silently)."""
+    used = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if used not in (None, "sdpa"):
+        raise ValueError(f"{needs} passes the model's layers fourfold's boolean attention masks, which SDPA reads "
+                         f"as masks, got a model with attn_implementation={used!r}"
+                         + (" (it adds a mask to the scores: every token would attend everywhere)"
+                            if used == "eager" else "") + ". Build it with attn_implementation='sdpa' "
+                         "(from_pretrained(..., attn_implementation='sdpa')), or call "
+                         "model.set_attn_implementation('sdpa') before parallelize.")
+
+
+def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    layout = current_layout()
+    if layout is None:
+        return None
+    check_attention(module, "a packed batch")
+    config = getattr(module, "config", None)
+    mask: Any = layout.mask
+    window = sliding_window(config)
+    if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
+        mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
+                for kind in set(config.layer_types)}  # type: ignore[union-attr]
+    else:  # Mistral: every layer (no window: the mask as it is)
+        mask = windowed(mask, window, mask.size(-1), mask.device)
+    return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
+
+
+def _mask() -> torch.Tensor | None:
+    layout = current_layout()
+    return layout.mask if layout is not None else None
+
+
+def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
+    t = m.transformer
+    return t.drop(t.wte(ids) + t.wpe(position_ids(ids)))
+
+
+def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    out = layer(h, attention_mask=_mask())
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _gpt2_after(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.transformer.ln_f(h))
+
+
+def gpt2_split(model: nn.Module) -> Split:
+    """GPT-2 as embeddings (token + learned position, dropout), its blocks, then ln_f and the head."""
+    return Split(blocks="transformer.h", before=_gpt2_before, block=_gpt2_block, after=_gpt2_after)
+
+
+def _llama_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
+    return m.model.embed_tokens(ids)
+
+
+def _scaled_before(multiplier: float, m: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Granite's first piece: the embedding times ``embedding_multiplier``, as its model's forward scales it."""
+    return _llama_before(m, ids) * multiplier
+
+
+EVERY_LAYER_WINDOWS = ("mistral", "phi3")
+"""Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
+
+
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
+"""Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
+forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
+
+
+def sliding_window(config: Any, layer: int | None = None) -> int | None:
+    """The attention window of ``layer`` (of any layer: None) as the family's own forward applies it, else None:
+    Mistral's and Phi-3's ``sliding_window`` on every layer (their forward reads no ``layer_types``); Qwen2's and
+    Qwen3's, with ``use_sliding_window``, and Gemma 3's (no switch), on the layers their ``layer_types`` mark
+    ``sliding_attention``; no other family's (Llama's forward ignores a ``sliding_window`` key)."""
+    kind, window = getattr(config, "model_type", None), getattr(config, "sliding_window", None)
+    if not window or kind not in (*EVERY_LAYER_WINDOWS, *PER_LAYER_WINDOWS):
+        return None
+    if kind in PER_LAYER_WINDOWS:
+        types = getattr(config, "layer_types", None) or []
+        if not getattr(config, "use_sliding_window", True) or \
+                "sliding_attention" not in (types if layer is None else types[layer:layer + 1]):
+            return None
+    return int(window)
+
+
+def windowed(mask: torch.Tensor | None, window: int | None, tokens: int, device: Any) -> torch.Tensor | None:
+    """``mask`` (a packed batch's (B, 1, T, T), or None: plain causal) with each query kept to the ``window``
+    keys before it, itself included, as transformers' sliding-window mask keeps them (query i sees key j when
+    0 <= i - j < window); ``mask`` as it is without a window or with sequences no longer than it."""
+    if window is None or tokens <= window:
+        return mask
+    band = _band(tokens, window, torch.device(device))
+    return band if mask is None else mask & band
+
+
+@functools.lru_cache(maxsize=2)
+def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, T) bool: j <= i < j + window. Made once per size (every layer, micro-batch and recompute reads
+    it), as booleans: no T x T integer tensor."""
+    ones = torch.ones(tokens, tokens, dtype=torch.bool, device=device)
+    return (ones.tril() & ~ones.tril(-window))[None, None]
+
+
+def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
+    window = sliding_window(getattr(attention, "config", None), getattr(attention, "layer_idx", None))
+    pos = position_ids(h)
+    pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
+    rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's, a frequency per kind of layer
+    rope = rotary(h, pos, attention.layer_type) if hasattr(rotary, "layer_types") else rotary(h, pos)
+    return layer(h, attention_mask=windowed(_mask(), window, h.size(1), h.device), position_embeddings=rope,
+                 position_ids=pos)
+
+
+def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.model.norm(h))
+
+
+def _scaled_after(divisor: float | None, cap: float | None, m: Any, h: torch.Tensor) -> torch.Tensor:
+    """The last piece of a family whose causal LM's forward changes the head's logits: Granite's divided by
+    ``logits_scaling``, Gemma 3's soft-capped by ``final_logit_softcapping`` (tanh(x / cap) * cap)."""
+    logits = _llama_after(m, h)
+    if divisor is not None:
+        logits = logits / divisor
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def llama_split(model: nn.Module) -> Split:
+    """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head;
+    what a family's forward does beyond them done too: Granite's ``embedding_multiplier`` and ``logits_scaling``,
+    Gemma 3's ``final_logit_softcapping`` (the split check would refuse a split that left them out)."""
+    config = getattr(model, "config", None)
+    multiplier = getattr(config, "embedding_multiplier", None)
+    divisor, cap = getattr(config, "logits_scaling", None), getattr(config, "final_logit_softcapping", None)
+    before = _llama_before if multiplier is None else functools.partial(_scaled_before, float(multiplier))
+    after = _llama_after if divisor is None and cap is None else functools.partial(
+        _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
+    return Split(blocks="model.layers", before=before, block=_llama_block, after=after)
