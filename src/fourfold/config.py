@@ -23,6 +23,7 @@ nearest valid name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -258,9 +259,12 @@ class TrainConfig:
 
         if self.model not in ("tinygpt", *FAMILIES) and not (
                 colon and all(p.isidentifier() for p in module.split(".")) and factory.isidentifier()):
+            given, names = self.model.lower().replace("-", ""), ("tinygpt", *FAMILIES)
+            near = [n for n in names if n.startswith(given)]  # gemma3 -> gemma3_text (not gemma)
+            near = near if len(near) == 1 else difflib.get_close_matches(given, names, n=1, cutoff=0.6)  # llama3
+            fix = f"--model {near[0]}" if near else "--model gpt2, or --model mypkg.models:build"
             raise ValueError(f"model must be tinygpt, {', '.join(FAMILIES)} or MODULE:FACTORY (an importable module "
-                             f"and a function in it), got {self.model!r}. Pass --model gpt2, or --model "
-                             "mypkg.models:build")
+                             f"and a function in it), got {self.model!r}. Pass {fix}")
         if self.init_from is not None:
             self._check_init_from(FAMILIES)
         if self.model_config is not None and self.model == "tinygpt":
