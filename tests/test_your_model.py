@@ -202,3 +202,24 @@ def test_a_gemma3_that_attends_both_ways_or_caps_its_scores_is_refused():
         hf_config("gemma3_text", overrides={**GEMMA3, "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="gemma3_text attn_logit_softcapping must be null .* got 50.0"):
         hf_config("gemma3_text", overrides={**GEMMA3, "attn_logit_softcapping": 50.0})
+
+
+def test_a_config_of_another_architecture_is_refused_naming_the_family_to_pass(tmp_path):
+    """A config.json says which architecture it is (model_type); transformers would take a Mixtral's keys as a
+    Mistral's and build a dense model silently."""
+    import json
+
+    from fourfold.models.hf import hf_config, named_like
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **LLAMA}))
+    with pytest.raises(ValueError, match="model_config must be a mistral config .* got model_type='llama' in .* Pass "
+                                         "--model llama"):
+        hf_config("mistral", path)
+    assert hf_config("llama", path).num_attention_heads == 4
+    path.write_text(json.dumps({"model_type": "mixtral", **LLAMA}))
+    with pytest.raises(ValueError, match="got model_type='mixtral' .* fourfold has no plan or split for it"):
+        hf_config("mistral", path)
+    families = ("tinygpt", "gpt2", "llama", "qwen2", "gemma", "gemma3_text", "phi3")
+    assert [named_like(n, families) for n in ("Phi-3", "LLAMA3", "qwen2.5", "gemma3", "mixtral", "gemma2")] == \
+        ["phi3", "llama", "qwen2", "gemma3_text", None, None]  # no guess between architectures

@@ -230,8 +230,9 @@ def test_a_split_on_your_model_must_be_a_split():
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a Hugging Face (gpt2, llama, mistral, qwen2, "
      "qwen3, gemma, gemma3_text, granite, phi3) or MODULE:FACTORY model"),
-    ("gemma3", [], "got 'gemma3'. Pass --model gemma3_text"),  # transformers' model_type, the nearest name
-    ("Phi-3", [], "got 'Phi-3'. Pass --model phi3"),
+    ("gemma3", [], "got 'gemma3'. Did you mean --model gemma3_text?"),  # transformers' model_type
+    ("Phi-3", [], "got 'Phi-3'. Did you mean --model phi3?"),
+    ("mixtral", [], "got 'mixtral'. Pass --model gpt2"),  # no guess between architectures
     ("my model", [], "model must be tinygpt, gpt2, llama, mistral, qwen2, qwen3, gemma, gemma3_text, granite, phi3 or "
                   "MODULE:FACTORY"),
 ])

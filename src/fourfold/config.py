@@ -23,7 +23,6 @@ nearest valid name.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -255,16 +254,15 @@ class TrainConfig:
             raise ValueError(f"hang_threshold must be >= 0 seconds (0 = off), got hang_threshold="
                              f"{self.hang_threshold}.")
         module, colon, factory = self.model.partition(":")
-        from fourfold.models.hf import FAMILIES
+        from fourfold.models.hf import FAMILIES, named_like
 
         if self.model not in ("tinygpt", *FAMILIES) and not (
                 colon and all(p.isidentifier() for p in module.split(".")) and factory.isidentifier()):
-            given, names = self.model.lower().replace("-", ""), ("tinygpt", *FAMILIES)
-            near = [n for n in names if n.startswith(given)]  # gemma3 -> gemma3_text (not gemma)
-            near = near if len(near) == 1 else difflib.get_close_matches(given, names, n=1, cutoff=0.6)  # llama3
-            fix = f"--model {near[0]}" if near else "--model gpt2, or --model mypkg.models:build"
+            near = named_like(self.model, ("tinygpt", *FAMILIES))
+            fix = f"Did you mean --model {near}? " if near else ""
             raise ValueError(f"model must be tinygpt, {', '.join(FAMILIES)} or MODULE:FACTORY (an importable module "
-                             f"and a function in it), got {self.model!r}. Pass {fix}")
+                             f"and a function in it), got {self.model!r}. {fix}Pass --model gpt2, or --model "
+                             "mypkg.models:build")
         if self.init_from is not None:
             self._check_init_from(FAMILIES)
         if self.model_config is not None and self.model == "tinygpt":

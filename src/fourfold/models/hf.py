@@ -13,7 +13,7 @@ nothing is downloaded: models are built from a config.
   replicated with their gradients summed over tp (its plan's ``replicated_with_grad_allreduce``). A sliding
   window (Mistral's ``sliding_window`` on every layer, Qwen2's with ``use_sliding_window`` on the layers its
   ``layer_types`` say) is the model's own forward's under dp and tp; where fourfold gives attention its mask (the
-  pipeline's pieces, packed documents) the window is in it too (:func:`windowed`).
+  pipeline's pieces, packed documents) the window is in it too (:func:`~fourfold.models.hf_split.windowed`).
 * **Gemma** (``GemmaForCausalLM``): Llama's layout with an embedding scaled by sqrt(hidden_size) and norms
   computed in float32 (:data:`FLOAT32_NORMS`).
 * **Gemma 3** (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``: the text-only models, Gemma 3 1B's and
@@ -24,7 +24,7 @@ nothing is downloaded: models are built from a config.
   branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
   pipeline's first and last pieces scale as its forward does).
 * **Phi-3** (``Phi3ForCausalLM``, also Phi-4-mini's architecture): Llama's layout with fused projections, q|k|v in
-  ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`fused_plan`), and Mistral's
+  ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`~fourfold.models.hf_plan.fused_plan`), and Mistral's
   window on every layer.
 
 What a family is lives here (its classes, config, checks, sizes, and its first weights: :func:`build_hf`,
@@ -52,10 +52,10 @@ from fourfold.models.hf_split import (
     windowed,
 )
 
-__all__ = ["EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS", "build_hf",
-           "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "fused_plan",
-           "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "plan", "prepare", "read_documents",
-           "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
+__all__ = ["ALSO_CALLED", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS",
+           "Sizes", "build_hf", "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples",
+           "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
+           "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
 
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
@@ -75,6 +75,22 @@ equals one process to float32's rounding of their gradients' sums, not to 1e-10.
 
 FAMILIES = tuple(_CLASSES)
 """The Hugging Face ``model_type`` values fourfold has a plan and a split for; all but GPT-2 are Llama-shaped."""
+
+
+ALSO_CALLED = {"llama2": "llama", "llama3": "llama", "llama31": "llama", "llama32": "llama", "qwen25": "qwen2",
+               "phi4": "phi3", "phi4mini": "phi3", "gemma3": "gemma3_text"}
+"""Names people give a family's models that are not its transformers ``model_type`` (punctuation ignored)."""
+
+
+def named_like(given: str, names: tuple[str, ...]) -> str | None:
+    """The one family ``given`` names otherwise (``Phi-3`` -> phi3, ``llama3`` -> llama, ``gemma3`` ->
+    gemma3_text), else None: no guess between architectures (mixtral is not mistral, gemma2 not gemma)."""
+    def plain(s: str) -> str:
+        return "".join(c for c in s.lower() if c.isalnum())
+
+    key = plain(given)
+    exact = [n for n in names if plain(n) == key]
+    return exact[0] if exact else ALSO_CALLED.get(key)
 
 
 def causal_lm_class(family: str) -> Any:
@@ -105,7 +121,7 @@ def meta_kwargs(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
 
 def prepare(model: nn.Module) -> None:
     """Training needs no key/value cache: switch it off, so no forward builds one. Packed documents are kept
-    apart (:func:`read_documents`)."""
+    apart (:func:`~fourfold.models.hf_split.read_documents`)."""
     config: Any = model.config
     config.use_cache = False
     read_documents(model)
@@ -229,6 +245,12 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
     from fourfold.models.build import read_model_config
 
     values = {**read_model_config(config_path), **(overrides or {})}
+    named = values.pop("model_type", family)  # a config.json says which architecture it is: it must be this one
+    if named != family:
+        near = named_like(str(named), FAMILIES) if named not in FAMILIES else named
+        fix = f"Pass --model {near}" if near else "fourfold has no plan or split for it: use a family it has"
+        raise ValueError(f"model_config must be a {family} config (its model_type), got model_type={named!r} in "
+                         f"{str(config_path)!r}. {fix}, or a config of the model you name.")
     cls = getattr(transformers, _CLASSES[family][1])
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below

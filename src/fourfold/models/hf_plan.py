@@ -33,8 +33,10 @@ GPT2_PLAN = {
 
 
 def _kind(model: nn.Module) -> str | None:
-    """The Hugging Face ``model_type`` of ``model`` (a family of :mod:`fourfold.models.hf`'s, where it is called)."""
-    return getattr(getattr(model, "config", None), "model_type", None)
+    """The Hugging Face ``model_type`` of a causal LM (one with ``lm_head``), as
+    :func:`~fourfold.models.hf.hf_family` reads it (that module imports this one)."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return kind if hasattr(model, "lm_head") else None
 
 
 def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:

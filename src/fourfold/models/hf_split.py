@@ -171,10 +171,14 @@ def _scaled_after(divisor: float | None, cap: float | None, m: Any, h: torch.Ten
 def llama_split(model: nn.Module) -> Split:
     """Llama as the token embedding, its decoder layers (each computing RoPE for its positions), norm and head;
     what a family's forward does beyond them done too: Granite's ``embedding_multiplier`` and ``logits_scaling``,
-    Gemma 3's ``final_logit_softcapping`` (the split check would refuse a split that left them out)."""
+    Gemma 3's ``final_logit_softcapping`` (the split check, run on a filled model, refuses a split that leaves them
+    out). Only those families' forwards read those keys, so only theirs are: a stray key copied into another
+    family's config changes nothing, as it changes nothing in that model's own forward."""
     config = getattr(model, "config", None)
-    multiplier = getattr(config, "embedding_multiplier", None)
-    divisor, cap = getattr(config, "logits_scaling", None), getattr(config, "final_logit_softcapping", None)
+    kind = getattr(config, "model_type", None)
+    multiplier = getattr(config, "embedding_multiplier", None) if kind == "granite" else None
+    divisor = getattr(config, "logits_scaling", None) if kind == "granite" else None
+    cap = getattr(config, "final_logit_softcapping", None) if kind == "gemma3_text" else None
     before = _llama_before if multiplier is None else functools.partial(_scaled_before, float(multiplier))
     after = _llama_after if divisor is None and cap is None else functools.partial(
         _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
