@@ -44,54 +44,37 @@ def test_seeded_weights_are_the_whole_builds_in_any_order_and_follow_the_familys
     assert not torch.equal(h[0].attn.c_attn.weight, h[1].attn.c_attn.weight)  # each layer its own draws
 
 
-TINY = {"vocab_size": 64, "seq_len": 8, "n_layer": 4, "n_head": 2, "d_model": 16}
-
-
-def _filled_by_layers(ctx, config: dict) -> list[dict]:
-    """tp2 x pp2: each rank fills its part of a fresh Llama, then of a fresh TinyGPT, from the seed, recording
-    the units it made."""
+def _filled_by_layers(ctx, config: dict) -> dict:
+    """tp2 x pp2: each rank fills its part of a fresh Llama from the seed, recording the units it made."""
     from fourfold import Mesh, parallelize
-    from fourfold.models import GPTConfig, TinyGPT
     from fourfold.models.hf import build_hf, seeded
     from fourfold.models.seeded import SeededInit
-    from fourfold.models.weights import zero_pages
 
     made: list[str] = []
     make = SeededInit.make
     SeededInit.make = lambda self, unit: (made.append(unit), make(self, unit))[1]  # type: ignore[method-assign]
-    llama = build_hf("llama", overrides=config, seed=5, dtype=torch.float64, filled=False)
-    tiny = zero_pages(TinyGPT(GPTConfig(**TINY), dtype=torch.float64, device="meta"))
-    out = []
-    for model, weights in ((llama, seeded(llama, 5)), (tiny, tiny.initial_weights(5))):
-        made.clear()
-        ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
-        engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long),
-                             timeout_s=30)
-        engine.load_state_dict(weights)
-        out.append({"made": sorted(set(made)), "pp": ranks.coord.pp, "state": engine.state_dict(to=0)})
-    return out
+    model = build_hf("llama", overrides=config, seed=5, dtype=torch.float64, filled=False)
+    weights = seeded(model, 5)
+    ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
+    engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long), timeout_s=30)
+    engine.load_state_dict(weights)
+    return {"made": sorted(set(made)), "pp": ranks.coord.pp, "state": engine.state_dict(to=0)}
 
 
 @pytest.mark.timeout(240)
 def test_each_rank_makes_only_the_layers_it_holds_and_starts_where_one_process_starts():
-    from fourfold.models import GPTConfig, TinyGPT
     from fourfold.models.hf import build_hf
     from fourfold.testing import run_ranks
 
-    per_rank = run_ranks(_filled_by_layers, 4, LLAMA, timeout_s=200)
-    wholes = [build_hf("llama", overrides=LLAMA, seed=5, dtype=torch.float64).state_dict(),
-              TinyGPT(GPTConfig(**TINY), seed=5, dtype=torch.float64).state_dict()]
-    stages = [{0: ["model.embed_tokens", "model.layers.0", "model.layers.1"],
-               1: ["lm_head", "model.layers.2", "model.layers.3", "model.norm"]},
-              {0: ["blocks.0", "blocks.1", "embed.wpe", "embed.wte"],  # the head tied: the embedding's again
-               1: ["blocks.2", "blocks.3", "embed.wte", "head.ln_f"]}]
-    for i, whole in enumerate(wholes):
-        got = [r[i] for r in per_rank]
-        assert list(got[0]["state"]) == list(whole)
-        for name, value in whole.items():
-            assert torch.equal(got[0]["state"][name], value), name
-        for r in got:  # the embedding and the first two layers on pp rank 0, the rest on 1: each makes its own
-            assert r["made"] == stages[i][r["pp"]], (i, r["pp"], r["made"])
+    got = run_ranks(_filled_by_layers, 4, LLAMA, timeout_s=200)
+    whole = build_hf("llama", overrides=LLAMA, seed=5, dtype=torch.float64).state_dict()
+    assert list(got[0]["state"]) == list(whole)
+    for name, value in whole.items():
+        assert torch.equal(got[0]["state"][name], value), name
+    stages = {0: ["model.embed_tokens", "model.layers.0", "model.layers.1"],
+              1: ["lm_head", "model.layers.2", "model.layers.3", "model.norm"]}
+    for r in got:  # the embedding and the first two layers on pp rank 0, the rest on 1: each makes its own
+        assert r["made"] == stages[r["pp"]], (r["pp"], r["made"])
 
 
 def test_a_parameter_the_rule_leaves_unwritten_is_refused_by_name():

@@ -171,8 +171,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         if not continuing:  # a fresh run (--overwrite): the earlier run is moved aside until this one ends
             move_aside(out)
     # The weights: filled once the layout has cut the model, each rank the tensors it keeps, into zeros whose
-    # memory is used only where written: the checkpoint's, --init-from's, a TinyGPT's or Hugging Face model's seeded
-    # ones (a layer at a time); a model of your own starts as built
+    # memory is used only where written: the checkpoint's, --init-from's, a Hugging Face model's seeded ones; a
+    # TinyGPT or a model of your own starts as built
     later = builds_unfilled(cfg, resuming=resume is not None)
     model = build_unfilled(cfg, ctx.device) if later else build_model(cfg, ctx.device)
     filling = first_weights(cfg, model) if later and resume is None else None

@@ -159,8 +159,8 @@ def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     TinyGPT and the Hugging Face families built with their parameters on the meta device, then given zeros in
     memory untouched until written (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds
     the part it keeps, not the whole model (on a GPU the zeros are the device's, whole until the cut). A model of
-    your own (``--model module:factory``, which may read its values as it builds) is built whole, with its
-    factory's values."""
+    your own (``--model module:factory``, which may read its values as it builds) is built whole, as for a fresh
+    run."""
     from fourfold.models.weights import zero_pages
 
     if cfg.train.model == "tinygpt":
@@ -172,23 +172,21 @@ def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
 
 def builds_unfilled(cfg: Any, resuming: bool) -> bool:
     """Whether a run builds its model unfilled (:func:`build_unfilled`) and fills it once the layout has cut it:
-    from a checkpoint, from ``--init-from``, and a fresh TinyGPT or Hugging Face model (:func:`first_weights`). A
-    model of your own, whose factory makes its values as it builds it, starts as built."""
-    return resuming or cfg.train.init_from is not None or cfg.train.model in ("tinygpt", *FAMILIES)
+    from a checkpoint, from ``--init-from``, and a fresh Hugging Face model (:func:`first_weights`). TinyGPT,
+    small by design, and a model of your own start as built."""
+    return resuming or cfg.train.init_from is not None or cfg.train.model in FAMILIES
 
 
 def first_weights(cfg: Any, model: nn.Module) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
     """What fills a model :func:`build_unfilled` made, not resumed, once a layout has cut it
     (``engine.load_state_dict``), as a context manager whose end lets go of what it held (StoredWeights' files,
-    SeededInit's last unit): ``--init-from``'s stored weights, else the seeded ones, made a layer at a time
-    (:meth:`TinyGPT.initial_weights`, :func:`fourfold.models.hf.seeded`: each rank makes only the layers it
-    keeps, the values one process makes). ``model``: the whole model, before anything cuts it."""
+    SeededInit's last unit): ``--init-from``'s stored weights, else a Hugging Face model's seeded ones
+    (:func:`fourfold.models.hf.seeded`: each rank makes only the layers it keeps, the values one process makes).
+    ``model``: the whole model, before anything cuts it."""
     if cfg.train.init_from is not None:
         from fourfold.models.weights import StoredWeights
 
         return StoredWeights(cfg.train.init_from, model)
-    if isinstance(model, TinyGPT):
-        return model.initial_weights(cfg.train.seed)
     from fourfold.models.hf import seeded
 
     return seeded(model, cfg.train.seed)  # type: ignore[no-any-return]

@@ -12,15 +12,12 @@ tensor, so parallel strategies can cut it anywhere::
     pipe = torch.nn.Sequential(*model.layers())        # the same function, stage by stage
     assert torch.equal(pipe(idx), logits)
 
-Initialisation is a pure function of ``seed``: each unit (the two embeddings, each block, the final norm, the
-head) is drawn in float64 from a generator seeded by ``seed`` and the unit's name alone
-(:meth:`TinyGPT.initial_weights`), and torch's global RNG is left as it was, so every rank of any layout can make
-the same weights, or only the units it keeps.
+Initialisation is a pure function of ``seed``: it draws from its own ``torch.Generator`` in float64 on the
+CPU and never touches torch's global RNG, so every rank of any layout can build the same weights.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -29,7 +26,6 @@ import torch.nn as nn
 
 from fourfold.loss import lm_loss
 from fourfold.models.attention import causal_attention, position_ids
-from fourfold.models.seeded import SeededInit
 
 __all__ = [
     "MLP",
@@ -160,25 +156,6 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
 
-
-@torch.no_grad()
-def init_module(module: nn.Module, *, std: float, residual_std: float) -> None:
-    """TinyGPT's rule for one module, drawn in float64 from the global generator (seeded per unit by
-    :class:`~fourfold.models.seeded.SeededInit`), then cast, rounding once: layer norms 1 and 0, biases 0, every
-    other weight normal(0, std), or ``residual_std`` for a projection into the residual stream."""
-    if isinstance(module, nn.LayerNorm):
-        if module.weight is not None:
-            module.weight.fill_(1.0)
-        if module.bias is not None:
-            module.bias.zero_()
-    elif isinstance(module, nn.Linear | nn.Embedding):
-        drawn = torch.empty(module.weight.shape, dtype=torch.float64)
-        module.weight.copy_(drawn.normal_(0.0, residual_std if getattr(module, "residual", False) else std))
-        bias: torch.Tensor | None = getattr(module, "bias", None)
-        if bias is not None:
-            bias.zero_()
-
-
 class TinyGPT(nn.Module):
     """logits = head(blocks[L-1](... blocks[0](embed(idx)))), deterministic from ``seed``."""
 
@@ -197,34 +174,43 @@ class TinyGPT(nn.Module):
         self.config = config
         self.seed = seed
         # Build on the meta device so nn.Linear/nn.Embedding's own init never draws from the global RNG;
-        # every value is then written by initial_weights(), a unit at a time, each from a generator of its own.
+        # every value is then written by _init_parameters from our generator.
         with torch.device("meta"):
             self.embed = Embedding(config)
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.head = Head(config)
-        for name, module in self.named_modules():
-            if name.endswith(("attn.proj", "mlp.proj")):
-                module.residual = True  # writes into the residual stream: GPT-2's scaled init (init_module)
         self.to(dtype=dtype).to_empty(device=device)
         if config.tie_weights:
             self.head.lm_head.weight = self.embed.wte.weight  # one Parameter, seen by both modules
-        if torch.device(device).type != "meta":  # on the meta device there is nothing to fill (shapes only)
-            from fourfold.models.weights import fill
+        self._init_parameters(seed)
 
-            with self.initial_weights(seed) as weights:
-                fill(self, weights)
-
-    def initial_weights(self, seed: int) -> SeededInit:
-        """The weights ``TinyGPT(config, seed)`` starts from, made a unit at a time (the two embeddings, each
-        block, the final norm, the head) by :func:`init_module`, each unit from a generator seeded by ``seed`` and
-        its name alone (:class:`~fourfold.models.seeded.SeededInit`): a rank of any layout makes only the units it
-        holds (``engine.load_state_dict``), the values one process makes. A tied head is the embedding's."""
+    @torch.no_grad()
+    def _init_parameters(self, seed: int) -> None:
+        """Fill every parameter in registration order from one float64 CPU generator, then cast."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
         std = 0.02
         # GPT-2's scaled init (Radford et al. 2019, sec. 2.3): each block adds two residual branches, so the
         # projections that write into the residual stream get std / sqrt(2L), keeping the stream's variance
         # independent of depth.
-        rule = functools.partial(init_module, std=std, residual_std=std / math.sqrt(2 * self.config.n_layer))
-        return SeededInit(self, seed, blocks="blocks", init=rule)
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        resid_proj = {m for name, m in self.named_modules() if name.endswith(("attn.proj", "mlp.proj"))}
+        seen: set[int] = set()
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in seen or p.is_meta:  # a tied weight is drawn once, by its first owner (embed.wte);
+                    continue  # on the meta device there is nothing to fill (shapes only: memory estimates)
+                seen.add(id(p))
+                if isinstance(module, nn.LayerNorm):
+                    value = torch.ones(p.shape, dtype=torch.float64) if name == "weight" else None
+                elif name == "bias":
+                    value = None
+                else:
+                    value = torch.empty(p.shape, dtype=torch.float64)
+                    value.normal_(0.0, resid_std if module in resid_proj else std, generator=gen)
+                if value is None:
+                    p.zero_()
+                else:
+                    p.copy_(value)  # float64 CPU -> the model's dtype and device, rounding once
 
     def layers(self) -> list[nn.Module]:
         """The model as a list of stages, ``[embed, *blocks, head]``; composing them gives forward's logits."""
