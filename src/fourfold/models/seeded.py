@@ -1,11 +1,12 @@
-"""A fresh model's first weights, made unit by unit, so that no rank makes the whole model to keep a part of it.
+"""A fresh Hugging Face model's first weights, made unit by unit, so that no rank makes the whole model to keep a
+part of it.
 
 transformers initialises a model in one pass over all its modules, drawing from torch's one global generator: the
 values of layer 20 depend on how much layers 0..19 drew, so a rank that keeps layer 20 alone would have to draw
 everything before it. fourfold cuts that chain. Each **unit** (a decoder layer, the token embedding, the final
 norm, the head: every module outside the layers that holds parameters) is initialised by the model's own rule
-(a Hugging Face model's ``_init_weights``, TinyGPT's :func:`~fourfold.models.gpt.init_module`; children first, as
-transformers applies it) from a generator seeded by the run's seed and the unit's name alone::
+(its ``_init_weights``, children first, as transformers applies it) from a generator seeded by the run's seed and
+the unit's name alone::
 
     seeded = fourfold.models.hf.seeded(model, seed=0)   # model: built unfilled (build_hf(..., filled=False))
     engine = parallelize(model, mesh)
@@ -13,9 +14,10 @@ transformers applies it) from a generator seeded by the run's seed and the unit'
 
 A rank then makes only the units its pipeline stages hold (each whole while it takes its tensor-parallel piece;
 a tied embedding twice where the head keeps a copy), and one process filling the whole model
-(:func:`fourfold.models.hf.build_hf`, ``TinyGPT(config, seed)``, ``--verify``'s re-run) makes the same values: a
-layout starts where one process starts. The distribution is the model's own rule's; a Hugging Face model's values
-are not those of ``cls(config)`` under ``torch.manual_seed(seed)``.
+(:func:`fourfold.models.hf.build_hf`, ``--verify``'s re-run) makes the same values: a layout starts where one
+process starts. The distribution is transformers' own; the values are not those of ``cls(config)`` under
+``torch.manual_seed(seed)``. (TinyGPT, small by design, draws its whole model from one generator of its own, so
+its ranks build it whole: made by units, its values would change, and with them every figure measured on it.)
 """
 
 from __future__ import annotations
