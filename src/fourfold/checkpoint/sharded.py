@@ -160,7 +160,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     when the layout is the same.
     """
     from fourfold.parallel.tensor import LazyState
-    from fourfold.parallel.tensor.layers import Layout, shard, unshard
+    from fourfold.parallel.tensor.layers import Layout, fused, shard, unshard
 
     manifest = read_manifest(path)
     where, pieces = Path(manifest["dir"]), manifest["pieces"]
@@ -171,8 +171,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     def whole(key: str) -> torch.Tensor:
         first = pieces[f"{key}#0"]
         parts = [files.get(pieces[f"{key}#{i}"]["file"])["tensors"][f"{key}#{i}"] for i in range(first["count"])]
-        fused = first["parts"]  # a count, or (JSON's list of) proportions
-        return unshard(parts, Layout(first["dim"], fused if isinstance(fused, int) else tuple(fused)))
+        return unshard(parts, Layout(first["dim"], fused(first["parts"])))  # a count, or (JSON's list of) proportions
 
     def mine(key: str, layout: Any) -> torch.Tensor:
         full = whole(key)
