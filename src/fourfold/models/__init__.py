@@ -86,8 +86,7 @@ def _hf(name: str) -> Family:
         if pp > 1:  # the pipeline's pieces pass the layers fourfold's masks
             hf.check_attention(model, f"a pipeline (pp={pp})")
 
-    split = hf.gpt2_split if name == "gpt2" else hf.llama_split
-    return Family(name, plan=hf.plan, split=split, check=check, fixups=hf.shard_fixups, examples=hf.examples,
+    return Family(name, plan=hf.plan, split=hf.family_split, check=check, fixups=hf.shard_fixups, examples=hf.examples,
                   documents=hf.read_documents)
 
 

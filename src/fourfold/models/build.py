@@ -189,7 +189,7 @@ def first_weights(cfg: Any, model: nn.Module) -> contextlib.AbstractContextManag
         return StoredWeights(cfg.train.init_from, model)
     from fourfold.models.hf import seeded
 
-    return seeded(model, cfg.train.seed)  # type: ignore[no-any-return]
+    return seeded(model, cfg.train.seed)
 
 
 def _build(cfg: Any, device: torch.device | str | None, filled: bool = True) -> nn.Module:

@@ -35,7 +35,7 @@ which masks its attention gets in :mod:`fourfold.models.hf_split`. Their public 
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from fourfold.models.hf_split import (
     EVERY_LAYER_WINDOWS,
     PER_LAYER_WINDOWS,
     check_attention,
+    family_split,
     gpt2_split,
     llama_split,
     read_documents,
@@ -52,10 +53,14 @@ from fourfold.models.hf_split import (
     windowed,
 )
 
+if TYPE_CHECKING:
+    from fourfold.models.seeded import SeededInit
+
 __all__ = ["ALSO_CALLED", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS",
            "Sizes", "build_hf", "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples",
-           "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
-           "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
+           "family_split", "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs",
+           "named_like", "plan", "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window",
+           "windowed"]
 
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
@@ -218,13 +223,13 @@ def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, 
     return fill(model, seeded(model, seed)) if filled else model
 
 
-def seeded(model: nn.Module, seed: int) -> Any:
+def seeded(model: nn.Module, seed: int) -> SeededInit:
     """A Hugging Face model's first weights from ``seed``, a decoder layer (or the embedding, the final norm, the
     head) at a time (:class:`~fourfold.models.seeded.SeededInit`, its own ``_init_weights``), for ``model`` built
     as :func:`build_hf` builds it, before anything cuts it."""
     from fourfold.models.seeded import SeededInit
 
-    blocks = (gpt2_split if hf_family(model) == "gpt2" else llama_split)(model).blocks
+    blocks = family_split(model).blocks
     assert isinstance(blocks, str)
     # transformers' per-module initialisation hook (what a family overrides, and what post_init applies to every
     # module, children first): the pinned transformers' own rule, not a copy of it

@@ -20,8 +20,8 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "check_attention", "gpt2_split", "llama_split",
-           "read_documents", "sliding_window", "windowed"]
+__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "check_attention", "family_split", "gpt2_split",
+           "llama_split", "read_documents", "sliding_window", "windowed"]
 
 
 _READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
@@ -183,3 +183,9 @@ def llama_split(model: nn.Module) -> Split:
     after = _llama_after if divisor is None and cap is None else functools.partial(
         _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
     return Split(blocks="model.layers", before=before, block=_llama_block, after=after)
+
+
+def family_split(model: nn.Module) -> Split:
+    """The split of ``model``'s family: GPT-2's, or Llama's for every Llama-shaped family."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return gpt2_split(model) if kind == "gpt2" else llama_split(model)
