@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fourfold.parallel.tensor.plan import LazyState
+from fourfold.parallel.tensor.plan import LazyState, fill_pieces
 
 __all__ = ["WEIGHT_FILES", "StoredWeights", "check_file", "check_weights", "empty_parameters", "fill", "hf_directory",
            "load_weights", "model_names", "safetensors_module", "stored_shapes", "tied_names",
@@ -271,13 +271,12 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
         return fill(model, stored)
 
 
-@torch.no_grad()
 def fill(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
     """Copy ``state`` (whole tensors by ``model``'s names, read one at a time: :class:`StoredWeights`,
-    :class:`~fourfold.models.seeded.SeededInit`) into the whole ``model``, each cast to its dtype. Returns
-    ``model``. (A layout's ranks take their pieces instead: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
-    for name, t in model.state_dict().items():
-        t.copy_(state[name])
+    :class:`~fourfold.models.seeded.SeededInit`) into the whole ``model``, each cast to its dtype, a tied weight
+    once: :func:`~fourfold.parallel.tensor.plan.fill_pieces` with nothing cut. Returns ``model``. (A layout's
+    ranks take their pieces instead: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
+    fill_pieces(model.state_dict(), state, {}, 0, 1)
     return model
 
 

@@ -236,11 +236,17 @@ class LazyState(Mapping[str, torch.Tensor]):
 def fill_pieces(local: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout],
                 rank: int, p: int) -> None:
     """Copy into each ``local[name]`` (this rank's piece, cut as ``layouts`` says; missing: replicated) its piece
-    of the whole tensor ``state[name]``, read one at a time (``state`` may read each from a file when asked)."""
+    of the whole tensor ``state[name]``, read one at a time (``state`` may read each from a file when asked). A
+    tensor ``local`` lists twice (a tied weight under its two names) is read and written once."""
+    filled: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for key, t in local.items():
         if key not in state:
             raise ValueError(f"state must hold every tensor of the model's state dict, got no {key!r}. Pass the "
                              "whole model's state dict (gather_state_dict, Engine.state_dict, or stored weights)")
+        where = (t.data_ptr(), tuple(t.shape), t.stride())
+        if t.numel() and where in filled:
+            continue  # the same memory, filled under its other name
+        filled.add(where)
         whole = state[key]
         layout = layouts.get(key, REPLICATED)
         piece = shard(whole, layout, rank, p) if layout.dim is not None else whole
