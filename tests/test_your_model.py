@@ -1,6 +1,7 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, Granite and Phi-3 (tiny configs, float64, 3 AdamW steps), each equal to the same
-model trained in one process: the losses and every parameter, by the model's own names, to 1e-9.
+Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, Granite and Phi-3 (tiny configs, float64, 3
+AdamW steps), each equal to the same model trained in one process: the losses and every parameter, by the model's
+own names, to 1e-9 (Gemma's and Gemma 3's, whose norms compute in float32, to 1e-6).
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
 and layout (module-level caches). Reading a failure: labels are ``model layout``. Wrong only under pp points

@@ -171,7 +171,8 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     def whole(key: str) -> torch.Tensor:
         first = pieces[f"{key}#0"]
         parts = [files.get(pieces[f"{key}#{i}"]["file"])["tensors"][f"{key}#{i}"] for i in range(first["count"])]
-        return unshard(parts, Layout(first["dim"], fused(first["parts"])))  # a count, or (JSON's list of) proportions
+        # parts: a count, or (JSON's list of) proportions
+        return unshard(parts, Layout(first["dim"], fused(first["parts"])))
 
     def mine(key: str, layout: Any) -> torch.Tensor:
         full = whole(key)

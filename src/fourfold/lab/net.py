@@ -12,8 +12,9 @@ node's link carries ``--link`` each way, full duplex, as a NIC does. Everything 
 qdiscs go with them), and :meth:`Lab.up` first removes what a crashed lab left.
 
 Each node's TCP uses ``tcp`` congestion control (default ``cubic``, Linux's own default and a cluster's usual
-one, where the kernel lets a namespace choose it: :func:`default_tcp`) and keeps a connection's window while it sits idle (``tcp_slow_start_after_idle=0``, the usual tuning for
-long-lived connections that carry bursts); ``keep`` leaves the machine's settings. This VM's kernel defaults to
+one, where the kernel lets a namespace choose it: :func:`default_tcp`) and keeps a connection's window while it
+sits idle (``tcp_slow_start_after_idle=0``, the usual tuning for long-lived connections that carry bursts);
+``keep`` leaves the machine's settings. This VM's kernel defaults to
 ``bbr``, whose pacing and probing over these shaped links made a G = 4 ring all-reduce 19 % slower than its
 alpha-beta model, against 3-4 % with ``cubic``; Rabenseifner, whose partner changes every step so that each
 connection idles between its two uses, went from +32 % to +13 % at G = 8 once windows survived the idle.
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["LOCK", "PREFERRED_TCP", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls",
-           "cost_model_path", "default_tcp", "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored", "unavailable"]
+           "cost_model_path", "default_tcp", "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored",
+           "unavailable"]
 
 PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"

@@ -24,8 +24,8 @@ nothing is downloaded: models are built from a config.
   branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
   pipeline's first and last pieces scale as its forward does).
 * **Phi-3** (``Phi3ForCausalLM``, also Phi-4-mini's architecture): Llama's layout with fused projections, q|k|v in
-  ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block (:func:`~fourfold.models.hf_plan.fused_plan`), and Mistral's
-  window on every layer.
+  ``qkv_proj`` and gate|up in ``gate_up_proj``, each split block by block
+  (:func:`~fourfold.models.hf_plan.fused_plan`), and Mistral's window on every layer.
 
 What a family is lives here (its classes, config, checks, sizes, and its first weights: :func:`build_hf`,
 :func:`seeded`); how tensor parallelism cuts it in :mod:`fourfold.models.hf_plan`, how a pipeline splits it and

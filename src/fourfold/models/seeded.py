@@ -66,8 +66,9 @@ class SeededInit(LazyState):
         self._buffers = {n: b.detach() for n, b in model.named_buffers() if n in state}
         units = dict.fromkeys(unit_of(n, blocks) for n in self._owner.values())
         # every parameter of the model on the meta device, wherever a unit refers to it: no copy has memory
-        memo: dict[int, object] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                                   for p in model.parameters()}
+        memo: dict[int, object] = {
+            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
         self._shapes = {u: copy.deepcopy(model.get_submodule(u), dict(memo)) for u in units}
         self._made: tuple[str, dict[str, torch.Tensor]] | None = None
         super().__init__(state, self._tensor)

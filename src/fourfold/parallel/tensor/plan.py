@@ -100,8 +100,8 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
     Styles: ``"column"``: nn.Linear (or GPT-2's Conv1D) -> :class:`ColumnParallelLinear` (output left split:
     feed it, through elementwise work only, to a ``"row"`` layer); ``"column:3"``: the same for a fused
     weight of 3 parts side by side (q|k|v), each split p ways, and ``"column:32,8,8"`` for parts of unequal
-    widths (grouped-query q|k|v: 32 query heads, 8 key and 8 value heads; any unit); ``"row"``: -> :class:`RowParallelLinear` (its
-    input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
+    widths (grouped-query q|k|v: 32 query heads, 8 key and 8 value heads; any unit); ``"row"``:
+    -> :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
     ``"head"``: a column layer whose output is the logits (the engine's loss reads them split; any other
     caller gets them gathered); ``"partial"``: a module left whole that sees only this rank's part of a split
     activation (Qwen3's per-head q/k norms: this rank's heads), so its gradients are summed over tp after
