@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fourfold.lab import net
+from fourfold.lab import tcp
 from fourfold.lab.net import PREFIX, Lab, default_tcp, leftovers, parse_rate, unavailable
 
 WHY = unavailable()
@@ -53,9 +53,9 @@ def test_a_congestion_control_a_namespace_may_not_choose_is_said_or_refused(monk
     error only at close): the default then keeps the machine's and says why; an explicit one is refused. (This
     VM's kernel 6.18: bbr by default, 'reno bbr' allowed; here read from files of the test's own.)"""
     lists = {"available": ["reno", "bbr", "cubic"], "allowed": ["reno", "bbr"]}
-    monkeypatch.setattr(net, "congestion_controls", lambda which="available": lists[which])
+    monkeypatch.setattr(tcp, "congestion_controls", lambda which="available": lists[which])
     (tmp_path / "tcp_congestion_control").write_text("bbr\n")
-    monkeypatch.setattr(net, "_CONGESTION", str(tmp_path / "tcp_congestion_control"))
+    monkeypatch.setattr(tcp, "CONGESTION_FILE", str(tmp_path / "tcp_congestion_control"))
     lab = Lab(2)
     assert lab.tcp == "bbr" and "cubic cannot be chosen inside a network namespace on this kernel" in lab.note
     assert "sysctl -w net.ipv4.tcp_allowed_congestion_control='reno bbr cubic'" in lab.note

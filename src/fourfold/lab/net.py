@@ -12,7 +12,7 @@ node's link carries ``--link`` each way, full duplex, as a NIC does. Everything 
 qdiscs go with them), and :meth:`Lab.up` first removes what a crashed lab left.
 
 Each node's TCP uses ``tcp`` congestion control (default ``cubic``, Linux's own default and a cluster's usual
-one, where the kernel lets a namespace choose it: :func:`default_tcp`) and keeps a connection's window while it
+one, where the kernel lets a namespace choose it: :mod:`fourfold.lab.tcp`) and keeps a connection's window while it
 sits idle (``tcp_slow_start_after_idle=0``, the usual tuning for long-lived connections that carry bursts);
 ``keep`` leaves the machine's settings. This VM's kernel defaults to
 ``bbr``, whose pacing and probing over these shaped links made a G = 4 ring all-reduce 19 % slower than its
@@ -37,6 +37,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fourfold.lab.tcp import (
+    CONGESTION_FILE,
+    IDLE_RESTART_FILE,
+    PREFERRED_TCP,
+    congestion_controls,
+    default_tcp,
+    resolve_tcp,
+)
+
 __all__ = ["LOCK", "PREFERRED_TCP", "PREFIX", "SUBNET", "Lab", "LabBusy", "LabUnavailable", "congestion_controls",
            "cost_model_path", "default_tcp", "holding", "leftovers", "parse_rate", "rate_words", "signals_ignored",
            "unavailable"]
@@ -45,8 +54,6 @@ PREFIX = "fourfold-lab-"
 SUBNET = "10.213.0.0/24"
 """The lab's addresses: node k is 10.213.0.(k+1), on its own veth only."""
 MAX_NODES = 64
-_CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
-_IDLE_RESTART = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
 LOCK = Path("/run/fourfold-lab.lock")
 """Held (``flock``) by the process whose lab is up, and released by the kernel when it exits: one lab at a time,
 and a crashed one's leftovers are told apart from a running one's."""
@@ -157,39 +164,6 @@ def cost_model_path(nodes: int, ranks_per_node: int, link: str, tcp: str | None 
     return Path.home() / ".cache" / "fourfold" / "lab" / f"cost_model-{nodes}x{ranks_per_node}-{link}-{tcp}.json"
 
 
-def congestion_controls(which: str = "available") -> list[str]:
-    """This kernel's TCP congestion controls (empty where it does not say): those it has (``available``), or
-    those a network namespace other than the machine's may choose (``allowed``: the kernel refuses the others
-    there, whatever the user)."""
-    try:
-        with open(_CONGESTION.replace("congestion_control", f"{which}_congestion_control")) as f:
-            return f.read().split()
-    except OSError:
-        return []
-
-
-PREFERRED_TCP = "cubic"
-"""The lab's congestion control where the kernel lets a namespace choose it (see the module's docstring)."""
-
-
-def default_tcp() -> tuple[str, str | None]:
-    """The congestion control a lab uses unless told (``--tcp auto``), and a note when it is not
-    :data:`PREFERRED_TCP`: a kernel whose ``tcp_allowed_congestion_control`` leaves cubic out (this VM's 6.18
-    allows ``reno bbr``) refuses it inside a namespace, so the nodes keep the machine's default."""
-    allowed = congestion_controls("allowed")
-    if not allowed or PREFERRED_TCP in allowed:
-        return PREFERRED_TCP, None
-    try:
-        with open(_CONGESTION) as f:
-            machine = f.read().strip()
-    except OSError:
-        machine = allowed[-1]
-    return machine, (f"{PREFERRED_TCP} cannot be chosen inside a network namespace on this kernel (its "
-                     f"tcp_allowed_congestion_control is {' '.join(allowed)}), so the nodes use {machine}, the "
-                     f"machine's default. To let the lab use {PREFERRED_TCP}: sysctl -w "
-                     f"net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {PREFERRED_TCP}'")
-
-
 def leftovers() -> list[str]:
     """The lab namespaces that exist now (a running lab's, or a crashed one's)."""
     out = _run(["ip", "netns", "list"], check=False).stdout
@@ -209,19 +183,7 @@ class Lab:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes must be between 1 and {MAX_NODES}, got {self.nodes}.")
         self.rate = parse_rate(self.link)
-        self.note: str | None = None  # said at start: the congestion control is not the one asked for
-        if self.tcp == "auto":
-            self.tcp, self.note = default_tcp()
-            return
-        known, allowed = congestion_controls(), congestion_controls("allowed")
-        if self.tcp != "keep" and known and self.tcp not in known:
-            raise ValueError(f"tcp must be one of this kernel's congestion controls {known}, auto or keep, got "
-                             f"{self.tcp!r}.")
-        if self.tcp != "keep" and allowed and self.tcp not in allowed:
-            raise ValueError(f"tcp must be one a network namespace may choose on this kernel (its "
-                             f"tcp_allowed_congestion_control: {allowed}), auto or keep, got {self.tcp!r}. Pass "
-                             f"--tcp {allowed[-1]}, or allow it machine-wide: sysctl -w "
-                             f"net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {self.tcp}'")
+        self.tcp, self.note = resolve_tcp(self.tcp)  # note: said at start, when it is not the one asked for
 
     def namespace(self, k: int) -> str:
         return f"{PREFIX}n{k}"
@@ -261,7 +223,7 @@ class Lab:
                 if self.tcp != "keep":  # /proc/sys/net is the namespace's own, seen from inside it; each file
                     # closed in turn, so a value the kernel refuses fails here instead of at garbage collection
                     _run(["ip", "netns", "exec", ns, sys.executable, "-c",
-                          f"for path, value in (({_CONGESTION!r}, {self.tcp!r}), ({_IDLE_RESTART!r}, '0')):\n"
+                          f"for path, value in (({CONGESTION_FILE!r}, {self.tcp!r}), ({IDLE_RESTART_FILE!r}, '0')):\n"
                           "    with open(path, 'w') as f:\n        f.write(value)"])
         except BaseException:
             self.down()
@@ -293,7 +255,7 @@ class Lab:
 
     def tcp_settings(self, k: int) -> tuple[str, int]:
         """Node ``k``'s TCP congestion control and ``tcp_slow_start_after_idle``."""
-        out = _run(self.exec_argv(k, ["cat", _CONGESTION, _IDLE_RESTART])).stdout.split()
+        out = _run(self.exec_argv(k, ["cat", CONGESTION_FILE, IDLE_RESTART_FILE])).stdout.split()
         return out[0], int(out[1])
 
     def __enter__(self) -> Lab:
