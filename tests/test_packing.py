@@ -50,7 +50,10 @@ def build(name: str) -> nn.Module:
                "phi3": {"sliding_window": 5, "partial_rotary_factor": 0.5},  # fused q|k|v and gate|up; every layer
                "granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22},
                "gemma3_text": {"head_dim": 4, "sliding_window": 5, "query_pre_attn_scalar": 4,  # layer 0 windowed
-                               "layer_types": ["sliding_attention", "full_attention"]}}
+                               "layer_types": ["sliding_attention", "full_attention"]},
+               # eager attention (its scores soft-capped): fourfold's masks added to the scores
+               "gemma2": {"head_dim": 4, "sliding_window": 5, "query_pre_attn_scalar": 4, "attn_logit_softcapping": 1.0,
+                          "layer_types": ["sliding_attention", "full_attention"]}}
     return build_hf(name, overrides=GPT2 if name == "gpt2" else {**LLAMA, **windows.get(name, {})},
                     dtype=torch.float64)
 
@@ -153,8 +156,8 @@ def test_documents_come_from_json_lines_and_token_files_are_refused(tmp_path):
 # ------------------------------------------------------------------------------- one process: exact
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "granite",
-                                  "phi3"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
+                                  "granite", "phi3"])
 def test_packed_equals_documents_one_at_a_time(name):
     want_loss, want = reference(name)
     for packing in ("pad", "bfd"):
@@ -162,14 +165,17 @@ def test_packed_equals_documents_one_at_a_time(name):
         b = loader(packing).global_batch(0)
         loss = engine.step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens).item()
         got = {n: p.grad for n, p in engine.named_parameters()}
-        assert abs(loss - want_loss) <= TOL, (name, packing, loss, want_loss)
+        # Gemma 2's eager attention takes its softmax in float32 whatever the model's dtype, over rows as long as
+        # a document or as a packed row: float32's rounding of sums of different lengths (loss 5e-10 off, v_proj's
+        # gradient 1.8e-8; with that softmax in float64, 2e-15 and 6e-10, its norms' float32 sums)
+        assert abs(loss - want_loss) <= (1e-8 if name == "gemma2" else TOL), (name, packing, loss, want_loss)
         worst, err = max_error(got, want)
-        tol = 1e-8 if name.startswith("gemma") else TOL  # Gemma's norms compute in float32: float32 sums
+        tol = 1e-7 if name == "gemma2" else 1e-8 if name.startswith("gemma") else TOL  # Gemma's float32 norms
         assert err <= tol, f"{name} {packing}: gradient of {worst} off by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma3_text", "granite",
-                                  "phi3"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
+                                  "granite", "phi3"])
 def test_no_document_sees_its_neighbours(name):
     """Changing one document's tokens leaves every other document's logits in the row bitwise unchanged."""
     model = build(name).eval()

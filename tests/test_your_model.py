@@ -1,7 +1,8 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, Granite and Phi-3 (tiny configs, float64, 3
-AdamW steps), each equal to the same model trained in one process: the losses and every parameter, by the model's
-own names, to 1e-9 (Gemma's and Gemma 3's, whose norms compute in float32, to 1e-6).
+Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite and Phi-3 (tiny configs,
+float64, 3 AdamW steps), and GPT-2 with eager attention, each equal to the same model trained in one process: the
+losses and every parameter, by the model's own names, to 1e-9 (the Gemmas', whose norms compute in float32, to
+1e-6).
 
 Spawns are the expensive part (each rank imports transformers), so one spawn per world size runs every model
 and layout (module-level caches). Reading a failure: labels are ``model layout``. Wrong only under pp points
@@ -51,13 +52,18 @@ PHI3 = {**LLAMA, "sliding_window": 4, "partial_rotary_factor": 0.5}
 # matter at this size: a pipeline's last piece must cap them as the model's forward does)
 GEMMA3 = {**LLAMA, "head_dim": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "query_pre_attn_scalar": 4, "final_logit_softcapping": 5.0}
+# Gemma 2: Gemma 3 without q/k norms, one rotary frequency; its attention scores soft-capped, which only eager
+# attention computes: fourfold's masks are given to it as it reads them (added to the scores), in every piece
+GEMMA2 = {**LLAMA, "head_dim": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "query_pre_attn_scalar": 4, "final_logit_softcapping": 5.0, "attn_logit_softcapping": 50.0}
 # Granite: Llama with multipliers; the embedding's and the logits' divisor are its model's forward's, outside the
 # layers, so a pipeline's first and last pieces must apply them (values far from 1, so that they matter)
 GRANITE = {**LLAMA, "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
            "attention_multiplier": 0.0078125}
 CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA,
-           "gemma3_text": GEMMA3, "granite": GRANITE, "phi3": PHI3}
-MODELS = ("mlp", *CONFIGS)
+           "gemma2": GEMMA2, "gemma3_text": GEMMA3, "granite": GRANITE, "phi3": PHI3}
+# GPT-2 again with eager attention, which applies no causal mask of its own: every piece must give it one
+MODELS = ("mlp", *CONFIGS, "gpt2-eager")
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
              "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"}),
@@ -73,6 +79,10 @@ def build(name: str) -> nn.Module:
                              nn.Linear(16, 64)).double()
     from fourfold.models.hf import build_hf
 
+    if name == "gpt2-eager":
+        model = build_hf("gpt2", overrides=GPT2, dtype=torch.float64)
+        model.set_attn_implementation("eager")
+        return model
     return build_hf(name, overrides=CONFIGS[name], dtype=torch.float64)
 
 
@@ -125,7 +135,7 @@ def _check(world: int, index: int) -> None:
         assert max(errs) <= TOL, f"{got['label']} rank {r}: losses {layouts[index]['losses']} vs {want_losses}"
     assert list(got["state"]) == list(want), f"{got['label']}: names {list(got['state'])} vs {list(want)}"
     name, err = max_error(got["state"], want)
-    tol = TOL_FLOAT32_NORMS if got["label"].startswith("gemma") else TOL  # Gemma and Gemma 3
+    tol = TOL_FLOAT32_NORMS if got["label"].startswith("gemma") else TOL  # Gemma, Gemma 2 and Gemma 3
     assert err <= tol, f"{got['label']}: final weights off one process, worst {name}: {err:.3g}"
     # the layout really applied: tp shards some weights, pp keeps a part of the model on each rank
     whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight" or
@@ -166,43 +176,47 @@ def test_each_layer_reads_its_own_window_from_its_config():
     assert hf.windowed(None, 4, 4, "cpu") is None  # the window covers the sequence: plain causal
 
 
-def _eager_pipeline(ctx) -> str:
-    model = build("gpt2")
-    model.set_attn_implementation("eager")
-    ranks = Mesh.for_world(ctx.world_size, pp=2).build(30)
-    try:
-        parallelize(model, ranks, microbatches=2, timeout_s=30)
-    except ValueError as e:
-        return str(e)
-    return "accepted"
-
-
-@pytest.mark.timeout(120)
-def test_eager_attention_which_would_add_fourfolds_boolean_masks_is_refused_under_pp_and_packing():
+def test_eager_attention_reads_fourfolds_masks_as_sdpa_does_and_other_kinds_are_refused():
+    """Eager attention adds its mask to the scores and applies no causal mask of its own: packed documents get
+    the same logits through it as through SDPA (the layouts above run it under pp, every piece given its mask);
+    an implementation that reads no such mask is refused, naming the fix."""
     from fourfold.data.packing import document_layout
+    from fourfold.models import hf
 
-    said = run_ranks(_eager_pipeline, 2, timeout_s=90)
-    assert all("a pipeline (pp=2) passes" in s and "attn_implementation='eager'" in s and
-               "set_attn_implementation('sdpa')" in s for s in said), said
-    model = build("gpt2")
-    ids = torch.zeros(1, 8, dtype=torch.long)
-    with document_layout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])):
-        model(ids)  # sdpa reads the masks: packed documents are kept apart
-        model.set_attn_implementation("eager")
-        with pytest.raises(ValueError, match="a packed batch passes .* every token would attend everywhere"):
-            model(ids)
-    model(ids)  # no packed batch: the model's own causal mask, which eager attention reads as it should
+    sdpa, eager = build("gpt2"), build("gpt2-eager")
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with document_layout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]])):
+        packed = sdpa(ids).logits
+        assert torch.allclose(eager(ids).logits, packed, rtol=0, atol=1e-12)
+    assert not torch.allclose(sdpa(ids).logits, packed, atol=1e-3)  # the documents' masks mattered
+    assert torch.allclose(eager(ids).logits, sdpa(ids).logits, rtol=0, atol=1e-12)  # unpacked: its own mask
+    mask = hf.as_read(eager.config, None, 3, torch.float32, "cpu")[0, 0]
+    low = torch.finfo(torch.float32).min
+    assert mask.tolist() == [[0, low, low], [0, 0, low], [0, 0, 0]]  # causal, as transformers' own eager masks
+    assert hf.as_read(sdpa.config, None, 3, torch.float32, "cpu") is None  # SDPA's own causal flag
+    llama = build("llama")
+    llama.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="a pipeline \\(pp=2\\) passes .* attn_implementation='flex_attention'. "
+                                         ".*set_attn_implementation\\('sdpa'\\)"):
+        hf.check_attention(llama, "a pipeline (pp=2)")
+    with document_layout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])), pytest.raises(ValueError, match="a packed batch"):
+        llama(ids[:1])
 
 
-def test_a_gemma3_that_attends_both_ways_or_caps_its_scores_is_refused():
-    """An embedding model's config (Gemma 3 with use_bidirectional_attention): fourfold's masks are causal; and
-    capped attention scores, which SDPA does not compute."""
-    from fourfold.models.hf import hf_config
+def test_a_gemma_that_attends_both_ways_is_refused_and_capped_scores_run_eager_attention():
+    """An embedding model's config (use_bidirectional_attention): fourfold's masks are causal. Soft-capped
+    attention scores (Gemma 2's by default, a Gemma 3's if set), which SDPA does not compute, run eager
+    attention, as every Gemma 2 does."""
+    from fourfold.models.hf import build_hf, hf_config
 
     with pytest.raises(ValueError, match="gemma3_text use_bidirectional_attention must be false"):
         hf_config("gemma3_text", overrides={**GEMMA3, "use_bidirectional_attention": True})
-    with pytest.raises(ValueError, match="gemma3_text attn_logit_softcapping must be null .* got 50.0"):
-        hf_config("gemma3_text", overrides={**GEMMA3, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="gemma2 use_bidirectional_attention must be false"):
+        hf_config("gemma2", overrides={**GEMMA2, "use_bidirectional_attention": True})
+    built = [build_hf(name, overrides=config).config._attn_implementation for name, config in
+             (("gemma2", GEMMA2), ("gemma3_text", {**GEMMA3, "attn_logit_softcapping": 50.0}),
+              ("gemma3_text", GEMMA3), ("gemma2", {**GEMMA2, "attn_logit_softcapping": None}))]
+    assert built == ["eager", "eager", "sdpa", "eager"], built  # transformers' Gemma 2 runs no SDPA
 
 
 def test_a_config_of_another_architecture_is_refused_naming_the_family_to_pass(tmp_path):

@@ -20,6 +20,10 @@ nothing is downloaded: models are built from a config.
   the language model of the larger ones): Gemma's embedding and norms, Qwen3's per-head q/k norms, a window on the
   layers its ``layer_types`` mark, rotary frequencies per kind of layer (the pipeline's pieces ask for the
   layer's own), and logits soft-capped where ``final_logit_softcapping`` is set (the last piece caps them too).
+* **Gemma 2** (``Gemma2ForCausalLM``): Gemma 3's layout without the q/k norms and with one rotary frequency, its
+  attention scores soft-capped (``attn_logit_softcapping``), which SDPA does not compute: it runs eager attention,
+  which fourfold gives its masks as it reads them (:func:`~fourfold.models.hf_split.as_read`), as does a Gemma 3
+  whose scores are capped.
 * **Granite** (``GraniteForCausalLM``): Llama's layout with multipliers: the embedding's, each residual
   branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
   pipeline's first and last pieces scale as its forward does).
@@ -44,6 +48,8 @@ from fourfold.models.hf_plan import GPT2_PLAN, fused_plan, plan, shard_fixups
 from fourfold.models.hf_split import (
     EVERY_LAYER_WINDOWS,
     PER_LAYER_WINDOWS,
+    READS_MASKS,
+    as_read,
     check_attention,
     family_split,
     gpt2_split,
@@ -56,8 +62,8 @@ from fourfold.models.hf_split import (
 if TYPE_CHECKING:
     from fourfold.models.seeded import SeededInit
 
-__all__ = ["ALSO_CALLED", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS",
-           "Sizes", "build_hf", "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples",
+__all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS",
+           "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf", "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples",
            "family_split", "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs",
            "named_like", "plan", "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window",
            "windowed"]
@@ -67,13 +73,14 @@ _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("Llama
             "mistral": ("MistralForCausalLM", "MistralConfig", "Mistral"),
             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2"), "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3"),
             "gemma": ("GemmaForCausalLM", "GemmaConfig", "Gemma"),
+            "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", "Gemma 2"),
             "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3"),
             "granite": ("GraniteForCausalLM", "GraniteConfig", "Granite"),
             "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
 
-FLOAT32_NORMS = ("gemma", "gemma3_text")
+FLOAT32_NORMS = ("gemma", "gemma2", "gemma3_text")
 """Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``): a float64 run
 equals one process to float32's rounding of their gradients' sums, not to 1e-10."""
 
@@ -89,7 +96,7 @@ ALSO_CALLED = {"llama2": "llama", "llama3": "llama", "llama31": "llama", "llama3
 
 def named_like(given: str, names: tuple[str, ...]) -> str | None:
     """The one family ``given`` names otherwise (``Phi-3`` -> phi3, ``llama3`` -> llama, ``gemma3`` ->
-    gemma3_text), else None: no guess between architectures (mixtral is not mistral, gemma2 not gemma)."""
+    gemma3_text), else None: no guess between architectures (mixtral is not mistral, gemma4 not gemma3_text)."""
     def plain(s: str) -> str:
         return "".join(c for c in s.lower() if c.isalnum())
 
@@ -148,18 +155,25 @@ def _sizes(config: Any) -> dict[str, tuple[int, str]]:
 
 def check_supported(config: Any) -> None:
     """Refuse, before any process starts, a config fourfold would run otherwise than it says: attention that
-    looks both ways (Gemma 3's ``use_bidirectional_attention``, for embedding models: fourfold trains causal LMs,
-    and its pipeline's and packing's masks are causal), or soft-capped attention scores (Gemma 3's
-    ``attn_logit_softcapping``: fourfold runs attention with SDPA, which has no cap)."""
+    looks both ways (Gemma 2's and Gemma 3's ``use_bidirectional_attention``, for embedding models: fourfold
+    trains causal LMs, and its pipeline's and packing's masks are causal)."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type} use_bidirectional_attention must be false (fourfold trains causal "
                          "language models: next-token loss, causal masks), got true. Set "
                          "\"use_bidirectional_attention\": false in the config")
-    cap = getattr(config, "attn_logit_softcapping", None)
-    if cap is not None:
-        raise ValueError(f"{config.model_type} attn_logit_softcapping must be null (fourfold runs attention with "
-                         f"SDPA, which does not cap the scores; eager attention would misread fourfold's masks), got "
-                         f"{cap}. Set \"attn_logit_softcapping\": null in the config")
+
+
+EAGER_ONLY = ("gemma2",)
+"""Families whose transformers class runs no SDPA (Gemma 2's, whose scores are soft-capped by default)."""
+
+
+def attention_implementation(config: Any) -> str:
+    """How :func:`build_hf` runs a family's attention: SDPA, or eager attention where the scores are soft-capped
+    (a Gemma 3's ``attn_logit_softcapping``, if set), which SDPA does not compute, and for the families whose class
+    runs no SDPA (:data:`EAGER_ONLY`). Eager attention computes the whole (T, T) score matrix in memory, as
+    transformers' own Gemma 2 does."""
+    capped = getattr(config, "attn_logit_softcapping", None) is not None
+    return "eager" if capped or config.model_type in EAGER_ONLY else "sdpa"
 
 
 def check_tp(config: Any, tp: int) -> None:
@@ -215,7 +229,7 @@ def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, 
     config = hf_config(family, config_path, overrides)
     with empty_parameters():  # nothing drawn or allocated yet: the rotary frequencies, computed, are kept
         model = causal_lm_class(family)(config).to(dtype)
-    model.set_attn_implementation("sdpa")  # fourfold's masks are boolean (True: attend), as sdpa reads them
+    model.set_attn_implementation(attention_implementation(config))  # either reads fourfold's masks (as_read)
     prepare(model)
     if torch.get_default_device().type == "meta":
         return model

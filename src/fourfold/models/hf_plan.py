@@ -48,7 +48,7 @@ def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
     if not carried:
         raise ValueError(f"tensor parallelism needs a plan, got a {type(model).__name__} carrying none "
                          "(model.tp_plan is empty). Pass tp_plan={'module.path': 'column' | 'row' | ...}")
-    if _kind(model) in ("gemma", "gemma3_text"):
+    if _scaled_embedding(model):  # Gemma's, Gemma 2's, Gemma 3's
         return functools.partial(_scaled_embedding_plan, carried)
     if _kind(model) == "phi3":
         return {**carried, **fused_plan(model.config)}
@@ -65,6 +65,12 @@ def fused_plan(config: Any) -> dict[str, str]:
     layers = "model.layers.*"
     return {f"{layers}.self_attn.qkv_proj": f"column:{q},{kv},{kv}", f"{layers}.self_attn.o_proj": "row",
             f"{layers}.mlp.gate_up_proj": "column:2", f"{layers}.mlp.down_proj": "row"}
+
+
+def _scaled_embedding(model: nn.Module) -> bool:
+    """Whether the token embedding scales what it looks up (``embed_scale``: the Gemma families')."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return hasattr(embed, "embed_scale")
 
 
 def _scaled_embedding_plan(carried: dict[str, str], model: nn.Module, group: Any, *, sequence_parallel: bool,

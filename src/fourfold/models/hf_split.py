@@ -3,8 +3,10 @@ GPT-2 as its embeddings, blocks, then ln_f and the head; the Llama-shaped famili
 decoder layers (each computing its rotary embedding) and norm and head, with what a family's forward adds outside
 the layers (Granite's multipliers, Gemma 3's soft cap). Where fourfold passes attention its mask (a pipeline's
 pieces, packed documents: :func:`read_documents`) the family's sliding window is in it (:func:`windowed`), as
-its own forward applies it under dp and tp. The masks are boolean, True where a token may attend, as SDPA reads
-them (:func:`check_attention`).
+its own forward applies it under dp and tp. The masks are made boolean, True where a token may attend, and given
+to attention in the form its implementation reads (:func:`as_read`): as they are to SDPA, added to the scores by
+eager attention (0 or the dtype's lowest; Gemma 2's, and any model whose scores are soft-capped, which SDPA does not
+compute); other implementations are refused (:func:`check_attention`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "check_attention", "family_split", "gpt2_split",
+__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "READS_MASKS", "as_read", "check_attention", "family_split", "gpt2_split",
            "llama_split", "read_documents", "sliding_window", "windowed"]
 
 
@@ -37,18 +39,42 @@ def read_documents(model: nn.Module) -> None:
         _READING.add(model)
 
 
+READS_MASKS = ("sdpa", "eager")
+"""The attention implementations fourfold's masks are given to, each in the form it reads (:func:`as_read`)."""
+
+
 def check_attention(model: nn.Module, needs: str) -> None:
-    """Refuse a model whose attention would misread fourfold's masks, which ``needs`` (a pipeline, packed
-    documents) passes its layers: boolean, True where a token may attend, as SDPA reads them. Eager attention adds
-    the mask to the scores instead (True is 1, False 0: every token attends everywhere, silently)."""
+    """Refuse a model whose attention fourfold cannot give its masks, which ``needs`` (a pipeline, packed
+    documents) passes its layers: SDPA and eager attention read them (:func:`as_read`); flash attention takes no
+    mask, and flex attention another kind."""
     used = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if used not in (None, "sdpa"):
-        raise ValueError(f"{needs} passes the model's layers fourfold's boolean attention masks, which SDPA reads "
-                         f"as masks, got a model with attn_implementation={used!r}"
-                         + (" (it adds a mask to the scores: every token would attend everywhere)"
-                            if used == "eager" else "") + ". Build it with attn_implementation='sdpa' "
-                         "(from_pretrained(..., attn_implementation='sdpa')), or call "
-                         "model.set_attn_implementation('sdpa') before parallelize.")
+    if used not in (None, *READS_MASKS):
+        raise ValueError(f"{needs} passes the model's layers fourfold's attention masks, which SDPA and eager "
+                         f"attention read, got a model with attn_implementation={used!r}. Build it with "
+                         "attn_implementation='sdpa' (from_pretrained(..., attn_implementation='sdpa')), or call "
+                         "model.set_attn_implementation('sdpa') before parallelize ('eager' where its scores "
+                         "are soft-capped: SDPA computes no cap).")
+
+
+def as_read(config: Any, mask: torch.Tensor | None, tokens: int, dtype: torch.dtype,
+            device: Any) -> torch.Tensor | None:
+    """``mask`` (boolean, True where a token may attend; None: plain causal over ``tokens``) in the form
+    ``config``'s attention implementation reads it: SDPA's as it is (None: its own causal flag); eager attention
+    adds the mask to its scores, so 0 where a token may attend and ``dtype``'s lowest value elsewhere (what
+    transformers' own eager masks hold), and always one, since it applies no causal mask of its own."""
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return mask
+    if mask is None:
+        return _eager_causal(tokens, dtype, torch.device(device))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+@functools.lru_cache(maxsize=4)
+def _eager_causal(tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, T): 0 on and below the diagonal, ``dtype``'s lowest above it; made once per size and dtype."""
+    above = torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(tokens, tokens, dtype=dtype, device=device).masked_fill_(above, torch.finfo(dtype).min)[None,
+                                                                                                                None]
 
 
 def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -59,18 +85,27 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     check_attention(module, "a packed batch")
     config = getattr(module, "config", None)
     mask: Any = layout.mask
+    tokens, device = mask.size(-1), mask.device
+    dtype = next(module.parameters()).dtype  # what the first layer's scores are computed in
+
+    def read(window: int | None) -> torch.Tensor | None:
+        return as_read(config, windowed(mask, window, tokens, device), tokens, dtype, device)
+
     window = sliding_window(config)
     if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
-        mask = {kind: windowed(mask, window if kind == "sliding_attention" else None, mask.size(-1), mask.device)
+        mask = {kind: read(window if kind == "sliding_attention" else None)
                 for kind in set(config.layer_types)}  # type: ignore[union-attr]
     else:  # Mistral: every layer (no window: the mask as it is)
-        mask = windowed(mask, window, mask.size(-1), mask.device)
+        mask = read(window)
     return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
 
 
-def _mask() -> torch.Tensor | None:
+def _mask(config: Any, h: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
+    """What a pipeline's piece passes a layer whose attention reads ``config`` on hidden states ``h``: the packed
+    batch's mask (None: plain causal), within ``window``, in the form the attention reads (:func:`as_read`)."""
     layout = current_layout()
-    return layout.mask if layout is not None else None
+    mask = windowed(layout.mask if layout is not None else None, window, h.size(1), h.device)
+    return as_read(config, mask, h.size(1), h.dtype, h.device)
 
 
 def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -79,7 +114,7 @@ def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    out = layer(h, attention_mask=_mask())
+    out = layer(h, attention_mask=_mask(getattr(layer.attn, "config", None), h))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -105,7 +140,7 @@ EVERY_LAYER_WINDOWS = ("mistral", "phi3")
 """Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
 
 
-PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma2", "gemma3_text")
 """Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
 forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
 
@@ -146,13 +181,13 @@ def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
-    window = sliding_window(getattr(attention, "config", None), getattr(attention, "layer_idx", None))
+    config = getattr(attention, "config", None)
+    window = sliding_window(config, getattr(attention, "layer_idx", None))
     pos = position_ids(h)
     pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
     rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's, a frequency per kind of layer
     rope = rotary(h, pos, attention.layer_type) if hasattr(rotary, "layer_types") else rotary(h, pos)
-    return layer(h, attention_mask=windowed(_mask(), window, h.size(1), h.device), position_embeddings=rope,
-                 position_ids=pos)
+    return layer(h, attention_mask=_mask(config, h, window), position_embeddings=rope, position_ids=pos)
 
 
 def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
@@ -178,7 +213,7 @@ def llama_split(model: nn.Module) -> Split:
     kind = getattr(config, "model_type", None)
     multiplier = getattr(config, "embedding_multiplier", None) if kind == "granite" else None
     divisor = getattr(config, "logits_scaling", None) if kind == "granite" else None
-    cap = getattr(config, "final_logit_softcapping", None) if kind == "gemma3_text" else None
+    cap = getattr(config, "final_logit_softcapping", None) if kind in ("gemma2", "gemma3_text") else None
     before = _llama_before if multiplier is None else functools.partial(_scaled_before, float(multiplier))
     after = _llama_after if divisor is None and cap is None else functools.partial(
         _scaled_after, None if divisor is None else float(divisor), None if cap is None else float(cap))
