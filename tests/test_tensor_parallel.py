@@ -55,6 +55,7 @@ from fourfold.parallel.tensor import (
     unshard,
     vocab_parallel_cross_entropy,
 )
+from fourfold.parallel.tensor.norm import ShardedRMSNorm
 from fourfold.testing import run_ranks
 
 F64 = torch.float64
@@ -165,6 +166,36 @@ def _check_chain(out: dict, rank: int, p: int, label: str, *, sp: bool = False) 
                                     _err(row_bias, proj.bias.grad))
 
 
+class GemmaNorm(nn.Module):
+    """An RMSNorm scaling by 1 + weight (Gemma's): not what plan style 'norm' computes, so refused."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(n)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+def _check_norm(out: dict, rank: int, p: int, label: str) -> None:
+    """An RMSNorm over features a column layer split (OLMo 2's q/k norms): its mean square over all of them."""
+    full = nn.RMSNorm(OUT, eps=1e-5, dtype=F64)
+    with torch.no_grad():
+        full.weight.copy_(_seeded(30, OUT))
+    x, gy = _seeded(31, B, T, OUT), _seeded(32, B, T, OUT)
+    xr = x.clone().requires_grad_()
+    yr = full(xr)
+    (yr * gy).sum().backward()
+    layer = ShardedRMSNorm.from_norm(full, None)
+    features = Layout(-1)
+    xs = shard(x, features, rank, p).requires_grad_()
+    y = layer(xs)
+    (y * shard(gy, features, rank, p)).sum().backward()
+    out[f"{label}.output"] = _err(y, shard(yr, features, rank, p))
+    out[f"{label}.grad_input"] = _err(xs.grad, shard(xr.grad, features, rank, p))
+    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, Layout(0), rank, p))
+
+
 def _check_embedding(out: dict, rank: int, p: int, label: str, *, sp: bool = False, pad: int | None = None) -> None:
     """``pad``: nn.Embedding's padding_idx (its row gets no gradient), here on the last rank's rows."""
     full = nn.Embedding(V, C, dtype=F64, padding_idx=pad)
@@ -261,6 +292,9 @@ def _refusals(p: int) -> dict[str, str]:
         "plan_hf_style": lambda: tensor_parallel(TiedModel(), {"fc1": "packed_colwise"}, None),
         "plan_wildcard": lambda: tensor_parallel(TiedModel(), {"layers.*.fc1": "colwise"}, None),
         "plan_tied": tied_head_left_out,
+        "norm_features": lambda: ShardedRMSNorm(odd, None, eps=1e-6, upcast=False),
+        "norm_gemma": lambda: tensor_parallel(nn.Sequential(GemmaNorm(4 * p)), {"0": "norm"}, None),
+        "norm_linear": lambda: tensor_parallel(TiedModel(), {"fc1": "norm"}, None),
     }
     out = {}
     for name, make in cases.items():
@@ -285,6 +319,7 @@ def _layers(ctx) -> dict:
     _check_row(out, rank, p, "row.sp", sp=True)
     _check_chain(out, rank, p, "chain")
     _check_chain(out, rank, p, "chain.sp", sp=True)
+    _check_norm(out, rank, p, "norm")
     _check_embedding(out, rank, p, "embedding")
     _check_embedding(out, rank, p, "embedding.sp", sp=True)
     _check_embedding(out, rank, p, "embedding.pad", pad=V - 1)
@@ -304,6 +339,7 @@ def _layer_results(tp: int) -> dict:
 LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.gqa", "column.sp", "row",
                                              "row.split_input", "row.sp", "chain", "chain.sp")
                 for q in ("output", "grad_input", "grad_weight", "grad_bias")]
+LAYER_CHECKS += [f"norm.{q}" for q in ("output", "grad_input", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad")
                  for q in ("output", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("cross_entropy", "cross_entropy.large")
@@ -342,6 +378,10 @@ REFUSALS = {
     "plan_wildcard": "plan names a module the model does not have, got 'layers.*.fc1'. Linear and Embedding "
                      "modules: emb, fc1, fc2, out",
     "plan_tied": "'out.weight' is tied to 'emb', which the plan shards",
+    "norm_features": "the norm's features must be divisible by tp, got {odd} and {p}",
+    "norm_gemma": "plan style 'norm' computes an RMSNorm, x / sqrt(mean(x^2) + eps) * weight, got a GemmaNorm that "
+                  "computes otherwise (relative difference",
+    "norm_linear": "plan style 'norm' shards an RMSNorm's 1-D weight, got Linear with weight (",
 }
 
 

@@ -12,12 +12,15 @@ function                     forward                   backward                 
 ``split_to_tp``              keep own slice, last dim  all-gather                row layer, full input
 ``gather_sequence``          all-gather, sequence dim  reduce-scatter            before column (SP)
 ``reduce_scatter_sequence``  reduce-scatter, seq. dim  all-gather                after row (SP)
+``sum_over_tp``              all-reduce (sum)          all-reduce (sum)          a norm over split features
 ===========================  ========================  ========================  =======================
 
 Why f all-reduces in backward: every rank computes its own Y_i = X A_i from the same X, so
 dL/dX = sum_i dL/dY_i A_i^T, a sum over ranks. Why g's backward is the identity: Y = sum_i Y_i, so
 dL/dY_i = dL/dY, which every rank already holds. The sequence pair is the same argument with the all-reduce
-cut in its two halves: an all-reduce is a reduce-scatter followed by an all-gather.
+cut in its two halves: an all-reduce is a reduce-scatter followed by an all-gather. ``sum_over_tp`` is the one
+function that is its own partner: S = sum_i s_i is a statistic every rank then uses on its own shard (an
+RMSNorm's sum of squares over features split by tp), so dL/dS is a sum of every rank's part, and dL/ds_i = dL/dS.
 
 With a :class:`~fourfold.observe.trace.Tracer`, each collective is one comm span named ``tp.all_reduce``,
 ``tp.all_gather`` or ``tp.reduce_scatter``; ``bytes`` is the size of the tensor this rank hands to the
@@ -50,6 +53,7 @@ __all__ = [
     "reduce_scatter_sequence",
     "split",
     "split_to_tp",
+    "sum_over_tp",
     "wire_bytes",
 ]
 
@@ -210,6 +214,23 @@ class _ReduceScatterSequence(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         out = all_gather(grad, ctx.dim, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
         return out, None, None, None, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.group, ctx.tracer, ctx.site = group, tracer, site
+        return all_reduce(x, group, tracer=tracer, phase="forward", site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_reduce(grad, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site), None, None, None
+
+
+def sum_over_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None, site: str = "") -> torch.Tensor:
+    """sum_i x_i over ``group`` forward, and the gradients' sum backward: a statistic every rank uses on its own
+    shard, such as a norm's sum of squares over features tp splits."""
+    return x if dist.get_world_size(group) == 1 else _SumOverTP.apply(x, group, tracer, site)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None, site: str = "") -> torch.Tensor:

@@ -34,6 +34,7 @@ from fourfold.parallel.tensor.layers import (
     shard,
     unshard,
 )
+from fourfold.parallel.tensor.norm import ShardedRMSNorm
 
 __all__ = [
     "HF_STYLES",
@@ -56,7 +57,8 @@ __all__ = [
 # Hugging Face's plan vocabulary (``model.tp_plan``) in fourfold's styles; "replicate" leaves a module whole.
 HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab", "colwise_gather_output": "head",
              "colwise_rep": "head", "replicate": None, "replicated_with_grad_allreduce": "partial"}
-STYLES = ("column", "column:<parts>", "row", "vocab", "head", "partial")
+STYLES = ("column", "column:<parts>", "row", "vocab", "head", "norm", "partial")
+_SHARDED = (*SHARDED, ShardedRMSNorm)  # every module holding a tensor-parallel piece: its layouts() say how
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | None]:
@@ -84,7 +86,7 @@ def _parse_style(name: str, style: str) -> tuple[str, int | tuple[int, ...]]:
     (lowest terms: ``(4, 1, 1)``)."""
     kind, _, given = style.partition(":")
     widths = given.split(",")
-    if kind in ("column", "row", "vocab", "head", "partial") and (not given or (
+    if kind in ("column", "row", "vocab", "head", "norm", "partial") and (not given or (
             kind == "column" and all(w.isdigit() and int(w) >= 1 for w in widths))):
         return kind, int(given or 1) if len(widths) == 1 else fused([int(w) for w in widths])
     hf = ", ".join(k for k in HF_STYLES)
@@ -103,7 +105,9 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
     widths (grouped-query q|k|v: 32 query heads, 8 key and 8 value heads; any unit); ``"row"``:
     -> :class:`RowParallelLinear` (its input is a column layer's split output); ``"vocab"``: nn.Embedding -> :class:`VocabParallelEmbedding`;
     ``"head"``: a column layer whose output is the logits (the engine's loss reads them split; any other
-    caller gets them gathered); ``"partial"``: a module left whole that sees only this rank's part of a split
+    caller gets them gathered); ``"norm"``: an RMSNorm over a column layer's split output, its weight split
+    alike and its mean square taken over all the features (:class:`~fourfold.parallel.tensor.norm.ShardedRMSNorm`:
+    OLMo 2's q/k norms over all heads); ``"partial"``: a module left whole that sees only this rank's part of a split
     activation (Qwen3's per-head q/k norms: this rank's heads), so its gradients are summed over tp after
     backward (listed in ``model.partial_grad_names``, as sequence parallelism's). Names may hold ``*``
     wildcards, and Hugging Face's style names are read too (``colwise``, ``rowwise``, ``embedding_rowwise``,
@@ -125,9 +129,12 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
             continue
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
         linear = type(module) is nn.Linear or is_conv1d(module)
-        if kind in ("column", "head") and linear:
+        new: Sharded | ShardedRMSNorm
+        if kind == "norm":  # its features are a column layer's split output: the mean square over all of them
+            new = ShardedRMSNorm.from_norm(module, group, tracer=tracer, site=name)
+        elif kind in ("column", "head") and linear:
             extra = {"head": True, "gather_output": True} if kind == "head" else {"parts": parts}
-            new: Sharded = ColumnParallelLinear.from_linear(module, group, **kw, **extra)
+            new = ColumnParallelLinear.from_linear(module, group, **kw, **extra)
         elif kind == "row" and linear:
             new = RowParallelLinear.from_linear(module, group, **kw)
         elif kind == "vocab" and type(module) is nn.Embedding:
@@ -167,7 +174,7 @@ def shard_layouts(model: nn.Module) -> dict[str, Layout]:
     """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
     out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
     for prefix, module in model.named_modules():
-        if isinstance(module, SHARDED):
+        if isinstance(module, _SHARDED):
             for name, layout in module.layouts().items():
                 key = f"{prefix}.{name}" if prefix else name
                 if key in out:
