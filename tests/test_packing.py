@@ -24,6 +24,7 @@ from fourfold.data.documents import Documents, open_documents, skewed_documents
 from fourfold.data.packing import DocumentLayout, DocumentLoader, document_layout, pack, pieces
 from fourfold.data.tokenizers import ByteTokenizer
 from fourfold.models import GPTConfig, TinyGPT
+from fourfold.models.hf import FLOAT32_NORMS
 from fourfold.parallel.pipeline.blocks import output_tensor
 from fourfold.testing import run_ranks
 from helpers import max_error
@@ -53,7 +54,9 @@ def build(name: str) -> nn.Module:
                                "layer_types": ["sliding_attention", "full_attention"]},
                # eager attention (its scores soft-capped): fourfold's masks added to the scores
                "gemma2": {"head_dim": 4, "sliding_window": 5, "query_pre_attn_scalar": 4, "attn_logit_softcapping": 1.0,
-                          "layer_types": ["sliding_attention", "full_attention"]}}
+                          "layer_types": ["sliding_attention", "full_attention"]},
+               # OLMo 3: OLMo 2's q/k norms over all heads, and a window on layer 0
+               "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}}
     return build_hf(name, overrides=GPT2 if name == "gpt2" else {**LLAMA, **windows.get(name, {})},
                     dtype=torch.float64)
 
@@ -157,7 +160,7 @@ def test_documents_come_from_json_lines_and_token_files_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
-                                  "granite", "phi3"])
+                                  "granite", "phi3", "olmo2", "olmo3"])
 def test_packed_equals_documents_one_at_a_time(name):
     want_loss, want = reference(name)
     for packing in ("pad", "bfd"):
@@ -170,12 +173,12 @@ def test_packed_equals_documents_one_at_a_time(name):
         # gradient 1.8e-8; with that softmax in float64, 2e-15 and 6e-10, its norms' float32 sums)
         assert abs(loss - want_loss) <= (1e-8 if name == "gemma2" else TOL), (name, packing, loss, want_loss)
         worst, err = max_error(got, want)
-        tol = 1e-7 if name == "gemma2" else 1e-8 if name.startswith("gemma") else TOL  # Gemma's float32 norms
+        tol = 1e-7 if name == "gemma2" else 1e-8 if name in FLOAT32_NORMS else TOL  # the Gemmas', OLMos' norms
         assert err <= tol, f"{name} {packing}: gradient of {worst} off by {err:.3g}"
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
-                                  "granite", "phi3"])
+                                  "granite", "phi3", "olmo2", "olmo3"])
 def test_no_document_sees_its_neighbours(name):
     """Changing one document's tokens leaves every other document's logits in the row bitwise unchanged."""
     model = build(name).eval()

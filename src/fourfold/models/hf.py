@@ -24,6 +24,11 @@ nothing is downloaded: models are built from a config.
   attention scores soft-capped (``attn_logit_softcapping``), which SDPA does not compute: it runs eager attention,
   which fourfold gives its masks as it reads them (:func:`~fourfold.models.hf_split.as_read`), as does a Gemma 3
   whose scores are capped.
+* **OLMo 2, OLMo 3** (``Olmo2ForCausalLM``, ``Olmo3ForCausalLM``): Llama's layout with norms after attention and
+  the MLP instead of before, and q/k norms over all heads at once. transformers' own plan gathers q, k and v whole
+  on every rank for them; fourfold's keeps the heads split and takes the norms' mean square over the ranks
+  (:func:`~fourfold.models.hf_plan.qk_norm_plan`, plan style ``norm``). OLMo 3 adds a window on the layers its
+  ``layer_types`` mark, with rotary frequencies per kind of layer.
 * **Granite** (``GraniteForCausalLM``): Llama's layout with multipliers: the embedding's, each residual
   branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
   pipeline's first and last pieces scale as its forward does).
@@ -62,9 +67,9 @@ from fourfold.models.hf_split import (
 if TYPE_CHECKING:
     from fourfold.models.seeded import SeededInit
 
-__all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN", "PER_LAYER_WINDOWS",
-           "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf", "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples",
-           "family_split", "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs",
+__all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
+           "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf",
+           "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split", "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs",
            "named_like", "plan", "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window",
            "windowed"]
 
@@ -76,13 +81,16 @@ _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("Llama
             "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", "Gemma 2"),
             "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3"),
             "granite": ("GraniteForCausalLM", "GraniteConfig", "Granite"),
-            "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3")}
+            "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3"),
+            "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", "OLMo 2"),
+            "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", "OLMo 3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
 
-FLOAT32_NORMS = ("gemma", "gemma2", "gemma3_text")
-"""Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``): a float64 run
-equals one process to float32's rounding of their gradients' sums, not to 1e-10."""
+FLOAT32_NORMS = ("gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
+"""Families whose RMSNorm computes in float32 whatever the model's dtype (Gemma's ``x.float()``, OLMo's
+``to(torch.float32)``): a float64 run equals one process to float32's rounding of their gradients' sums, not to
+1e-10."""
 
 
 FAMILIES = tuple(_CLASSES)

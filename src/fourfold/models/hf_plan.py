@@ -52,7 +52,23 @@ def plan(model: nn.Module) -> dict[str, str] | Callable[..., nn.Module]:
         return functools.partial(_scaled_embedding_plan, carried)
     if _kind(model) == "phi3":
         return {**carried, **fused_plan(model.config)}
+    if _kind(model) in QK_NORMS_OVER_HEADS:
+        return {**carried, **qk_norm_plan()}
     return carried
+
+
+QK_NORMS_OVER_HEADS = ("olmo2", "olmo3")
+"""Families whose q/k norms normalise all of a token's heads at once (``q_norm`` over ``heads * head_dim``)."""
+
+
+def qk_norm_plan() -> dict[str, str]:
+    """OLMo's attention split as Megatron splits it. Its own plan gathers q, k and v whole on every rank
+    (``colwise_gather_output``, "due to the added norm on q and k"), so every rank computes every head; here each
+    rank keeps its heads (``column``, then ``row`` for ``o_proj``) and its slice of each norm's weight, and the
+    norms' mean square is summed over the ranks (style ``norm``: one all-reduce of a value per token)."""
+    attention = "model.layers.*.self_attn"
+    return {f"{attention}.q_proj": "column", f"{attention}.k_proj": "column", f"{attention}.v_proj": "column",
+            f"{attention}.o_proj": "row", f"{attention}.q_norm": "norm", f"{attention}.k_norm": "norm"}
 
 
 def fused_plan(config: Any) -> dict[str, str]:

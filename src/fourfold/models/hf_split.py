@@ -22,8 +22,8 @@ from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
-__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "READS_MASKS", "as_read", "check_attention", "family_split", "gpt2_split",
-           "llama_split", "read_documents", "sliding_window", "windowed"]
+__all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "READS_MASKS", "as_read", "check_attention", "family_split",
+           "gpt2_split", "llama_split", "read_documents", "sliding_window", "windowed"]
 
 
 _READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
@@ -140,7 +140,7 @@ EVERY_LAYER_WINDOWS = ("mistral", "phi3")
 """Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
 
 
-PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma2", "gemma3_text")
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma2", "gemma3_text", "olmo3")
 """Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
 forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
 
@@ -181,12 +181,13 @@ def _band(tokens: int, window: int, device: torch.device) -> torch.Tensor:
 
 def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
-    config = getattr(attention, "config", None)
+    config: Any = getattr(attention, "config", None)
     window = sliding_window(config, getattr(attention, "layer_idx", None))
     pos = position_ids(h)
     pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
-    rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's, a frequency per kind of layer
-    rope = rotary(h, pos, attention.layer_type) if hasattr(rotary, "layer_types") else rotary(h, pos)
+    rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's and OLMo 3's, a frequency per kind of layer
+    rope = rotary(h, pos, config.layer_types[attention.layer_idx]) if hasattr(rotary, "layer_types") else \
+        rotary(h, pos)
     return layer(h, attention_mask=_mask(config, h, window), position_embeddings=rope, position_ids=pos)
 
 
