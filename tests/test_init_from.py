@@ -105,7 +105,8 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_launch_naming_them
          "init_from's config.json sizes the model"),
         ([*SMALL, "--init-from", str(tmp_path)], "init_from's config.json must be of a family fourfold has a plan "
                                                   "for (gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, "
-                                                  "gemma3_text, granite, phi3, olmo2, olmo3), got model_type=None"),
+                                                  "gemma3_text, granite, phi3, olmo2, olmo3, smollm3), got "
+                                                  "model_type=None"),
         ([*SMALL, "--nproc", "2", "--init-from", str(run / "checkpoints")], "without a readable config.json"),
     ]
     for argv, message in cases:

@@ -56,7 +56,10 @@ def build(name: str) -> nn.Module:
                "gemma2": {"head_dim": 4, "sliding_window": 5, "query_pre_attn_scalar": 4, "attn_logit_softcapping": 1.0,
                           "layer_types": ["sliding_attention", "full_attention"]},
                # OLMo 3: OLMo 2's q/k norms over all heads, and a window on layer 0
-               "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}}
+               "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
+               # SmolLM3: no rotary embedding on layer 1, and a window there
+               "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 5,
+                           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}}
     return build_hf(name, overrides=GPT2 if name == "gpt2" else {**LLAMA, **windows.get(name, {})},
                     dtype=torch.float64)
 
@@ -160,7 +163,7 @@ def test_documents_come_from_json_lines_and_token_files_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
-                                  "granite", "phi3", "olmo2", "olmo3"])
+                                  "granite", "phi3", "olmo2", "olmo3", "smollm3"])
 def test_packed_equals_documents_one_at_a_time(name):
     want_loss, want = reference(name)
     for packing in ("pad", "bfd"):
@@ -178,7 +181,7 @@ def test_packed_equals_documents_one_at_a_time(name):
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text",
-                                  "granite", "phi3", "olmo2", "olmo3"])
+                                  "granite", "phi3", "olmo2", "olmo3", "smollm3"])
 def test_no_document_sees_its_neighbours(name):
     """Changing one document's tokens leaves every other document's logits in the row bitwise unchanged."""
     model = build(name).eval()

@@ -261,6 +261,24 @@ def test_tensor_parallel_collectives_are_counted_per_layer():
     assert slow.step_s - free.step_s == pytest.approx(slow.tp_comm_s, rel=1e-3)
 
 
+def test_a_norm_over_split_features_costs_a_small_all_reduce_forward_and_backward():
+    """OLMo's q/k norms (plan style "norm"): each all-reduces a float32 per token, forward and backward, beside
+    the block's two activation all-reduces each way."""
+    pytest.importorskip("transformers")
+    from fourfold.models.hf import build_hf, plan
+
+    m = build_hf("olmo2", overrides=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    blocks = list(m.model.layers)
+    prof = ModelProfile.of(m, blocks, 16, plan(m), block_costs(4))
+    assert prof.norm_collectives == (0, 2, 2, 2, 2, 0)  # q_norm and k_norm in each block
+    slow = predict(prof, Layout(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
+    one = allreduce_time(LINK, "ring", prof.hidden_bytes * 8 // 4, 4, 2)
+    statistic = allreduce_time(LINK, "ring", 16 * 8, 4, 2)  # a float32 per token of the 8 x 16
+    collectives = sum(prof.forward_collectives) + sum(prof.backward_collectives)
+    assert slow.tp_comm_s == pytest.approx(one * collectives + statistic * 2 * 8)
+
+
 def test_memory_is_the_estimate():
     prof = profile()
     layout = Layout(dp=2, pp=2, schedule="zb", microbatches=2, zero=1)

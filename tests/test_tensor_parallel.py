@@ -177,9 +177,24 @@ class GemmaNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
 
 
-def _check_norm(out: dict, rank: int, p: int, label: str) -> None:
-    """An RMSNorm over features a column layer split (OLMo 2's q/k norms): its mean square over all of them."""
-    full = nn.RMSNorm(OUT, eps=1e-5, dtype=F64)
+class Float32Norm(nn.Module):
+    """transformers' RMSNorm arithmetic: in float32 whatever the input's dtype, the weight applied before the cast
+    back (OLMo's, T5's) or after it (Llama's)."""
+
+    def __init__(self, n: int, before: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon, self.before = nn.Parameter(torch.ones(n, dtype=dtype)), 1e-6, before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype) if self.before else self.weight * h.to(x.dtype)
+
+
+def _check_norm(out: dict, rank: int, p: int, label: str, float32: bool = False) -> None:
+    """An RMSNorm over features a column layer split (OLMo 2's q/k norms): its mean square over all of them.
+    ``float32``: transformers' arithmetic (OLMo's), whose float32 sums the cut adds in another order."""
+    full = Float32Norm(OUT, before=True, dtype=F64) if float32 else nn.RMSNorm(OUT, eps=1e-5, dtype=F64)
     with torch.no_grad():
         full.weight.copy_(_seeded(30, OUT))
     x, gy = _seeded(31, B, T, OUT), _seeded(32, B, T, OUT)
@@ -292,7 +307,7 @@ def _refusals(p: int) -> dict[str, str]:
         "plan_hf_style": lambda: tensor_parallel(TiedModel(), {"fc1": "packed_colwise"}, None),
         "plan_wildcard": lambda: tensor_parallel(TiedModel(), {"layers.*.fc1": "colwise"}, None),
         "plan_tied": tied_head_left_out,
-        "norm_features": lambda: ShardedRMSNorm(odd, None, eps=1e-6, upcast=False),
+        "norm_features": lambda: ShardedRMSNorm(odd, None, eps=1e-6, arithmetic="input"),
         "norm_gemma": lambda: tensor_parallel(nn.Sequential(GemmaNorm(4 * p)), {"0": "norm"}, None),
         "norm_linear": lambda: tensor_parallel(TiedModel(), {"fc1": "norm"}, None),
     }
@@ -320,6 +335,7 @@ def _layers(ctx) -> dict:
     _check_chain(out, rank, p, "chain")
     _check_chain(out, rank, p, "chain.sp", sp=True)
     _check_norm(out, rank, p, "norm")
+    _check_norm(out, rank, p, "norm.float32", float32=True)
     _check_embedding(out, rank, p, "embedding")
     _check_embedding(out, rank, p, "embedding.sp", sp=True)
     _check_embedding(out, rank, p, "embedding.pad", pad=V - 1)
@@ -339,7 +355,7 @@ def _layer_results(tp: int) -> dict:
 LAYER_CHECKS = [f"{layer}.{q}" for layer in ("column", "column.gather", "column.qkv", "column.gqa", "column.sp", "row",
                                              "row.split_input", "row.sp", "chain", "chain.sp")
                 for q in ("output", "grad_input", "grad_weight", "grad_bias")]
-LAYER_CHECKS += [f"norm.{q}" for q in ("output", "grad_input", "grad_weight")]
+LAYER_CHECKS += [f"{norm}.{q}" for norm in ("norm", "norm.float32") for q in ("output", "grad_input", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("embedding", "embedding.sp", "embedding.pad")
                  for q in ("output", "grad_weight")]
 LAYER_CHECKS += [f"{layer}.{q}" for layer in ("cross_entropy", "cross_entropy.large")
@@ -352,7 +368,8 @@ LAYER_CHECKS += ["plan.loss", "plan.still_tied", "plan.grad_weight"]
 @pytest.mark.parametrize("check", LAYER_CHECKS)
 def test_layer_matches_unsharded(tp, check):
     err = _layer_results(tp)["errors"][check]
-    assert err <= LAYER_TOL, f"{check} at tp={tp}: max |error| over ranks {err:.3g} > {LAYER_TOL:g}"
+    tol = 1e-6 if check.startswith("norm.float32") else LAYER_TOL  # float32 sums, added in another order
+    assert err <= tol, f"{check} at tp={tp}: max |error| over ranks {err:.3g} > {LAYER_TOL:g}"
 
 
 REFUSALS = {
@@ -380,7 +397,7 @@ REFUSALS = {
     "plan_tied": "'out.weight' is tied to 'emb', which the plan shards",
     "norm_features": "the norm's features must be divisible by tp, got {odd} and {p}",
     "norm_gemma": "plan style 'norm' computes an RMSNorm, x / sqrt(mean(x^2) + eps) * weight, got a GemmaNorm that "
-                  "computes otherwise (relative difference",
+                  "computes otherwise on a test input. Gather its input whole instead",
     "norm_linear": "plan style 'norm' shards an RMSNorm's 1-D weight, got Linear with weight (",
 }
 
@@ -394,6 +411,36 @@ def test_bad_sizes_refused_by_name(tp, case):
                                  heads={2: 4, 4: 4}[tp], seq_up=2 * tp)
     got = _layer_results(tp)["refusals"][case]
     assert want in got, f"tp={tp} {case}: want a message containing {want!r}, got {got!r}"
+
+
+class ScaledNorm(nn.RMSNorm):
+    """torch's RMSNorm with a constant buffer it multiplies by: the probe must keep the buffer's values."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, eps=1e-6)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_a_sharded_norm_computes_as_the_norm_it_replaces():
+    """numerics() finds each RMSNorm's arithmetic by running it: the input's dtype (nn.RMSNorm, eps None resolved
+    at run time as torch does), float32 with the weight applied after the cast back (Llama's) or before it
+    (OLMo's), told apart in bfloat16, where only the right one matches bit for bit; a buffer of the module is kept,
+    a meta module works, and a Gemma norm (1 + weight) is refused."""
+    from fourfold.parallel.tensor.norm import numerics
+
+    assert numerics(nn.RMSNorm(8)) == (None, "input")  # float32 weights: eps is the input's, not float64's
+    assert numerics(nn.RMSNorm(8, eps=1e-5, dtype=torch.bfloat16)) == (1e-5, "input")
+    assert numerics(Float32Norm(8, before=False)) == (1e-6, "float32, weight after the cast")
+    assert numerics(Float32Norm(8, before=True, dtype=torch.bfloat16)) == (1e-6, "float32, weight before the cast")
+    assert numerics(ScaledNorm(8)) == (1e-6, "input")
+    with torch.device("meta"):
+        meta = Float32Norm(8, before=True)
+    assert numerics(meta)[1] == "float32, weight before the cast"
+    with pytest.raises(ValueError, match="got a GemmaNorm that computes otherwise"):
+        numerics(GemmaNorm(8))
 
 
 def test_fused_blocks_of_unequal_widths_each_split_by_rank():

@@ -229,12 +229,12 @@ def test_a_split_on_your_model_must_be_a_split():
     ("nowhere:build", [], "model 'nowhere:build': cannot import 'nowhere'"),
     ("my_model:nothing", [], "model 'my_model:nothing': 'my_model' has no 'nothing'"),
     ("tinygpt", ["--model-config", "x.json"], "model_config sizes a Hugging Face (gpt2, llama, mistral, qwen2, "
-     "qwen3, gemma, gemma2, gemma3_text, granite, phi3, olmo2, olmo3) or MODULE:FACTORY model"),
+     "qwen3, gemma, gemma2, gemma3_text, granite, phi3, olmo2, olmo3, smollm3) or MODULE:FACTORY model"),
     ("gemma3", [], "got 'gemma3'. Did you mean --model gemma3_text?"),  # transformers' model_type
     ("Phi-3", [], "got 'Phi-3'. Did you mean --model phi3?"),
     ("mixtral", [], "got 'mixtral'. Pass --model gpt2"),  # no guess between architectures
     ("my model", [], "model must be tinygpt, gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
-                  "granite, phi3, olmo2, olmo3 or MODULE:FACTORY"),
+                  "granite, phi3, olmo2, olmo3, smollm3 or MODULE:FACTORY"),
 ])
 def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model, flags, message):
     config = ["--model-config", configs[model]] if model in configs else []

@@ -47,10 +47,10 @@ class TrainConfig:
 
     model: str = field(default="tinygpt", metadata=_help(
         "what to train: tinygpt (sized by the [model] flags), gpt2, llama, mistral, qwen2, qwen3, gemma, "
-        "gemma2, gemma3_text, granite, phi3, olmo2 or olmo3 (Hugging Face, needs fourfold[hf]; sized by "
+        "gemma2, gemma3_text, granite, phi3, olmo2, olmo3 or smollm3 (Hugging Face, needs fourfold[hf]; sized by "
         "--model-config), or MODULE:FACTORY, your own: FACTORY(**model_config) returns an nn.Module"))
     model_config: str | None = field(default=None, metadata=_help(
-        "with --model gpt2|llama|mistral|qwen2|qwen3|gemma|gemma2|gemma3_text|granite|phi3|olmo2|olmo3: a JSON "
+        "with --model gpt2|llama|mistral|qwen2|qwen3|gemma|gemma2|gemma3_text|granite|phi3|olmo2|olmo3|smollm3: a JSON "
         "file of the Hugging Face config's keys (vocab_size, n_layer, ...); with MODULE:FACTORY: a JSON file of the "
         "factory's keyword arguments"))
     init_from: str | None = field(default=None, metadata=_help(

@@ -10,7 +10,7 @@ model, and writes into ``DIR`` (new, or empty: nothing of yours is overwritten):
 * ``model.safetensors``: every weight by the model's own names, a tied one once (GPT-2's head is its token
   embedding), as ``save_pretrained`` stores it;
 * for a Hugging Face family (gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, granite, phi3, olmo2,
-  olmo3),
+  olmo3, smollm3),
   ``config.json``: the config the run built its model from (``--model-config``'s keys, or ``--init-from``'s directory's), so ``from_pretrained`` builds the
   same model;
 * ``tokenizer.json``, the run's own, when it read text through one (``--tokenizer FILE``, or ``bpe:N``'s, saved

@@ -29,6 +29,8 @@ nothing is downloaded: models are built from a config.
   on every rank for them; fourfold's keeps the heads split and takes the norms' mean square over the ranks
   (:func:`~fourfold.models.hf_plan.qk_norm_plan`, plan style ``norm``). OLMo 3 adds a window on the layers its
   ``layer_types`` mark, with rotary frequencies per kind of layer.
+* **SmolLM3** (``SmolLM3ForCausalLM``): Llama's layout with no rotary embedding on the layers ``no_rope_layers``
+  marks 0 (each attention applies it or not), and, with ``use_sliding_window``, a window on those layers.
 * **Granite** (``GraniteForCausalLM``): Llama's layout with multipliers: the embedding's, each residual
   branch's, the attention scores' (inside the layers), and the logits divided by ``logits_scaling`` (the
   pipeline's first and last pieces scale as its forward does).
@@ -69,9 +71,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
            "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf",
-           "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split", "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs",
-           "named_like", "plan", "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window",
-           "windowed"]
+           "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split",
+           "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
+           "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
 
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
@@ -83,7 +85,8 @@ _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("Llama
             "granite": ("GraniteForCausalLM", "GraniteConfig", "Granite"),
             "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi-3"),
             "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", "OLMo 2"),
-            "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", "OLMo 3")}
+            "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", "OLMo 3"),
+            "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", "SmolLM3")}
 """Each family's causal LM class, config class and name, in transformers."""
 
 

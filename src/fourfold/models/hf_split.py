@@ -69,9 +69,11 @@ def as_read(config: Any, mask: torch.Tensor | None, tokens: int, dtype: torch.dt
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)
 def _eager_causal(tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, 1, T, T): 0 on and below the diagonal, ``dtype``'s lowest above it; made once per size and dtype."""
+    """(1, 1, T, T): 0 on and below the diagonal, ``dtype``'s lowest above it; made once per size and dtype (every
+    layer, micro-batch and recompute reads it; two kept, as a training run and its held-out loss may differ in
+    length: T^2 values each, 256 MB in float32 at T = 8192, what one layer's scores of one sample and head take)."""
     above = torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1)
     return torch.zeros(tokens, tokens, dtype=dtype, device=device).masked_fill_(above, torch.finfo(dtype).min)[None,
                                                                                                                 None]
@@ -140,7 +142,7 @@ EVERY_LAYER_WINDOWS = ("mistral", "phi3")
 """Families whose ``sliding_window`` (when set) applies to every layer: their forward builds a windowed mask."""
 
 
-PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma2", "gemma3_text", "olmo3")
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "gemma2", "gemma3_text", "olmo3", "smollm3")
 """Families whose layers each attend within a window or not, as their config's ``layer_types`` say (their
 forward takes one mask per kind of layer); Mistral's window is on every layer; the others have none."""
 

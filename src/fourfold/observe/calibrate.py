@@ -64,7 +64,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     if tp_run is not None:
         L, m = tp_run
         p = predict(profile, L, links, batch_size)
-        collectives = sum(profile.forward_collectives) + sum(profile.backward_collectives)
+        collectives = sum(profile.forward_collectives) + sum(profile.backward_collectives) + \
+            2 * sum(profile.norm_collectives)  # a norm's all-reduce takes as many alpha steps as any
         itemsize = next(profile.model.parameters()).element_size()
         steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
         link = links.node

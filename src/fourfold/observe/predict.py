@@ -211,13 +211,15 @@ class ModelProfile:
     forward_collectives: tuple[int, ...]
     backward_collectives: tuple[int, ...]
     hidden_bytes: int
+    norm_collectives: tuple[int, ...] = ()  # per unit: norms over split features (style "norm"), one all-reduce
+    # of a float32 per token each, forward and again backward: latency more than bytes
 
     @classmethod
     def of(cls, model: nn.Module, blocks: list[nn.Module], seq_len: int, shards: Mapping[str, str] | None,
            costs: UnitCosts, loss_fn: Any = None) -> ModelProfile:
         kinds = _kinds(model, shards)
         in_block = [{id(m) for m in b.modules()} for b in blocks]
-        fwd, bwd = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
+        fwd, bwd, norms = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
         seen_block = False
         for m in model.modules():
             u = next((i + 1 for i, ids in enumerate(in_block) if id(m) in ids), None)
@@ -226,8 +228,10 @@ class ModelProfile:
             kind = kinds.get(id(m))
             fwd[unit] += kind in ("row", "vocab")
             bwd[unit] += kind in ("column", "head")
+            norms[unit] += kind == "norm"
         probe = probe_activations(model, blocks, seq_len, shards, loss_fn)
-        return cls(model, blocks, seq_len, shards, costs, probe, tuple(fwd), tuple(bwd), max(probe.inputs))
+        return cls(model, blocks, seq_len, shards, costs, probe, tuple(fwd), tuple(bwd), max(probe.inputs),
+                   tuple(norms))
 
 
 def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int, node_size: int | None = None) -> float:
@@ -287,20 +291,27 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     # its latency (alpha per step: the peer's arrival included) uses no core; copying and adding the bytes does
     latency = min(allreduce, cost("ring", max(1, profile.hidden_bytes * micro // itemsize), itemsize, L.tp).steps
                   * tp_link.alpha_s) if L.tp > 1 else 0.0
+    statistic = _ring(tp_link, 4 * profile.seq_len * micro, 4, L.tp)  # a norm's mean square: float32 per token
+    statistic_latency = min(statistic, cost("ring", max(1, profile.seq_len * micro), 4, L.tp).steps
+                            * tp_link.alpha_s) if L.tp > 1 else 0.0
+    norms = profile.norm_collectives or (0,) * n
     costs = profile.costs
 
     def unit_time(op: str, u: int) -> tuple[float, float]:
         """(computing, waiting) seconds: the unit's own work and its tensor-parallel collectives' bytes moved and
         added, then the collectives' latency (waits on the link and the group's slowest rank: no core used, so
-        cores shared do not slow it)."""
+        cores shared do not slow it). Norms over split features all-reduce a statistic forward and backward."""
         collectives = (profile.forward_collectives if op == "F" else profile.backward_collectives)[u]
-        return costs.time(op, u, micro, L.tp) + collectives * (allreduce - latency), collectives * latency
+        stats = norms[u]
+        return (costs.time(op, u, micro, L.tp) + collectives * (allreduce - latency)
+                + stats * (statistic - statistic_latency), collectives * latency + stats * statistic_latency)
 
     def total(op: str, us: Iterable[int]) -> tuple[float, float]:
         parts = [unit_time(op, u) for u in us]
         return sum(c for c, _ in parts), sum(w for _, w in parts)
 
-    tp_comm = allreduce * micro_count * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
+    tp_comm = micro_count * (allreduce * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
+                             + statistic * 2 * sum(norms))
     timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
         share = links.speed(copies)
