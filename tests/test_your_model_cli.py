@@ -252,6 +252,25 @@ def test_bad_models_are_refused_before_training(tmp_path, configs, capsys, model
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
 
 
+@pytest.mark.timeout(120)
+def test_a_family_given_no_config_is_refused_by_the_memory_estimate_before_anything_is_built(tmp_path):
+    """--model llama alone is transformers' default LlamaConfig, 6.7 B parameters: the estimate builds it on the
+    meta device and refuses it, where building it for real (it once did) had the kernel kill the process with no
+    word. Under a 6 GB address-space limit, a real build could not even start."""
+    import resource
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    proc = subprocess.run([sys.executable, "-m", "fourfold", "train", "--model", "llama", "--memory-limit", "16GB",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=100,
+                          preexec_fn=limited)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "note: --model llama without --model-config builds transformers' default LlamaConfig" in proc.stderr
+    assert "error: this layout needs 111 GB on pipeline rank 0's ranks, more than the 16 GB each rank has " \
+           "(--memory-limit); the largest term is optimiser state, 50.2 GB" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_every_model_config_the_docs_pass_is_in_the_repository():
     import re
 

@@ -224,6 +224,7 @@ def _divisor_near(n: int, m: int) -> int:
 def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     """The launcher's lines after :func:`preflight`: the memory estimate (a layout that would not fit is refused,
     ValueError), then what a resumed or ignored setting means for this run."""
+    _default_size_note(cfg)
     _memory_line(cfg, world_size)
     _resume_note(cfg, mesh, world_size)
     _unused_note(cfg, mesh)
@@ -235,6 +236,21 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
         print(f"fourfold train: note: --hang-threshold {t.hang_threshold:g} s is not below --timeout {t.timeout:g} "
               "s, so a stuck run ends at the timeout, whose error names the operation, before the hang doctor can "
               "name the rank that never arrived. Pass a --hang-threshold below --timeout.",
+              file=sys.stderr, flush=True)
+
+
+def _default_size_note(cfg: Config) -> None:
+    """A Hugging Face family given no config (no --model-config, no --init-from, no checkpoint's) is the full-size
+    model transformers' config class describes by default (LlamaConfig's 6.7 B parameters): say so first, and how
+    to size it, before the memory estimate says whether it fits."""
+    from fourfold.models.build import model_config_path
+    from fourfold.models.hf import FAMILIES, causal_lm_class
+
+    t = cfg.train
+    if t.model in FAMILIES and model_config_path(t) is None:
+        name = causal_lm_class(t.model).config_class.__name__
+        print(f"fourfold train: note: --model {t.model} without --model-config builds transformers' default {name}, "
+              f"a full-size model. Pass --model-config FILE.json to size it (examples/*-tiny.json are small ones).",
               file=sys.stderr, flush=True)
 
 

@@ -55,21 +55,33 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     from fourfold.models.build import build_model, check_forward
     from fourfold.observe.estimate import estimate_memory, probe_activations
     from fourfold.parallel.checkpointing import parse_policy
+    from fourfold.preflight import meta_model
 
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
-    model = build_model(cfg, weights=False)  # sizes and activations: the weights' values do not matter
-    family = family_of(model)
-    split = family.split(model) if family is not None and family.split is not None else None
+
+    def probed(model: Any) -> tuple[list[Any], Any, Any]:
+        family = family_of(model)
+        split = family.split(model) if family is not None and family.split is not None else None
+        try:
+            blocks = model_blocks(model, split)
+        except ValueError:
+            blocks = []  # a model without a blocks list: one unit (it cannot be pipelined or checkpointed anyway)
+        shards = shard_plan(model)
+        return blocks, shards, probe_activations(model, blocks, cfg.model.seq_len, shards)
+
+    # Sizes and activations: the weights' values do not matter, so TinyGPT and the Hugging Face families are
+    # built on the meta device (no memory, no values made: a model too big for this machine is refused here, not
+    # killed by the kernel as it is built), as fourfold plan --gpus builds them. A model of your own is built and
+    # run for real, as each of its ranks will build it: its forward failing (a meta tensor checks no index) is a
+    # refusal before launch.
+    meta = meta_model(cfg) if ":" not in t.model else None
+    model = meta if meta is not None else build_model(cfg, weights=False)
     try:
-        blocks = model_blocks(model, split)
-    except ValueError:
-        blocks = []  # a model without a blocks list: one unit (it cannot be pipelined or checkpointed anyway)
-    shards = shard_plan(model)
-    try:
-        probe = probe_activations(model, blocks, cfg.model.seq_len, shards)
+        blocks, shards, probe = probed(model)
     except Exception:
-        check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
+        if meta is None:
+            check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
         raise  # the estimate's own failure
 
     # "microbatches": the pipeline's, or without one gradient accumulation's (a rank holds one at a time)
