@@ -453,6 +453,21 @@ def test_plan_refuses_bad_flags(capsys):
         capsys.readouterr().err
 
 
+def test_plan_refuses_to_time_here_a_model_this_machine_cannot_hold_whole(capsys, monkeypatch):
+    """Timing units builds the whole model in the plan's own process: a 6.7 B-parameter Llama (its config class's
+    default) on a machine with 8 GB is refused, counted on the meta device, instead of being killed as it is
+    built."""
+    pytest.importorskip("transformers")
+    from fourfold.cli.plan import main
+    from fourfold.observe import estimate
+
+    monkeypatch.setattr(estimate, "per_rank_memory", lambda world_size, device="cpu": (8 * 2**30, "test"))
+    assert main(["--nproc", "2", "--model", "llama", "--batch-size", "8"]) == 2
+    assert "timing the model's units here builds it whole in this process, got 25.1 GB of parameters (and as much " \
+           "again of gradients) against the 8 GB this machine has available. Plan it on paper" in \
+        capsys.readouterr().err
+
+
 SMALL = ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--seq-len", "32", "--batch-size", "8"]
 
 

@@ -155,6 +155,26 @@ def check_memory(cfg: Any, world_size: int) -> str:
             f"{format_bytes(worst.total)} of {format_bytes(available)} ({where})")
 
 
+def _fits_whole_here(cfg: Any) -> None:
+    """Refuse to time a model's units on this machine (the whole model in one process, with a step's gradients)
+    when its parameters alone would take more than half the memory available: built for real, it would be killed
+    by the kernel, with no word. Counted on the meta device (TinyGPT, the Hugging Face families)."""
+    from fourfold.observe.estimate import per_rank_memory
+    from fourfold.preflight import meta_model
+    from fourfold.units import format_bytes
+
+    meta = meta_model(cfg) if ":" not in cfg.train.model else None
+    if meta is None:
+        return
+    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in meta.parameters()}.values())
+    available, _ = per_rank_memory(1)
+    if 2 * held > available:
+        raise ValueError(f"timing the model's units here builds it whole in this process, got {format_bytes(held)} of "
+                         f"parameters (and as much again of gradients) against the {format_bytes(available)} this "
+                         "machine has available. Plan it on paper, its units' times from their FLOPs: --gpus N "
+                         "(with --gpu-mem, --link), or size the model down with --model-config.")
+
+
 def _ranking(argv: list[str]) -> int:
     import argparse
 
@@ -226,6 +246,7 @@ def _ranking(argv: list[str]) -> int:
                 with torch.device("meta"):  # any size: nothing is allocated
                     model = build_model(cfg, device="meta")
         else:
+            _fits_whole_here(cfg)  # its units are timed here, on the whole model in this one process
             model = build_model(cfg, weights=False)
             cost_model = CostModel.load()
             links = Links(cost_model, cost_model, ranks_per_node=world, cores=os.cpu_count() or 1)
