@@ -113,6 +113,27 @@ def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any rank started
 
 
+def test_verify_is_refused_before_launch_where_its_whole_model_copies_would_not_fit():
+    """--verify K keeps K whole-model copies on rank 0 during the run, then trains the whole model in one process:
+    either overflowing is refused before launch (a rank 0 killed mid-run loses the run), naming the sizes."""
+    from fourfold.cli.args import parse_args
+    from fourfold.cli.plan import check_memory
+
+    def check(limit: str) -> str:
+        cfg = parse_args(["--nproc", "8", "--tp", "2", "--pp", "2", "--verify", "3", "--memory-limit", limit])
+        try:
+            return check_memory(cfg, 8)
+        except ValueError as e:
+            return str(e)
+
+    assert check("14MB").startswith("--verify 3 keeps the whole model after each of the first 3 steps on rank 0, "
+                                    "9.55 MB beside the 6.17 MB it trains with: 15.7 MB, more than the 14 MB each "
+                                    "rank has (--memory-limit). Pass a smaller --verify")
+    assert check("30MB").startswith("--verify 3 trains the whole model on the whole global batch in one process "
+                                    "after the run, 54.8 MB (estimated) beside the 9.55 MB it compares with")
+    assert check("80MB").startswith("memory per rank (estimated")
+
+
 def test_plan_memory_refuses_what_train_refuses(capsys, tmp_path):
     """plan --memory runs train's own checks before launch (preflight) first: it never says "fits" for a layout
     train refuses, and says it as train does, in one line."""

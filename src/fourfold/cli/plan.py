@@ -149,10 +149,37 @@ def check_memory(cfg: Any, world_size: int) -> str:
             f"{format_bytes(available)} each rank has ({where}); the largest term is {term}, {size}. Cheapest "
             f"change that fits: {fix}. See `fourfold plan --memory` with the same flags, or --no-memory-check to "
             "try anyway.")
+    if cfg.train.verify:
+        _check_verify_memory(cfg, rows, options, estimate, available, where)
     return (f"memory per rank (estimated, largest: pp rank {worst.pp_rank}): parameters "
             f"{format_bytes(worst.parameters)}, gradients {format_bytes(worst.gradients)}, optimiser "
             f"{format_bytes(worst.optimizer)}, activations {format_bytes(worst.activations)} = "
             f"{format_bytes(worst.total)} of {format_bytes(available)} ({where})")
+
+
+def _check_verify_memory(cfg: Any, rows: list[Any], options: dict[str, Any], estimate: Any, available: int,
+                         where: str) -> None:
+    """``--verify K`` keeps the whole model after each of the first K steps on rank 0 during the run, then trains
+    the whole model on the whole global batch in one process: refuse, before launch, either that would not fit
+    (rank 0 killed mid-run would lose the run)."""
+    from fourfold.units import format_bytes
+
+    k = cfg.train.verify
+    one = estimate({**options, "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0, "shards": None,
+                    "sequence_parallel": False, "checkpoint_every": 0})[0]
+    kept = k * one.parameters
+    machine, machine_where = _available(cfg, 1)
+    during, after = rows[0].total + kept, one.total + kept
+    fix = "Pass a smaller --verify, or verify the layout on a smaller model (the same layout, fewer layers)"
+    if during > available:
+        raise ValueError(f"--verify {k} keeps the whole model after each of the first {k} steps on rank 0, "
+                         f"{format_bytes(kept)} beside the {format_bytes(rows[0].total)} it trains with: "
+                         f"{format_bytes(during)}, more than the {format_bytes(available)} each rank has ({where}). "
+                         f"{fix}.")
+    if after > machine:
+        raise ValueError(f"--verify {k} trains the whole model on the whole global batch in one process after the "
+                         f"run, {format_bytes(one.total)} (estimated) beside the {format_bytes(kept)} it compares "
+                         f"with: more than the {format_bytes(machine)} available ({machine_where}). {fix}.")
 
 
 def _fits_whole_here(cfg: Any) -> None:
