@@ -26,9 +26,9 @@ import bisect
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -246,6 +246,14 @@ class DocumentLayout:
         T = d.size(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
         return ((d.unsqueeze(2) == d.unsqueeze(1)) & causal).unsqueeze(1)
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """What ``make`` makes of this layout (its mask within a window, in the form an attention reads), made once
+        and kept as long as the layout: every layer, and a recompute, asking for the same ``key`` reuses it."""
+        made = self.__dict__.setdefault("_derived", {})
+        if key not in made:
+            made[key] = make()
+        return made[key]
 
     def check(self, shape: torch.Size | tuple[int, ...], what: str) -> None:
         if tuple(shape) != tuple(self.documents.shape):

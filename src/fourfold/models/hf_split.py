@@ -91,7 +91,9 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     dtype = next(module.parameters()).dtype  # what the first layer's scores are computed in
 
     def read(window: int | None) -> torch.Tensor | None:
-        return as_read(config, windowed(mask, window, tokens, device), tokens, dtype, device)
+        kind = getattr(config, "_attn_implementation", None)
+        return layout.derived(("mask", window, kind, dtype), lambda: as_read(
+            config, windowed(mask, window, tokens, device), tokens, dtype, device))
 
     window = sliding_window(config)
     if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
@@ -106,8 +108,12 @@ def _mask(config: Any, h: torch.Tensor, window: int | None = None) -> torch.Tens
     """What a pipeline's piece passes a layer whose attention reads ``config`` on hidden states ``h``: the packed
     batch's mask (None: plain causal), within ``window``, in the form the attention reads (:func:`as_read`)."""
     layout = current_layout()
-    mask = windowed(layout.mask if layout is not None else None, window, h.size(1), h.device)
-    return as_read(config, mask, h.size(1), h.dtype, h.device)
+    tokens, dtype, device = h.size(1), h.dtype, h.device
+    if layout is None:  # plain causal: None for SDPA, a mask made once per size for eager attention
+        return as_read(config, windowed(None, window, tokens, device), tokens, dtype, device)
+    kind = getattr(config, "_attn_implementation", None)
+    return layout.derived(("mask", window, kind, dtype), lambda: as_read(  # once per micro-batch, not per layer
+        config, windowed(layout.mask, window, tokens, device), tokens, dtype, device))
 
 
 def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
