@@ -178,6 +178,15 @@ def test_bad_layouts_fail_before_any_process_starts(tmp_path, capsys, flags, mes
     assert time.perf_counter() - start < 5  # no process was spawned
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is a fine choice here")
+def test_cuda_on_a_machine_without_it_is_refused_first(tmp_path, capsys):
+    """Before the memory line and before any rank starts (each rank used to refuse it alike)."""
+    assert train_mod.main(["--out", str(tmp_path), *SMALL, "--nproc", "2", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert "device must be available, got 'cuda' on a machine without CUDA. Pass --device cpu" in err
+    assert "memory per rank" not in out + err
+
+
 def _listening_addresses(pids: set[int]) -> set[str]:
     """Local addresses of the TCP sockets in LISTEN state owned by ``pids``."""
     inodes = set()

@@ -28,6 +28,7 @@ from fourfold.checkpoint.resume import (
 from fourfold.config import Config
 from fourfold.data import is_token_file, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, written_by_a_run
+from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
 from fourfold.models import family_of, tensor_plan
 from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
@@ -44,6 +45,7 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     """Every check that needs no process group, so bad input fails before any process starts. ``scan_data``:
     read a token file once through for its largest id (the launcher does; its ranks need not)."""
     t = cfg.train
+    resolve_device(t.device)  # --device cuda on a machine without CUDA: refused first, not by every rank
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
     stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
     if mesh.pp == 1 and t.strategy == "model":
