@@ -32,7 +32,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from fourfold.observe.layouts import (
     cannot_run,
@@ -53,7 +53,7 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model, check_forward
-    from fourfold.observe.estimate import estimate_memory, probe_activations
+    from fourfold.observe.estimate import estimate_memory, per_rank_memory, probe_activations
     from fourfold.parallel.checkpointing import parse_policy
     from fourfold.preflight import meta_model
 
@@ -70,12 +70,15 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
         shards = shard_plan(model)
         return blocks, shards, probe_activations(model, blocks, cfg.model.seq_len, shards)
 
-    # Sizes and activations: the weights' values do not matter, so TinyGPT and the Hugging Face families are
-    # built on the meta device (no memory, no values made: a model too big for this machine is refused here, not
-    # killed by the kernel as it is built), as fourfold plan --gpus builds them. A model of your own is built and
-    # run for real, as each of its ranks will build it: its forward failing (a meta tensor checks no index) is a
-    # refusal before launch.
+    # Sizes and activations, from one sample run through the model. Built for real where it fits this machine
+    # whole: the activations its kernels keep, exactly, and its forward failing is a refusal before launch. A model
+    # that does not fit (TinyGPT, a Hugging Face family: their parameters counted on the meta device first) is
+    # probed on the meta device, as fourfold plan --gpus probes it, and refused here rather than killed by the
+    # kernel as it is built (a default-sized --model llama, 6.7 B parameters). A model of your own is always built
+    # for real, as each of its ranks will build it.
     meta = meta_model(cfg) if ":" not in t.model else None
+    if meta is not None and _whole_model_bytes(meta) * WHOLE_MODEL_TIMES.build <= per_rank_memory(1)[0]:
+        meta = None
     model = meta if meta is not None else build_model(cfg, weights=False)
     try:
         blocks, shards, probe = probed(model)
@@ -159,33 +162,59 @@ def check_memory(cfg: Any, world_size: int) -> str:
 
 def _check_verify_memory(cfg: Any, rows: list[Any], options: dict[str, Any], estimate: Any, available: int,
                          where: str) -> None:
-    """``--verify K`` keeps the whole model after each of the first K steps on rank 0 during the run, then trains
-    the whole model on the whole global batch in one process: refuse, before launch, either that would not fit
-    (rank 0 killed mid-run would lose the run)."""
+    """``--verify K`` gathers the whole model onto rank 0's host memory after each of the first K steps, during the
+    run, then trains the whole model on the whole global batch in one process on the CPU, keeping its own K + 1
+    states to compare: refuse, before launch, either that would not fit (rank 0 killed mid-run loses the run)."""
+    from fourfold.launch import resolve_device
+    from fourfold.observe.estimate import per_rank_memory
     from fourfold.units import format_bytes
 
-    k = cfg.train.verify
+    t = cfg.train
+    k = t.verify
     one = estimate({**options, "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0, "shards": None,
                     "sequence_parallel": False, "checkpoint_every": 0})[0]
     kept = k * one.parameters
-    machine, machine_where = _available(cfg, 1)
-    during, after = rows[0].total + kept, one.total + kept
+    on_gpu = resolve_device(t.device).type == "cuda"  # then the copies go to the host, beside nothing of the run's
+    if t.memory_limit is not None:  # the budget given, for every process
+        (host, host_where), (machine, machine_where) = (available, where), (available, where)
+    else:  # rank 0's share of this machine's memory (its GPU's on GPUs: the copies go to the host); the whole of it
+        host, host_where = per_rank_memory(cfg.launch.nproc, "cpu") if on_gpu else (available, where)
+        machine, machine_where = per_rank_memory(1, "cpu")  # after the run, the one process has the machine
+    during = kept + (0 if on_gpu else rows[0].total)
     fix = "Pass a smaller --verify, or verify the layout on a smaller model (the same layout, fewer layers)"
-    if during > available:
+    if during > host:
+        beside = "" if on_gpu else f" beside the {format_bytes(rows[0].total)} it trains with"
         raise ValueError(f"--verify {k} keeps the whole model after each of the first {k} steps on rank 0, "
-                         f"{format_bytes(kept)} beside the {format_bytes(rows[0].total)} it trains with: "
-                         f"{format_bytes(during)}, more than the {format_bytes(available)} each rank has ({where}). "
-                         f"{fix}.")
+                         f"{format_bytes(kept)}{beside}: {format_bytes(during)}, more than the {format_bytes(host)} "
+                         f"each rank has ({host_where}). {fix}.")
+    after = one.total + kept + (k + 1) * one.parameters  # the layout's K states and the re-run's own K + 1
     if after > machine:
         raise ValueError(f"--verify {k} trains the whole model on the whole global batch in one process after the "
-                         f"run, {format_bytes(one.total)} (estimated) beside the {format_bytes(kept)} it compares "
-                         f"with: more than the {format_bytes(machine)} available ({machine_where}). {fix}.")
+                         f"run, {format_bytes(one.total)} (estimated), and compares {2 * k + 1} whole copies of it "
+                         f"({format_bytes((2 * k + 1) * one.parameters)}): {format_bytes(after)}, more than the "
+                         f"{format_bytes(machine)} available ({machine_where}). {fix}.")
+
+
+class _WholeModelTimes(NamedTuple):
+    build: int  # the memory estimate's probe: the parameters, one sample's activations
+    train: int  # timing units: parameters, gradients and AdamW's two moments
+
+
+WHOLE_MODEL_TIMES = _WholeModelTimes(build=2, train=5)
+"""What building a whole model in this process takes, in multiples of its parameters' bytes (activations and
+what the process already holds in the margin)."""
+
+
+def _whole_model_bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters (a tied weight once), on any device, meta included."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _fits_whole_here(cfg: Any) -> None:
-    """Refuse to time a model's units on this machine (the whole model in one process, with a step's gradients)
-    when its parameters alone would take more than half the memory available: built for real, it would be killed
-    by the kernel, with no word. Counted on the meta device (TinyGPT, the Hugging Face families)."""
+    """Refuse to time a model's units on this machine (the whole model trained a few steps in one process:
+    parameters, gradients, AdamW's two moments, activations) where that would not fit the memory available:
+    built for real, it would be killed by the kernel, with no word. Counted on the meta device (TinyGPT, the
+    Hugging Face families)."""
     from fourfold.observe.estimate import per_rank_memory
     from fourfold.preflight import meta_model
     from fourfold.units import format_bytes
@@ -193,11 +222,12 @@ def _fits_whole_here(cfg: Any) -> None:
     meta = meta_model(cfg) if ":" not in cfg.train.model else None
     if meta is None:
         return
-    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in meta.parameters()}.values())
+    held = _whole_model_bytes(meta)
     available, _ = per_rank_memory(1)
-    if 2 * held > available:
-        raise ValueError(f"timing the model's units here builds it whole in this process, got {format_bytes(held)} of "
-                         f"parameters (and as much again of gradients) against the {format_bytes(available)} this "
+    if WHOLE_MODEL_TIMES.train * held > available:
+        raise ValueError(f"timing the model's units here trains it whole in this process, got {format_bytes(held)} "
+                         f"of parameters (with gradients and AdamW's two moments, about "
+                         f"{format_bytes(WHOLE_MODEL_TIMES.train * held)}) against the {format_bytes(available)} this "
                          "machine has available. Plan it on paper, its units' times from their FLOPs: --gpus N "
                          "(with --gpu-mem, --link), or size the model down with --model-config.")
 
@@ -533,6 +563,12 @@ def _main(argv: list[str] | None = None) -> int:
         term, size, fix = over
         print(f"  largest term: {term}, {size}; cheapest change that fits: {fix}")
         return 1
+    if t.verify:
+        try:
+            _check_verify_memory(cfg, rows, options, estimate, available, where)
+        except ValueError as e:
+            print(f"  but: {e}")
+            return 1
     return 0
 
 
