@@ -167,6 +167,25 @@ def test_verify_is_refused_before_launch_where_its_whole_model_copies_would_not_
     assert main(["--memory", "--nproc", "8", "--tp", "2", "--pp", "2", "--verify", "3", "--memory-limit", "30MB"]) == 1
 
 
+def test_an_estimate_that_cannot_run_the_model_is_one_line_in_plan_and_skipped_by_train(capsys, monkeypatch):
+    """A model the probe cannot run (transformers calling .item() on a meta tensor, for one): plan --memory says
+    so in one line, exit 2, and train's check says it skipped, rather than a traceback or a refusal."""
+    from fourfold.cli import plan
+    from fourfold.cli.args import parse_args
+    from fourfold.observe import estimate
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("cannot read a meta tensor's value")
+
+    monkeypatch.setattr(estimate, "probe_activations", fails)
+    assert plan.main(["--memory", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: the memory estimate could not run this model: RuntimeError: cannot " \
+        "read a meta tensor's value. fourfold train skips its check" in err, err
+    assert plan.check_memory(parse_args([]), 1) == "memory estimate skipped: RuntimeError: cannot read a meta " \
+        "tensor's value"
+
+
 def test_plan_memory_refuses_what_train_refuses(capsys, tmp_path):
     """plan --memory runs train's own checks before launch (preflight) first: it never says "fits" for a layout
     train refuses, and says it as train does, in one line."""

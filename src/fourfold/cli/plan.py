@@ -548,6 +548,11 @@ def _main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the estimate cannot read this model (train goes on without it): one line, not a trace
+        print(f"fourfold plan: error: the memory estimate could not run this model: {type(e).__name__}: {e}. "
+              "fourfold train skips its check for it (and says so); --no-memory-check skips it silently.",
+              file=sys.stderr)
+        return 2
     t = cfg.train
     available, where = _available(cfg, world)
     layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
