@@ -23,7 +23,7 @@ from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
 
 __all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "READS_MASKS", "as_read", "check_attention", "family_split",
-           "gpt2_split", "llama_split", "read_documents", "sliding_window", "windowed"]
+           "gpt2_split", "layer_mask", "llama_split", "read_documents", "sliding_window", "windowed"]
 
 
 _READING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward reads the layout already
@@ -62,21 +62,36 @@ def as_read(config: Any, mask: torch.Tensor | None, tokens: int, dtype: torch.dt
     ``config``'s attention implementation reads it: SDPA's as it is (None: its own causal flag); eager attention
     adds the mask to its scores, so 0 where a token may attend and ``dtype``'s lowest value elsewhere (what
     transformers' own eager masks hold), and always one, since it applies no causal mask of its own."""
-    if getattr(config, "_attn_implementation", None) != "eager":
+    return _in_form(getattr(config, "_attn_implementation", None), mask, tokens, dtype, torch.device(device))
+
+
+def _in_form(implementation: str | None, mask: torch.Tensor | None, tokens: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor | None:
+    if implementation != "eager":
         return mask
-    if mask is None:
-        return _eager_causal(tokens, dtype, torch.device(device))
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    keep = mask if mask is not None else torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()[None, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
 
 
-@functools.lru_cache(maxsize=2)
-def _eager_causal(tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, 1, T, T): 0 on and below the diagonal, ``dtype``'s lowest above it; made once per size and dtype (every
-    layer, micro-batch and recompute reads it; two kept, as a training run and its held-out loss may differ in
-    length: T^2 values each, 256 MB in float32 at T = 8192, what one layer's scores of one sample and head take)."""
-    above = torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(tokens, tokens, dtype=dtype, device=device).masked_fill_(above, torch.finfo(dtype).min)[None,
-                                                                                                                None]
+def layer_mask(config: Any, window: int | None, tokens: int, dtype: torch.dtype, device: Any) -> torch.Tensor | None:
+    """What a layer whose attention reads ``config`` is given: the packed batch's mask (none: plain causal),
+    within ``window``, in the form its attention reads (:func:`as_read`). Made once per packed batch (kept by its
+    layout), or once per size without one, not once per layer and micro-batch."""
+    layout, implementation = current_layout(), getattr(config, "_attn_implementation", None)
+    if layout is None:
+        return _unpacked(implementation, window, tokens, dtype, torch.device(device))
+    return layout.derived(("mask", window, implementation, dtype), lambda: _in_form(
+        implementation, windowed(layout.mask, window, tokens, device), tokens, dtype, torch.device(device)))
+
+
+@functools.lru_cache(maxsize=4)
+def _unpacked(implementation: str | None, window: int | None, tokens: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor | None:
+    """:func:`layer_mask` without a packed batch: SDPA's None (its causal flag) or window band, eager attention's
+    (T, T) additive mask. Four kept: each kind of layer (windowed or not), at a training run's length and its
+    held-out loss's (eager: T^2 values each, 256 MB in float32 at T = 8192, what one head's scores of one sample
+    take)."""
+    return _in_form(implementation, windowed(None, window, tokens, device), tokens, dtype, device)
 
 
 def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -86,34 +101,16 @@ def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return None
     check_attention(module, "a packed batch")
     config = getattr(module, "config", None)
-    mask: Any = layout.mask
-    tokens, device = mask.size(-1), mask.device
+    tokens, device = layout.mask.size(-1), layout.mask.device
     dtype = next(module.parameters()).dtype  # what the first layer's scores are computed in
-
-    def read(window: int | None) -> torch.Tensor | None:
-        kind = getattr(config, "_attn_implementation", None)
-        return layout.derived(("mask", window, kind, dtype), lambda: as_read(
-            config, windowed(mask, window, tokens, device), tokens, dtype, device))
-
     window = sliding_window(config)
+    mask: Any
     if window is not None and getattr(config, "model_type", None) in PER_LAYER_WINDOWS:  # a mask per kind of layer
-        mask = {kind: read(window if kind == "sliding_attention" else None)
+        mask = {kind: layer_mask(config, window if kind == "sliding_attention" else None, tokens, dtype, device)
                 for kind in set(config.layer_types)}  # type: ignore[union-attr]
     else:  # Mistral: every layer (no window: the mask as it is)
-        mask = read(window)
+        mask = layer_mask(config, window, tokens, dtype, device)
     return args, {**kwargs, "position_ids": layout.positions, "attention_mask": mask}
-
-
-def _mask(config: Any, h: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
-    """What a pipeline's piece passes a layer whose attention reads ``config`` on hidden states ``h``: the packed
-    batch's mask (None: plain causal), within ``window``, in the form the attention reads (:func:`as_read`)."""
-    layout = current_layout()
-    tokens, dtype, device = h.size(1), h.dtype, h.device
-    if layout is None:  # plain causal: None for SDPA, a mask made once per size for eager attention
-        return as_read(config, windowed(None, window, tokens, device), tokens, dtype, device)
-    kind = getattr(config, "_attn_implementation", None)
-    return layout.derived(("mask", window, kind, dtype), lambda: as_read(  # once per micro-batch, not per layer
-        config, windowed(layout.mask, window, tokens, device), tokens, dtype, device))
 
 
 def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -122,7 +119,7 @@ def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    out = layer(h, attention_mask=_mask(getattr(layer.attn, "config", None), h))
+    out = layer(h, attention_mask=layer_mask(getattr(layer.attn, "config", None), None, h.size(1), h.dtype, h.device))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -196,7 +193,8 @@ def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's and OLMo 3's, a frequency per kind of layer
     rope = rotary(h, pos, config.layer_types[attention.layer_idx]) if hasattr(rotary, "layer_types") else \
         rotary(h, pos)
-    return layer(h, attention_mask=_mask(config, h, window), position_embeddings=rope, position_ids=pos)
+    return layer(h, attention_mask=layer_mask(config, window, h.size(1), h.dtype, h.device), position_embeddings=rope,
+                 position_ids=pos)
 
 
 def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:
