@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -297,8 +297,15 @@ class VocabParallelEmbedding(nn.Module):
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}"))
 
 
-SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+class Sharded(Protocol):
+    """A module holding this rank's pieces of whole tensors, cut as its :meth:`layouts` say (these layers,
+    :class:`~fourfold.parallel.tensor.norm.ShardedRMSNorm`; the tuple of them: ``plan.SHARDED``)."""
+
+    rank: int
+    tp: int
+    weight: nn.Parameter
+
+    def layouts(self) -> dict[str, Layout]: ...
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -316,7 +323,7 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _from_linear(cls: type[Sharded], linear: nn.Module, group: Group, **kw: Any) -> Any:
+def _from_linear(cls: type[ColumnParallelLinear | RowParallelLinear], linear: nn.Module, group: Group, **kw: Any) -> Any:
     """A column- or row-parallel layer shaped like ``linear``, holding this rank's slice of its weights."""
     weight = linear.weight
     assert isinstance(weight, torch.Tensor)

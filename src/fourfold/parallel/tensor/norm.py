@@ -70,7 +70,7 @@ class ShardedRMSNorm(nn.Module):
         eps, arithmetic = numerics(norm)
         layer = cls(weight.numel(), group, eps=eps, arithmetic=arithmetic, device=weight.device, dtype=weight.dtype,
                     **kw)
-        _copy_shards(layer, norm)  # type: ignore[arg-type]
+        _copy_shards(layer, norm)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

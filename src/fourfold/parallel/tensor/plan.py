@@ -23,7 +23,6 @@ from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor.comm import Group, all_reduce
 from fourfold.parallel.tensor.layers import (
     REPLICATED,
-    SHARDED,
     ColumnParallelLinear,
     Layout,
     RowParallelLinear,
@@ -58,7 +57,8 @@ __all__ = [
 HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab", "colwise_gather_output": "head",
              "colwise_rep": "head", "replicate": None, "replicated_with_grad_allreduce": "partial"}
 STYLES = ("column", "column:<parts>", "row", "vocab", "head", "norm", "partial")
-_SHARDED = (*SHARDED, ShardedRMSNorm)  # every module holding a tensor-parallel piece: its layouts() say how
+SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ShardedRMSNorm)
+"""Every module that holds tensor-parallel pieces (a :class:`~fourfold.parallel.tensor.layers.Sharded`)."""
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str | None]:
@@ -129,7 +129,7 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
             continue
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
         linear = type(module) is nn.Linear or is_conv1d(module)
-        new: Sharded | ShardedRMSNorm
+        new: Sharded
         if kind == "norm":  # its features are a column layer's split output: the mean square over all of them
             new = ShardedRMSNorm.from_norm(module, group, tracer=tracer, site=name)
         elif kind in ("column", "head") and linear:
@@ -174,7 +174,7 @@ def shard_layouts(model: nn.Module) -> dict[str, Layout]:
     """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
     out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
     for prefix, module in model.named_modules():
-        if isinstance(module, _SHARDED):
+        if isinstance(module, SHARDED):
             for name, layout in module.layouts().items():
                 key = f"{prefix}.{name}" if prefix else name
                 if key in out:
