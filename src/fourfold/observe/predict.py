@@ -211,8 +211,8 @@ class ModelProfile:
     forward_collectives: tuple[int, ...]
     backward_collectives: tuple[int, ...]
     hidden_bytes: int
-    norm_collectives: tuple[int, ...] = ()  # per unit: norms over split features (style "norm"), one all-reduce
-    # of a float32 per token each, forward and again backward: latency more than bytes
+    norm_collectives: tuple[int, ...]  # per unit: norms over split features (style "norm"), one all-reduce of a
+    # float32 per token each, forward and again backward: latency more than bytes
 
     @classmethod
     def of(cls, model: nn.Module, blocks: list[nn.Module], seq_len: int, shards: Mapping[str, str] | None,
@@ -287,14 +287,17 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     per_unit = [elements(u) for u in units]
     per_node = links.ranks_per_node
     tp_link = links.node if L.tp <= per_node else links.network
-    allreduce = _ring(tp_link, profile.hidden_bytes * micro, itemsize, L.tp)
-    # its latency (alpha per step: the peer's arrival included) uses no core; copying and adding the bytes does
-    latency = min(allreduce, cost("ring", max(1, profile.hidden_bytes * micro // itemsize), itemsize, L.tp).steps
-                  * tp_link.alpha_s) if L.tp > 1 else 0.0
-    statistic = _ring(tp_link, 4 * profile.seq_len * micro, 4, L.tp)  # a norm's mean square: float32 per token
-    statistic_latency = min(statistic, cost("ring", max(1, profile.seq_len * micro), 4, L.tp).steps
-                            * tp_link.alpha_s) if L.tp > 1 else 0.0
-    norms = profile.norm_collectives or (0,) * n
+
+    def tp_allreduce(nbytes: int, size: int) -> tuple[float, float]:
+        """(its time, its latency) on the tp group's link: the latency (alpha per step: the peer's arrival
+        included) uses no core; copying and adding the bytes does."""
+        time = _ring(tp_link, nbytes, size, L.tp)
+        steps = cost("ring", max(1, nbytes // size), size, L.tp).steps
+        return time, min(time, steps * tp_link.alpha_s) if L.tp > 1 else 0.0
+
+    allreduce, latency = tp_allreduce(profile.hidden_bytes * micro, itemsize)  # a block's activation
+    statistic, statistic_latency = tp_allreduce(4 * profile.seq_len * micro, 4)  # a norm's mean square per token
+    norms = profile.norm_collectives
     costs = profile.costs
 
     def unit_time(op: str, u: int) -> tuple[float, float]:
