@@ -53,9 +53,8 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model, check_forward
-    from fourfold.observe.estimate import estimate_memory, per_rank_memory, probe_activations
+    from fourfold.observe.estimate import estimate_memory, probe_activations
     from fourfold.parallel.checkpointing import parse_policy
-    from fourfold.preflight import meta_model
 
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
@@ -76,9 +75,8 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     # probed on the meta device, as fourfold plan --gpus probes it, and refused here rather than killed by the
     # kernel as it is built (a default-sized --model llama, 6.7 B parameters). A model of your own is always built
     # for real, as each of its ranks will build it.
-    meta = meta_model(cfg) if ":" not in t.model else None
-    if meta is not None and _whole_model_bytes(meta) * WHOLE_MODEL_TIMES.build <= per_rank_memory(1)[0]:
-        meta = None
+    too_big = _too_big_here(cfg, WHOLE_MODEL_TIMES.build)
+    meta = too_big[0] if too_big is not None else None
     model = meta if meta is not None else build_model(cfg, weights=False)
     try:
         blocks, shards, probe = probed(model)
@@ -205,26 +203,30 @@ WHOLE_MODEL_TIMES = _WholeModelTimes(build=2, train=5)
 what the process already holds in the margin)."""
 
 
-def _whole_model_bytes(model: Any) -> int:
-    """Bytes of ``model``'s parameters (a tied weight once), on any device, meta included."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+def _too_big_here(cfg: Any, times: int) -> tuple[Any, int, int] | None:
+    """``(the model on the meta device, its parameters' bytes, this machine's available bytes)`` where ``times``
+    its parameters would not fit this machine's memory, else None: TinyGPT and the Hugging Face families, counted
+    on meta (nothing allocated). A model of your own is built for real as it is (its factory may read values)."""
+    from fourfold.observe.estimate import per_rank_memory
+    from fourfold.preflight import meta_model
+
+    meta = meta_model(cfg) if ":" not in cfg.train.model else None  # MODULE:FACTORY: yours
+    if meta is None:
+        return None
+    held = sum(p.numel() * p.element_size() for p in meta.parameters())  # a tied weight once
+    available, _ = per_rank_memory(1)
+    return (meta, held, available) if times * held > available else None
 
 
 def _fits_whole_here(cfg: Any) -> None:
     """Refuse to time a model's units on this machine (the whole model trained a few steps in one process:
     parameters, gradients, AdamW's two moments, activations) where that would not fit the memory available:
-    built for real, it would be killed by the kernel, with no word. Counted on the meta device (TinyGPT, the
-    Hugging Face families)."""
-    from fourfold.observe.estimate import per_rank_memory
-    from fourfold.preflight import meta_model
+    built for real, it would be killed by the kernel, with no word."""
     from fourfold.units import format_bytes
 
-    meta = meta_model(cfg) if ":" not in cfg.train.model else None
-    if meta is None:
-        return
-    held = _whole_model_bytes(meta)
-    available, _ = per_rank_memory(1)
-    if WHOLE_MODEL_TIMES.train * held > available:
+    too_big = _too_big_here(cfg, WHOLE_MODEL_TIMES.train)
+    if too_big is not None:
+        _, held, available = too_big
         raise ValueError(f"timing the model's units here trains it whole in this process, got {format_bytes(held)} "
                          f"of parameters (with gradients and AdamW's two moments, about "
                          f"{format_bytes(WHOLE_MODEL_TIMES.train * held)}) against the {format_bytes(available)} this "
