@@ -108,26 +108,28 @@ def numerics(norm: nn.Module) -> tuple[float | None, str]:
     eps = getattr(norm, "eps", None) if eps is None else eps  # None: nn.RMSNorm's, the input dtype's epsilon
     eps = None if eps is None else float(eps)
     gen = torch.Generator().manual_seed(0)
-    errors: dict[str, float] = {}
-    for dtype in (torch.float64, torch.bfloat16):
+    candidates = list(ARITHMETIC)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.bfloat16, 0.0)):
         probe = _copy(norm, dtype)
         probe_weight = probe.weight
         assert isinstance(probe_weight, torch.Tensor)
         probe_weight.copy_(torch.rand(weight.shape, generator=gen, dtype=torch.float64) + 0.5)
         x = torch.randn(3, weight.numel(), generator=gen, dtype=torch.float64).to(dtype)
         want = probe(x).double()
-        for arithmetic in ARITHMETIC if dtype == torch.float64 else [a for a in ARITHMETIC if a in errors]:
-            got = _rms_norm(x, probe_weight, eps, arithmetic, weight.numel(), lambda part: part).double()
-            errors[arithmetic] = ((got - want).abs().max() / want.abs().max()).item() if got.shape == want.shape \
-                else float("inf")
-        errors = {a: e for a, e in errors.items() if e <= (1e-12 if dtype == torch.float64 else 0.0)}
-        if len(errors) == 1 or (errors and dtype == torch.bfloat16):
-            return eps, next(iter(errors))
-        if not errors:
+        candidates = [a for a in candidates if _error(x, probe_weight, eps, a, want) <= tolerance]
+        if len(candidates) <= 1:
             break
+    if candidates:
+        return eps, candidates[0]
     raise ValueError(f"plan style 'norm' computes an RMSNorm, x / sqrt(mean(x^2) + eps) * weight, got a "
                      f"{type(norm).__name__} that computes otherwise on a test input. Gather its input whole "
                      "instead: shard the layer before it as 'head' (Hugging Face's colwise_gather_output)")
+
+
+def _error(x: torch.Tensor, weight: torch.Tensor, eps: float | None, arithmetic: str, want: torch.Tensor) -> float:
+    """How far ``arithmetic`` on ``x`` (all the features here) is from ``want``, relative to its largest value."""
+    got = _rms_norm(x, weight, eps, arithmetic, x.shape[-1], lambda part: part).double()
+    return ((got - want).abs().max() / want.abs().max()).item() if got.shape == want.shape else float("inf")
 
 
 def _copy(norm: nn.Module, dtype: torch.dtype) -> nn.Module:
