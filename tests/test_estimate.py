@@ -241,7 +241,7 @@ def test_draw_memory_draws_stacked_bars(tmp_path):
 
 def test_each_machine_shares_its_own_memory_among_its_own_ranks():
     from fourfold.cli.args import parse_args
-    from fourfold.cli.plan import _available
+    from fourfold.observe.fits import per_rank_budget as _available
 
     one = parse_args(["--nproc", "4"])
     assert _available(one, 4)[1] == "the machine's available memory / 4 rank(s)"

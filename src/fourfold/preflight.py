@@ -259,7 +259,7 @@ def _default_size_note(cfg: Config) -> None:
 def _memory_line(cfg: Config, world_size: int) -> None:
     """Before launch: each rank's memory, estimated; a layout that would not fit is refused (ValueError)."""
     if cfg.train.memory_check:
-        from fourfold.cli.plan import check_memory
+        from fourfold.observe.fits import check_memory
 
         print(f"fourfold train: {check_memory(cfg, world_size)}", flush=True)
 

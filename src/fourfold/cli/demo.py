@@ -262,7 +262,7 @@ MEMORY = {  # name: flags (2 data-parallel ranks each)
 def _memory(root: Path, steps: int = 3) -> int:
     """Part 5: one model, four layouts: what a rank holds, estimated before launch and measured."""
     from fourfold.cli.args import parse_args
-    from fourfold.cli.plan import layout_memory
+    from fourfold.observe.fits import layout_memory
     from fourfold.observe.visualize import MEMORY_TERMS, draw_memory
     from fourfold.train import main as train_main
 
