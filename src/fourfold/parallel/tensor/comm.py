@@ -8,8 +8,8 @@ function                     forward                   backward                 
 ===========================  ========================  ========================  =======================
 ``copy_to_tp``  (f)          identity                  all-reduce (sum)          before a column layer
 ``reduce_from_tp``  (g)      all-reduce (sum)          identity                  after a row layer
-``gather_from_tp``           all-gather, last dim      keep own slice            ``gather_output``
-``split_to_tp``              keep own slice, last dim  all-gather                row layer, full input
+``gather_from_tp``           all-gather, a dim         keep own slice            ``gather_output``; SP end
+``split_to_tp``              keep own slice, a dim     all-gather                row, full input; SP start
 ``gather_sequence``          all-gather, sequence dim  reduce-scatter            before column (SP)
 ``reduce_scatter_sequence``  reduce-scatter, seq. dim  all-gather                after row (SP)
 ``sum_over_tp``              all-reduce (sum)          all-reduce (sum)          a norm over split features
@@ -112,7 +112,9 @@ def all_reduce(x: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = d
 
 def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
                phase: Phase = "forward", site: str = "") -> torch.Tensor:
-    """[x_0, x_1, ..., x_{p-1}] concatenated along ``dim`` (every rank's x has the same shape)."""
+    """[x_0, x_1, ..., x_{p-1}] concatenated along ``dim`` (every rank's x has the same shape), contiguous: its
+    readers (q, k and v of one gathered input) then share one copy, where each would make its own of a strided
+    one, and save it for backward."""
     p = dist.get_world_size(group)
     if p == 1:
         return x
@@ -120,7 +122,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
     with _span(tracer, "all_gather", front, group, phase, site):
         _wait(_all_gather_single(out, front, group=group, async_op=True), "all-gather", front, group, phase, site)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
@@ -169,25 +171,25 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, -1, group, tracer=tracer, phase="forward", site=site)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group, tracer=tracer, phase="forward", site=site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return split(grad, -1, ctx.group), None, None, None
+        return split(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _SplitToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
-        ctx.group, ctx.tracer, ctx.site = group, tracer, site
-        return split(x, -1, group)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, tracer: Tracer | None, site: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tracer, ctx.site = dim, group, tracer, site
+        return split(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out = all_gather(grad, -1, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
-        return out, None, None, None
+        out = all_gather(grad, ctx.dim, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
+        return out, None, None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -244,15 +246,18 @@ def reduce_from_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = Non
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group, tracer, site)
 
 
-def gather_from_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None,
+def gather_from_tp(x: torch.Tensor, group: Group, *, dim: int = -1, tracer: Tracer | None = None,
                    site: str = "") -> torch.Tensor:
-    """[x_0 ... x_{p-1}] along the last dim forward; backward keeps this rank's slice of the gradient."""
-    return x if dist.get_world_size(group) == 1 else _GatherFromTP.apply(x, group, tracer, site)
+    """[x_0 ... x_{p-1}] along ``dim`` forward; backward keeps this rank's slice of the gradient (which every rank
+    holds whole: what follows is replicated, or ends in an f that all-reduces)."""
+    return x if dist.get_world_size(group) == 1 else _GatherFromTP.apply(x, dim, group, tracer, site)
 
 
-def split_to_tp(x: torch.Tensor, group: Group, *, tracer: Tracer | None = None, site: str = "") -> torch.Tensor:
-    """This rank's slice of the last dim forward; backward all-gathers the gradient."""
-    return x if dist.get_world_size(group) == 1 else _SplitToTP.apply(x, group, tracer, site)
+def split_to_tp(x: torch.Tensor, group: Group, *, dim: int = -1, tracer: Tracer | None = None,
+                site: str = "") -> torch.Tensor:
+    """This rank's slice of ``dim`` forward (of a tensor every rank holds whole); backward all-gathers the
+    gradient."""
+    return x if dist.get_world_size(group) == 1 else _SplitToTP.apply(x, dim, group, tracer, site)
 
 
 def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, tracer: Tracer | None = None,

@@ -130,7 +130,9 @@ class ColumnParallelLinear(nn.Module):
     Rank i's weight is rows [i out/p, (i+1) out/p) of W. The input X (B, T, in) is replicated, passed through f
     (dL/dX = sum_i dL/dY_i A_i^T is all-reduced in backward); the output is Y_i (B, T, out/p), or with
     ``gather_output`` [Y_1 ... Y_p] (B, T, out). ``sequence_parallel``: X arrives as this rank's sequence shard
-    (B, T/p, in) and is all-gathered first (dL/dX reduce-scattered back). ``parts`` > 1: A is ``parts`` blocks
+    (B, T/p, in) and is all-gathered first (dL/dX reduce-scattered back); ``region_input``: X arrives through its
+    module's entry (:func:`~fourfold.parallel.tensor.regions.shard_regions`: one f, or one all-gather, for q, k and
+    v), which sums dL/dX over the ranks itself, so no f here. ``parts`` > 1: A is ``parts`` blocks
     side by side (fused q, k, v: parts=3; of unequal widths: their proportions, as ``(2, 1, 1)``), each split p
     ways, so Y_i = [X A^(1)_i ... X A^(parts)_i].
     ``transposed``: the weight is stored as A itself, (in, out/p), as GPT-2's ``Conv1D`` keeps it, so the
@@ -140,9 +142,9 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
                  parts: int | tuple[int, ...] = 1,
-                 gather_output: bool = False, sequence_parallel: bool = False, tracer: Tracer | None = None,
-                 site: str = "", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 transposed: bool = False, head: bool = False) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False, region_input: bool = False,
+                 tracer: Tracer | None = None, site: str = "", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, transposed: bool = False, head: bool = False) -> None:
         super().__init__()
         self.rank, self.tp = _tp(group)
         parts = fused(parts)
@@ -153,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.parts = in_features, out_features, parts
         self.group, self.tracer, self.site = group, tracer, site
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.transposed, self.head = transposed, head
+        self.region_input, self.transposed, self.head = region_input, transposed, head
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         shape = (in_features, out_features // self.tp) if transposed else (out_features // self.tp, in_features)
         self.weight = nn.Parameter(torch.empty(shape, **kw))  # (out/p, in), or (in, out/p) transposed
@@ -173,14 +175,17 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"tracer": self.tracer, "site": self.site}
-        x = gather_sequence(x, self.group, **kw) if self.sequence_parallel else copy_to_tp(x, self.group, **kw)
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.group, **kw)
+        elif not self.region_input:
+            x = copy_to_tp(x, self.group, **kw)
         y = _linear(x, self.weight, self.bias, self.transposed)  # (B, T, out/p)
         return gather_from_tp(y, self.group, **kw) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp}), "
                 f"parts={self.parts}, sequence_parallel={self.sequence_parallel}"
-                + (", transposed" if self.transposed else "") + (", head" if self.head else ""))
+                + (", region_input" if self.region_input else "") + (", transposed" if self.transposed else "") + (", head" if self.head else ""))
 
 
 class RowParallelLinear(nn.Module):
