@@ -272,6 +272,9 @@ def test_a_norm_over_split_features_costs_a_small_all_reduce_forward_and_backwar
     blocks = list(m.model.layers)
     prof = ModelProfile.of(m, blocks, 16, plan(m), block_costs(4))
     assert prof.norm_collectives == (0, 2, 2, 2, 2, 0)  # q_norm and k_norm in each block
+    # one f before the attention's q, k, v and one before the MLP's gate, up, as the regions' entries all-reduce
+    # (test_your_model checks the run's own); the embedding and the two row layers each forward, the head backward
+    assert prof.backward_collectives == (0, 2, 2, 2, 2, 1) and prof.forward_collectives == (1, 2, 2, 2, 2, 0)
     slow = predict(prof, Layout(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
     one = allreduce_time(LINK, "ring", prof.hidden_bytes * 8 // 4, 4, 2)
     statistic = allreduce_time(LINK, "ring", 16 * 8, 4, 2)  # a float32 per token of the 8 x 16

@@ -56,6 +56,7 @@ from fourfold.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from fourfold.parallel.tensor.norm import ShardedRMSNorm
+from fourfold.parallel.tensor.regions import shard_regions
 from fourfold.testing import run_ranks
 
 F64 = torch.float64
@@ -730,9 +731,63 @@ def _misplaced_heads(ctx) -> list[str]:
     return got
 
 
+class _Block(nn.Module):
+    """A block whose MLP is a module of its own (``mlp``), or, ``flat``, whose linear layers are the block's own."""
+
+    def __init__(self, flat: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        if flat:
+            self.fc, self.act, self.proj = mlp
+        else:
+            self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + (self.proj(self.act(self.fc(h))) if hasattr(self, "fc") else self.mlp(h))
+
+
+def _sequence_refusals(group) -> list[str]:
+    """shard_regions under sequence parallelism on models it cannot run: blocks that are no list, linear layers directly in a block, a row
+    layer whose module gathers nothing."""
+    got = []
+    cases = [(nn.ModuleDict({"blocks": nn.Sequential(_Block()), "norm": nn.LayerNorm(16)}), {"blocks.0.mlp.0": "column",
+              "blocks.0.mlp.2": "row"}),
+             (nn.ModuleDict({"blocks": nn.ModuleList([_Block(flat=True)]), "norm": nn.LayerNorm(16)}),
+              {"blocks.0.fc": "column", "blocks.0.proj": "row"}),
+             (nn.ModuleDict({"blocks": nn.ModuleList([_Block()]), "norm": nn.LayerNorm(16)}),
+              {"blocks.0.mlp.2": "row"})]
+    for model, plan in cases:
+        tensor_parallel(model.double(), plan, group)
+        try:
+            shard_regions(model, group, blocks="blocks", norm="norm", sequence_parallel=True)
+            got.append("sharded")
+        except ValueError as e:
+            got.append(str(e))
+    return got
+
+
+def _refused_plans(ctx) -> tuple[list[str], list[str]]:
+    return _misplaced_heads(ctx), _sequence_refusals(Mesh(tp=2).build(30).tp_group)
+
+
+@functools.cache
+def _refused() -> list[tuple[list[str], list[str]]]:
+    return run_ranks(_refused_plans, 2, timeout_s=90)
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallelism_around_blocks_it_cannot_run_is_refused_naming_the_module():
+    for _, (no_list, flat, lone_row) in _refused():
+        assert "got 'blocks': Sequential. Name the nn.ModuleList of its blocks" in no_list, no_list
+        assert "got blocks.0.fc directly in the block blocks.0" in flat, flat
+        assert "got blocks.0.mlp.2 with no column layer beside it" in lone_row, lone_row
+
+
 @pytest.mark.timeout(120)
 def test_a_plan_whose_logits_reach_the_loss_split_or_whole_by_mistake_is_refused():
-    for messages in run_ranks(_misplaced_heads, 2, timeout_s=90):
+    for messages, _ in _refused():
         split, whole = messages
         assert "the tensor-parallel ranks of one replica compute different logits (shape (1, 8, 32)" in split, split
         assert "Mark that layer 'head'" in split

@@ -1,7 +1,7 @@
 """Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
 Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, Phi-3, OLMo 2, OLMo 3 and
-SmolLM3 (tiny configs, float64, 3 AdamW steps), and GPT-2 with eager attention, each equal to the same model trained in
-one process: the losses and every parameter, by the model's own names, to 1e-9 (the parameters of the Gemmas and the
+SmolLM3 (tiny configs, float64, 3 AdamW steps), and GPT-2 with eager attention, also under sequence parallelism (each
+family at tp2; four across a pipeline and beside dp), each equal to the same model trained in one process: the losses and every parameter, by the model's own names, to 1e-9 (the parameters of the Gemmas and the
 OLMos, whose norms compute in float32, to 1e-6; an OLMo at tp, whose sharded q/k norms add float32 halves, to 1e-7
 in its losses and 3e-5 in its parameters).
 
@@ -13,6 +13,7 @@ key/value heads) or the split-logits loss.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -24,6 +25,7 @@ from fourfold.loss import lm_loss
 from fourfold.models import GPTConfig
 from fourfold.models.hf import FLOAT32_NORMS
 from fourfold.models.hf_plan import QK_NORMS_OVER_HEADS
+from fourfold.observe.trace import Tracer
 from fourfold.parallel.pipeline.blocks import output_tensor
 from fourfold.testing import run_ranks
 from helpers import batches, max_error, optimizer, shard
@@ -88,9 +90,18 @@ LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
              "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"}),
              "model parallel": (1, 1, 2, {"strategy": "model"})}
 LAYOUTS_4 = {"dp2 x tp2": (2, 2, 1, {}), "tp2 x pp2": (1, 2, 2, {"schedule": "1f1b"})}
+# sequence parallelism: every family at tp2 (the MLP, a {module: style} mapping with no blocks, is refused it), and
+# across a pipeline and beside dp for the families whose blocks differ most: GPT-2's Conv1D, Phi-3's fused
+# projections, Gemma 3's four norms a layer and capped logits, OLMo 3's q/k norms sharded with the heads
+SP = {"sequence_parallel": True}
+LAYOUTS_SP = {2: {"tp2 sp": (1, 2, 1, SP)},
+              4: {"tp2 x pp2 sp": (1, 2, 2, {"schedule": "1f1b", **SP}), "dp2 x tp2 sp": (2, 2, 1, SP)}}
+MODELS_SP = {2: [m for m in MODELS if m != "mlp"], 4: ["gpt2", "phi3", "gemma3_text", "olmo3"]}
 # one model more in one layout more: OLMo 2's sharded q/k norms all-reduce in backward, which zero-bubble splits
 # into B (input gradients: the norms' all-reduces run there) and W (weight gradients)
-EXTRA = {2: [], 4: [("olmo2", "tp2 x pp2 zb", (1, 2, 2, {"schedule": "zb"}))]}
+EXTRA = {2: [], 4: [("olmo2", "tp2 x pp2 zb", (1, 2, 2, {"schedule": "zb"})),
+                    *((m, label, layout) for m in MODELS_SP[4] for label, layout in LAYOUTS_SP[4].items())]}
+EXTRA[2] += [(m, label, layout) for m in MODELS_SP[2] for label, layout in LAYOUTS_SP[2].items()]
 
 
 def build(name: str) -> nn.Module:
@@ -110,7 +121,8 @@ def build(name: str) -> nn.Module:
 
 def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:
     ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
-    engine = parallelize(build(name), ranks, microbatches=MICRO, timeout_s=30, **options)
+    tracer = Tracer(ctx.rank)
+    engine = parallelize(build(name), ranks, microbatches=MICRO, timeout_s=30, tracer=tracer, **options)
     opt = optimizer(engine.parameters())
     losses = []
     for x, y in batches(DATA):
@@ -120,8 +132,12 @@ def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict)
         losses.append(loss.item())
     state = engine.state_dict()
     held = engine.counters()["parameter_bytes"]
+    ops = collections.Counter((s.args.get("phase"), s.name) for s in tracer.spans if s.name.startswith("tp."))
+    sends = [s.bytes for s in tracer.spans if s.name == "send"]
+    backward = {s.args.get("site") for s in tracer.spans if s.name == "tp.all_reduce" and s.args.get("phase") == "backward"}
     return {"label": f"{name} {label}", "losses": losses, "state": state if ctx.rank == 0 else None,
-            "sharded": held["sharded"], "held": held["total"], "tp": tp, "pp": pp}
+            "sharded": held["sharded"], "held": held["total"], "tp": tp, "pp": pp, "ops": ops,
+            "sent": max(sends, default=0), "backward": backward}
 
 
 def _all(ctx, layouts: dict) -> list[dict]:
@@ -170,6 +186,25 @@ def _check(world: int, index: int) -> None:
     assert (got["sharded"] > 0) == (got["tp"] > 1), (got["label"], got["sharded"])
     if got["tp"] > 1 or got["pp"] > 1:
         assert got["held"] < whole, f"{got['label']}: rank 0 holds {got['held']} of {whole} bytes"
+    if got["tp"] > 1 and family != "mlp" and not got["label"].endswith(" sp"):  # attention and the MLP each all-reduce their input's gradient once,
+        # not once per column layer (q, k and v; gate and up): what reaches them inside is a sum over the heads
+        within = [site.rpartition(".")[2] for site in got["backward"] if ".layers." in site or ".h." in site]
+        assert within and set(within) <= {"self_attn", "mlp", "attn", "q_norm", "k_norm"}, (got["label"], within)
+    if got["label"].endswith(" sp"):
+        _check_sequence_parallel(got, next(r for r in per_rank[0] if r["label"] == got["label"][:-3]))
+
+
+def _check_sequence_parallel(got: dict, plain: dict) -> None:
+    """Sequence parallelism really ran, beside the same model and layout without it: each block's forward
+    all-reduce became a reduce-scatter, with the all-gathers before the regions, and a pipeline's stages send
+    half the activation (each rank's T/2 tokens)."""
+    ops, was = got["ops"], plain["ops"]
+    scatters = ops[("forward", "tp.reduce_scatter")]
+    assert scatters > 0 and was[("forward", "tp.reduce_scatter")] == 0, (got["label"], ops)
+    assert was[("forward", "tp.all_reduce")] - ops[("forward", "tp.all_reduce")] == scatters, (got["label"], ops, was)
+    assert ops[("forward", "tp.all_gather")] >= scatters, (got["label"], ops)
+    if got["pp"] > 1:
+        assert 0 < got["sent"] < plain["sent"] * 0.6, (got["label"], got["sent"], plain["sent"])
 
 
 CASES = [(world, i, f"{m} {lab}") for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4))

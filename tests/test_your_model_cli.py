@@ -216,7 +216,11 @@ def test_a_split_on_your_model_must_be_a_split():
      "in GPT-2. Pass --seq-len 16"),
     ("gpt2", ["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual", "3", "--microbatches", "2"],
      "stages must be at most the model's blocks (embedding, 2 layers, head), got pp*virtual=6 > 4"),
-    ("gpt2", ["--nproc", "2", "--tp", "2", "--sequence-parallel"], "sequence_parallel is TinyGPT's"),
+    ("gpt2", ["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     "seq_len must be divisible by tp with sequence parallelism (each rank keeps T/tp tokens), got seq_len=15 and "
+     "tp=2. Pass --seq-len 14"),
+    ("my_model:build", ["--nproc", "2", "--tp", "2", "--sequence-parallel"],
+     "sequence_parallel is TinyGPT's and the Hugging Face families'"),
     ("my_model:build", ["--vocab-size", "100"], "got vocab_size=100 in my_model:build. Build the model with a "
      "vocabulary of 256 (or more): its factory's keyword, in --model-config"),
     ("my_model:build", ["--seq-len", "32"], "model 'my_model:build': its forward on one sequence of --seq-len 32 "

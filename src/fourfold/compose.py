@@ -65,6 +65,7 @@ from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     heads,
     shard_layouts,
+    shard_regions,
     sum_partial_grads,
     tensor_parallel,
     vocab_parallel_cross_entropy,
@@ -178,9 +179,13 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 pieces = resolve_split(model, split, examples[0])
         # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
         if m.tp > 1:
-            model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel, tracer)
+            sites = family.regions(model) if family is not None and family.regions is not None else None
+            model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel and not sites, tracer)
             if family is not None and family.fixups is not None:
                 family.fixups(model, m.tp)
+            if sites is not None:  # attention and MLP entered once each; sequence parallelism around them
+                shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1],
+                              sequence_parallel=sequence_parallel, tracer=tracer)
         every = parse_policy(activation_checkpointing)
         if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
             checkpoint_blocks(model_blocks(model, split), every, capture_layout)

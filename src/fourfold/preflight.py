@@ -33,6 +33,7 @@ from fourfold.mesh import Mesh
 from fourfold.models import family_of, tensor_plan
 from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
 from fourfold.models.gpt_plan import check_tinygpt_tp
+from fourfold.models.hf import FAMILIES
 from fourfold.parallel.pipeline.blocks import block_paths
 from fourfold.parallel.pipeline.split import named_blocks
 from fourfold.parallel.schedule import pipeline_schedule
@@ -55,9 +56,14 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
                          "--sequence-parallel.")
     if t.model == "tinygpt":
         check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
-    elif t.sequence_parallel:
-        raise ValueError(f"sequence_parallel is TinyGPT's (its plan runs norms and dropout on sequence shards), "
-                         f"got model={t.model!r}. Drop --sequence-parallel.")
+    elif t.sequence_parallel and t.model not in FAMILIES:
+        raise ValueError(f"sequence_parallel is TinyGPT's and the Hugging Face families' (their plans run norms "
+                         f"and residuals on sequence shards), got model={t.model!r}. Drop --sequence-parallel.")
+    elif t.sequence_parallel and cfg.model.seq_len % mesh.tp:
+        fit = cfg.model.seq_len - cfg.model.seq_len % mesh.tp
+        raise ValueError(f"seq_len must be divisible by tp with sequence parallelism (each rank keeps T/tp tokens), "
+                         f"got seq_len={cfg.model.seq_len} and tp={mesh.tp}. Pass --seq-len {fit or mesh.tp}, or "
+                         "drop --sequence-parallel.")
     info = check_model(cfg, mesh.tp, stages)  # heads, blocks, positions: before any process starts
     meta = functools.cache(functools.partial(meta_model, cfg))  # built once, for the checks that read shapes
     resume = resume_from(cfg)  # the checkpoint this run starts from, if any (its manifest read once)
@@ -246,7 +252,7 @@ def _default_size_note(cfg: Config) -> None:
     model transformers' config class describes by default (LlamaConfig's 6.7 B parameters): say so first, and how
     to size it, before the memory estimate says whether it fits."""
     from fourfold.models.build import model_config_path
-    from fourfold.models.hf import FAMILIES, causal_lm_class
+    from fourfold.models.hf import causal_lm_class
 
     t = cfg.train
     if t.model in FAMILIES and model_config_path(t) is None:

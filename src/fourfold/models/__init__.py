@@ -30,8 +30,10 @@ class Family:
     ``fn(model, group, *, sequence_parallel, tracer)``), its pipeline ``split`` (None: the model lists its
     blocks itself), ``check(model, tp, pp)`` run before anything is cut, ``fixups(model, tp)`` after sharding,
     ``examples``:
-    inputs showing the dims that may vary, and ``documents(model)``, which makes the model keep packed
-    documents apart (positions and attention read :func:`fourfold.data.packing.current_layout`)."""
+    inputs showing the dims that may vary, ``documents(model)``, which makes the model keep packed
+    documents apart (positions and attention read :func:`fourfold.data.packing.current_layout`), and
+    ``regions(model)``: its blocks and final norm by name, around which its plan's column -> row modules are
+    entered once each and sequence parallelism runs (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
 
     name: str
     plan: Callable[[nn.Module], Mapping[str, str] | Callable[..., nn.Module]] | None = None
@@ -40,6 +42,7 @@ class Family:
     fixups: Callable[[nn.Module, int], None] | None = None
     examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
     documents: Callable[[nn.Module], None] | None = None
+    regions: Callable[[nn.Module], tuple[str, str]] | None = None
 
 
 def _reads_documents(model: nn.Module) -> None:
@@ -87,7 +90,7 @@ def _hf(name: str) -> Family:
             hf.check_attention(model, f"a pipeline (pp={pp})")
 
     return Family(name, plan=hf.plan, split=hf.family_split, check=check, fixups=hf.shard_fixups, examples=hf.examples,
-                  documents=hf.read_documents)
+                  documents=hf.read_documents, regions=hf.block_sites)
 
 
 def family_of(model: nn.Module) -> Family | None:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from fourfold.models.hf_plan import GPT2_PLAN, fused_plan, plan, shard_fixups
+from fourfold.models.hf_plan import GPT2_PLAN, block_sites, fused_plan, plan, shard_fixups
 from fourfold.models.hf_split import (
     EVERY_LAYER_WINDOWS,
     PER_LAYER_WINDOWS,
@@ -73,7 +73,7 @@ __all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOA
            "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf",
            "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split",
            "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
-           "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
+           "prepare", "read_documents", "seeded", "block_sites", "shard_fixups", "sizes", "sliding_window", "windowed"]
 
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),
@@ -216,13 +216,14 @@ def sizes(config: Any) -> Sizes:
 
 
 def examples(model: nn.Module) -> list[torch.Tensor]:
-    """Two id batches differing in batch size and length (random ids, from a generator of their own)."""
+    """Two id batches differing in batch size and length (random ids, from a generator of their own): lengths of
+    powers of two, T and T/2, which sequence parallelism's shards divide (up to tp = 8)."""
     config: Any = model.config
-    T = max(2, min(sizes(config).positions, 16))
+    T = 1 << max(1, min(sizes(config).positions, 16).bit_length() - 1)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(config.vocab_size, (1, T), generator=gen).to(device),
-            torch.randint(config.vocab_size, (2, T - 1), generator=gen).to(device)]
+            torch.randint(config.vocab_size, (2, T // 2), generator=gen).to(device)]
 
 
 def build_hf(family: str, config_path: str | os.PathLike[str] | None = None, *, seed: int = 0,

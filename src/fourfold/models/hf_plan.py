@@ -19,7 +19,7 @@ from torch import nn
 
 from fourfold.parallel.tensor.layers import ColumnParallelLinear
 
-__all__ = ["GPT2_PLAN", "fused_plan", "plan", "shard_fixups"]
+__all__ = ["GPT2_PLAN", "fused_plan", "plan", "block_sites", "shard_fixups"]
 
 
 GPT2_PLAN = {
@@ -30,6 +30,12 @@ GPT2_PLAN = {
     "transformer.h.*.mlp.c_proj": "row",
     "lm_head": "head",  # tied to wte: both split by vocabulary rows
 }
+
+
+def block_sites(model: nn.Module) -> tuple[str, str]:
+    """The family's blocks, and the norm between the last one and the head: where its attention and MLP are
+    entered once each, and sequence parallelism runs (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
+    return ("transformer.h", "transformer.ln_f") if _kind(model) == "gpt2" else ("model.layers", "model.norm")
 
 
 def _kind(model: nn.Module) -> str | None:
@@ -93,12 +99,11 @@ def _scaled_embedding_plan(carried: dict[str, str], model: nn.Module, group: Any
                            tracer: Any) -> nn.Module:
     """Gemma's plan: its token embedding multiplies what it looks up by ``embed_scale`` (sqrt(hidden_size)), in a
     subclass of ``nn.Embedding`` the vocabulary-parallel style does not take as it is. The table is sharded as a
-    plain embedding's (tied to the head still), and the scale applied to the summed lookup, as Gemma's does."""
+    plain embedding's (tied to the head still), and the scale applied to the summed lookup, as Gemma's does.
+    ``sequence_parallel`` is applied after (:func:`~fourfold.parallel.tensor.regions.shard_regions`), the
+    embedding's output whole as without it."""
     from fourfold.parallel.tensor import tensor_parallel
 
-    if sequence_parallel:
-        raise ValueError("sequence_parallel needs a model-family plan that runs its non-parallel parts on sequence "
-                         "shards, got Gemma's {module: style} plan. Drop sequence_parallel.")
     scaled: Any = model.get_submodule("model.embed_tokens")
     plain = nn.Embedding(scaled.num_embeddings, scaled.embedding_dim, scaled.padding_idx, device="meta",
                          dtype=scaled.weight.dtype)

@@ -21,6 +21,7 @@ from torch import nn
 from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
 from fourfold.parallel.pipeline.blocks import Split
+from fourfold.parallel.tensor.regions import full_length
 
 __all__ = ["EVERY_LAYER_WINDOWS", "PER_LAYER_WINDOWS", "READS_MASKS", "as_read", "check_attention", "family_split",
            "gpt2_split", "layer_mask", "llama_split", "read_documents", "sliding_window", "windowed"]
@@ -119,7 +120,8 @@ def _gpt2_before(m: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _gpt2_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    out = layer(h, attention_mask=layer_mask(getattr(layer.attn, "config", None), None, h.size(1), h.dtype, h.device))
+    tokens = full_length(layer, h)  # h's sequence, or its shard under sequence parallelism
+    out = layer(h, attention_mask=layer_mask(getattr(layer.attn, "config", None), None, tokens, h.dtype, h.device))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -188,13 +190,23 @@ def _llama_block(m: Any, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     attention: Any = layer.self_attn  # a piece of the pipeline holds the layers, not the model: its config is theirs
     config: Any = getattr(attention, "config", None)
     window = sliding_window(config, getattr(attention, "layer_idx", None))
-    pos = position_ids(h)
-    pos = pos.unsqueeze(0) if pos.dim() == 1 else pos  # (1, T), or (B, T) restarting at each packed document
+    tokens = full_length(layer, h)  # h's sequence, or its shard under sequence parallelism
+    pos = _positions(h, tokens)  # (1, T), or (B, T) restarting at each packed document
     rotary = m.model.rotary_emb  # (cos, sin): no parameters; Gemma 3's and OLMo 3's, a frequency per kind of layer
     rope = rotary(h, pos, config.layer_types[attention.layer_idx]) if hasattr(rotary, "layer_types") else \
         rotary(h, pos)
-    return layer(h, attention_mask=layer_mask(config, window, h.size(1), h.dtype, h.device), position_embeddings=rope,
+    return layer(h, attention_mask=layer_mask(config, window, tokens, h.dtype, h.device), position_embeddings=rope,
                  position_ids=pos)
+
+
+def _positions(h: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The positions of a sequence of ``tokens`` (h's, or the whole one h is a shard of): (1, T), or the packed
+    batch's (B, T), each token's offset in its document."""
+    layout = current_layout()
+    if layout is None:
+        return torch.arange(tokens, device=h.device).unsqueeze(0)
+    layout.check((h.size(0), tokens), "the hidden states")
+    return layout.positions
 
 
 def _llama_after(m: Any, h: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ The model (docs/simulator.md):
   (:mod:`fourfold.observe.costs`). The pipeline cuts the
   units into stages as the runtime does (by parameter count); a split backward gives W the share timed for it.
 * **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
-  layer forward and per column-parallel layer or head backward, ring-costed on the node's link; its α steps
+  layer forward and per column-parallel layer (per module holding them, where one f serves them all: a Hugging
+  Face family's attention and MLP) or head backward, ring-costed on the node's link; its α steps
   wait without a core, its bytes are copied and added by one.
 * **pipeline**: :func:`~fourfold.parallel.schedule.simulate` runs the schedule with every action's own cost
   and one point-to-point message (α + bytes·β) between ranks: the makespan and the bubble.
@@ -221,17 +222,31 @@ class ModelProfile:
         in_block = [{id(m) for m in b.modules()} for b in blocks]
         fwd, bwd, norms = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
         seen_block = False
-        for m in model.modules():
+        once = _regions_entered_once(model)
+        entered: set[str] = set()  # the f before column layers: one per module holding them, where it is shared
+        for name, m in model.named_modules():
             u = next((i + 1 for i, ids in enumerate(in_block) if id(m) in ids), None)
             seen_block = seen_block or u is not None
             unit = u if u is not None else (len(blocks) + 1 if seen_block else 0)
             kind = kinds.get(id(m))
             fwd[unit] += kind in ("row", "vocab")
-            bwd[unit] += kind in ("column", "head")
+            if kind in ("column", "head"):
+                region = name.rpartition(".")[0] if once and u is not None else name
+                bwd[unit] += region not in entered
+                entered.add(region)
             norms[unit] += kind == "norm"
         probe = probe_activations(model, blocks, seq_len, shards, loss_fn)
         return cls(model, blocks, seq_len, shards, costs, probe, tuple(fwd), tuple(bwd), max(probe.inputs),
                    tuple(norms))
+
+
+def _regions_entered_once(model: nn.Module) -> bool:
+    """Whether tensor parallelism enters each module holding a block's column layers once (one f for q, k and v:
+    :func:`~fourfold.parallel.tensor.regions.shard_regions`, the Hugging Face families'), not once per layer."""
+    from fourfold.models import family_of
+
+    family = family_of(model)
+    return family is not None and family.regions is not None
 
 
 def _ring(link: CostModel, nbytes: float, itemsize: int, ranks: int, node_size: int | None = None) -> float:

@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-LM): ``comm`` (the conjugate collectives f/g and the sequence-parallel pair),
 ``layers`` (column/row-parallel linear, vocabulary-parallel embedding), ``loss`` (cross-entropy of sharded
-logits), ``plan`` (shard a model by ``{module: style}``, gather it whole). Knows no model: TinyGPT's plan is
+logits), ``plan`` (shard a model by ``{module: style}``, gather it whole), ``regions`` (each column -> row module entered
+once, and sequence parallelism around them). Knows no model: TinyGPT's plan is
 :mod:`fourfold.models.gpt_plan`.
 """
 
@@ -35,6 +36,7 @@ from fourfold.parallel.tensor.plan import (
     sync_replicated_grads,
     tensor_parallel,
 )
+from fourfold.parallel.tensor.regions import shard_regions
 
 __all__ = [
     "REPLICATED",
@@ -57,6 +59,7 @@ __all__ = [
     "parameter_bytes",
     "shard",
     "shard_layouts",
+    "shard_regions",
     "sum_partial_grads",
     "sync_replicated_grads",
     "tensor_parallel",
