@@ -99,7 +99,10 @@ LAYOUTS_SP = {2: {"tp2 sp": (1, 2, 1, SP)},
 MODELS_SP = {2: [m for m in MODELS if m != "mlp"], 4: ["gpt2", "phi3", "gemma3_text", "olmo3"]}
 # one model more in one layout more: OLMo 2's sharded q/k norms all-reduce in backward, which zero-bubble splits
 # into B (input gradients: the norms' all-reduces run there) and W (weight gradients)
+# with sequence parallelism too, where W must not all-gather again what B gathered (a row layer's output gradient)
 EXTRA = {2: [], 4: [("olmo2", "tp2 x pp2 zb", (1, 2, 2, {"schedule": "zb"})),
+                    ("olmo2", "tp2 x pp2 sp", (1, 2, 2, {"schedule": "1f1b", **SP})),
+                    ("olmo2", "tp2 x pp2 zb sp", (1, 2, 2, {"schedule": "zb", **SP})),
                     *((m, label, layout) for m in MODELS_SP[4] for label, layout in LAYOUTS_SP[4].items())]}
 EXTRA[2] += [(m, label, layout) for m in MODELS_SP[2] for label, layout in LAYOUTS_SP[2].items()]
 
@@ -142,7 +145,31 @@ def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict)
 
 def _all(ctx, layouts: dict) -> list[dict]:
     return [*(_train(ctx, name, label, *layout) for name in MODELS for label, layout in layouts.items()),
-            *(_train(ctx, name, label, *layout) for name, label, layout in EXTRA[ctx.world_size])]
+            *(_train(ctx, name, label, *layout) for name, label, layout in EXTRA[ctx.world_size]),
+            {"label": "refused", "messages": _refused(ctx) if ctx.world_size == 2 else []}]
+
+
+def _refused(ctx) -> list[str]:
+    """A family's model with a plan of yours (here the MLP's only) under sequence parallelism: refused, as any
+    {module: style} plan is, where the family's own plan splits every attention it would gather for."""
+    mlp = {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+           "model.layers.*.mlp.down_proj": "row"}
+    got = []
+    try:
+        parallelize(build("llama"), Mesh(tp=2).build(30), tp_plan=mlp, sequence_parallel=True, timeout_s=30)
+        got.append("parallelized")
+    except ValueError as e:
+        got.append(str(e))
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sequence_parallelism_with_a_plan_of_yours_is_refused():
+    for per_rank in _spawn(2):
+        (message,) = per_rank[-1]["messages"]
+        assert "sequence_parallel needs a model-family plan" in message and "{module: style} mapping" in message, \
+            message
 
 
 @functools.cache
@@ -192,6 +219,10 @@ def _check(world: int, index: int) -> None:
         assert within and set(within) <= {"self_attn", "mlp", "attn", "q_norm", "k_norm"}, (got["label"], within)
     if got["label"].endswith(" sp"):
         _check_sequence_parallel(got, next(r for r in per_rank[0] if r["label"] == got["label"][:-3]))
+    if got["label"].endswith(" zb sp"):  # the split backward gathers as often as the one it splits
+        fused = next(r for r in per_rank[0] if r["label"] == got["label"].replace(" zb", ""))
+        key = ("backward", "tp.all_gather")
+        assert got["ops"][key] == fused["ops"][key] > 0, (got["label"], got["ops"], fused["ops"])
 
 
 def _check_sequence_parallel(got: dict, plain: dict) -> None:

@@ -102,6 +102,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     under tensor parallelism its vocabulary-parallel twin reads split logits, while a ``loss_fn`` of yours is
     given them whole (gathered).
 
+    ``sequence_parallel`` (tp > 1): the norms, residuals and dropout between the tensor-parallel regions run on
+    each rank's T/tp tokens (Megatron's): TinyGPT's plan runs it itself, a Hugging Face family's blocks get it
+    around their attention and MLP (:func:`~fourfold.parallel.tensor.regions.shard_regions`); a ``{module:
+    style}`` plan of your own refuses it.
+
     BatchNorm under dp > 1 normalises each rank's shard on its own (a warning names the layers);
     ``sync_batchnorm=True`` takes the statistics over the whole batch instead
     (:class:`~fourfold.parallel.batchnorm.SyncBatchNorm`, CPU and GPU), equal to one process.
@@ -172,14 +177,15 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         pieces, examples = None, None
         if m.pp > 1:
             if split is not None:
-                examples = _examples(model, example, family)
+                examples = _examples(model, example, family, m.tp if sequence_parallel else 1)
                 if not examples:
                     raise ValueError("a split is checked on an example input, got example=None. Pass "
                                      "example=<one micro-batch of inputs> to parallelize")
                 pieces = resolve_split(model, split, examples[0])
         # 1. tensor: shard the matmuls over tp; the sharded model's own loss is the vocabulary-parallel one.
         if m.tp > 1:
-            sites = family.regions(model) if family is not None and family.regions is not None else None
+            # the family's own plan: its attention and MLP are regions (a plan of yours may split them otherwise)
+            sites = family.regions(model) if tp_plan is None and family is not None and family.regions else None
             model = _apply_tensor(model, ranks.tp_group, tp_plan, sequence_parallel and not sites, tracer)
             if family is not None and family.fixups is not None:
                 family.fixups(model, m.tp)
@@ -280,13 +286,15 @@ def _sums(p: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
     return total, squares
 
 
-def _examples(model: nn.Module, example: torch.Tensor | None, family: Any) -> list[torch.Tensor] | None:
+def _examples(model: nn.Module, example: torch.Tensor | None, family: Any,
+              multiple: int = 1) -> list[torch.Tensor] | None:
     """Inputs to run ``model`` on, first the one a check uses: ``example`` and a batch of two of it, its
-    family's, or its own ``example_inputs()``; None when there is none."""
+    family's (cut to lengths of a ``multiple``: sequence parallelism's tp), or its own ``example_inputs()``; None
+    when there is none."""
     if example is not None:
         return [example, torch.cat([example, example])]
     if family is not None and family.examples is not None:
-        return list(family.examples(model))
+        return [x[:, :max(multiple, x.size(1) - x.size(1) % multiple)] for x in family.examples(model)]
     own = getattr(model, "example_inputs", None)
     return list(own()) if callable(own) else None
 

@@ -124,7 +124,8 @@ def shard_fixups(model: nn.Module, tp: int) -> None:
     family = _kind(model)
     module: Any
     for module in model.modules():
-        if family == "gpt2" and hasattr(module, "split_size") and hasattr(module, "c_attn"):
+        if family == "gpt2" and hasattr(module, "split_size") and isinstance(getattr(module, "c_attn", None),
+                                                                             ColumnParallelLinear):
             module.split_size //= tp
             module.num_heads //= tp
         elif family == "phi3" and isinstance(getattr(module, "qkv_proj", None), ColumnParallelLinear) \

@@ -55,6 +55,7 @@ from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.memory import parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Tracer
+from fourfold.parallel import split_backward
 from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads, weight_grads_are_local
 from fourfold.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Links, PipelineError, describe
 from fourfold.parallel.pipeline.split import Balance, Stage, TensorSpec, plan, split_model
@@ -362,11 +363,12 @@ class Pipeline:
         try:
             if self.schedule.split_backward:  # activation gradients only; the graph stays for W
                 roots = ([held.input] if needs_input else []) + [c.output for c in held.calls]
-                grads = activation_grads(held.output, grad, roots)
+                with split_backward.phase("B") as gathered:  # collectives on W's paths keep their results
+                    grads = activation_grads(held.output, grad, roots)
                 dx = grads[0] if needs_input else None
                 held.call_grads = list(grads[1 if needs_input else 0:])
                 held.grad = grad
-                kept = sum(g.nbytes for g in held.call_grads if g is not None)  # held until W
+                kept = sum(g.nbytes for g in held.call_grads if g is not None) + gathered.bytes  # held until W
                 held.nbytes += kept
                 self._s.held_bytes += kept
                 self._s.peak_bytes = max(self._s.peak_bytes, self._s.held_bytes)
@@ -386,10 +388,11 @@ class Pipeline:
     def _weight(self, a: Action) -> None:
         held = self._s.held[(a.stage, a.microbatch)]
         t0 = time.perf_counter_ns()
-        if held.calls:  # each module's weight gradient from its own output gradient: the matmuls B skipped
-            weight_grads(held.calls, held.call_grads)
-        elif self._params[a.stage]:  # walk the stage again, towards the parameters only
-            torch.autograd.backward(held.output, held.grad, inputs=self._params[a.stage])
+        with split_backward.phase("W"):  # B's results of the collectives on these paths, not new ones
+            if held.calls:  # each module's weight gradient from its own output gradient: the matmuls B skipped
+                weight_grads(held.calls, held.call_grads)
+            elif self._params[a.stage]:  # walk the stage again, towards the parameters only
+                torch.autograd.backward(held.output, held.grad, inputs=self._params[a.stage])
         self._trace_compute(a, t0)
         self._release(a)
 

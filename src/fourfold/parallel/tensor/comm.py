@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from fourfold.comm.wait import bounded_wait, default_timeout_s, group_ranks
 from fourfold.observe.trace import Tracer
+from fourfold.parallel.split_backward import kept_for_weights
 
 __all__ = [
     "Phase",
@@ -112,9 +113,7 @@ def all_reduce(x: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = d
 
 def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
                phase: Phase = "forward", site: str = "") -> torch.Tensor:
-    """[x_0, x_1, ..., x_{p-1}] concatenated along ``dim`` (every rank's x has the same shape), contiguous: its
-    readers (q, k and v of one gathered input) then share one copy, where each would make its own of a strided
-    one, and save it for backward."""
+    """[x_0, x_1, ..., x_{p-1}] concatenated along ``dim`` (every rank's x has the same shape)."""
     p = dist.get_world_size(group)
     if p == 1:
         return x
@@ -122,7 +121,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))
     with _span(tracer, "all_gather", front, group, phase, site):
         _wait(_all_gather_single(out, front, group=group, async_op=True), "all-gather", front, group, phase, site)
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group, *, tracer: Tracer | None = None,
@@ -197,7 +196,9 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, tracer: Tracer | None,
                 site: str) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.tracer, ctx.site = dim, group, tracer, site
-        return all_gather(x, dim, group, tracer=tracer, phase="forward", site=site)
+        # contiguous: its readers (q, k and v of one gathered input) then share one copy, where each would make
+        # its own of a strided one, and save it for backward
+        return all_gather(x, dim, group, tracer=tracer, phase="forward", site=site).contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -214,7 +215,9 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out = all_gather(grad, ctx.dim, ctx.group, tracer=ctx.tracer, phase="backward", site=ctx.site)
+        # on the path from a row layer's output to its weight: a split backward's W reuses B's all-gather
+        out = kept_for_weights(ctx, lambda: all_gather(grad, ctx.dim, ctx.group, tracer=ctx.tracer,
+                                                      phase="backward", site=ctx.site))
         return out, None, None, None, None
 
 

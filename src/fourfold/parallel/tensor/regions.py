@@ -76,6 +76,11 @@ def shard_regions(model: nn.Module, group: Group, *, blocks: str, norm: str, seq
         if not sequence_parallel:
             return model
         raise
+    empty = [f"{blocks}.{i}" for i, regions in enumerate(found) if not regions]
+    if sequence_parallel and empty:  # its attention would run on this rank's tokens only
+        raise ValueError(f"sequence parallelism gathers the sequence for each block's tensor-parallel modules, got "
+                         f"{', '.join(empty[:4])} with no column layer. Shard each block's attention and MLP "
+                         "(the family's own plan does), or drop sequence_parallel")
     enter = gather_sequence if sequence_parallel else copy_to_tp
     for i, regions in enumerate(found):
         for name, region in regions.items():
