@@ -56,9 +56,6 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
                          "--sequence-parallel.")
     if t.model == "tinygpt":
         check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
-    elif t.sequence_parallel and t.model not in FAMILIES:
-        raise ValueError(f"sequence_parallel is TinyGPT's and the Hugging Face families' (their plans run norms "
-                         f"and residuals on sequence shards), got model={t.model!r}. Drop --sequence-parallel.")
     elif t.sequence_parallel and cfg.model.seq_len % mesh.tp:
         fit = cfg.model.seq_len - cfg.model.seq_len % mesh.tp
         raise ValueError(f"seq_len must be divisible by tp with sequence parallelism (each rank keeps T/tp tokens), "
@@ -193,6 +190,11 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
         family = family_of(model)
     except TypeError as e:  # a fourfold_split that is not a Split
         raise ValueError(f"model {cfg.train.model!r}: {e}") from None
+    if cfg.train.sequence_parallel and (family is None or family.regions is None) and \
+            (family is None or family.name != "tinygpt"):  # a factory may return one of fourfold's families
+        raise ValueError(f"sequence_parallel is TinyGPT's and the Hugging Face families' (their plans run norms "
+                         f"and residuals on sequence shards and know where attention mixes them), got model "
+                         f"{cfg.train.model!r}, a {type(model).__name__}. Drop --sequence-parallel.")
     if mesh.tp > 1:
         plan = tensor_plan(model)  # a model with none is refused, naming fourfold_tp_plan
         if isinstance(plan, Mapping):
