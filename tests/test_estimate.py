@@ -32,12 +32,14 @@ LAYOUTS = [  # (label, dp, tp, pp, options)
     ("dp4 zero1", 4, 1, 1, {"zero": 1}),
     ("dp4 zero3", 4, 1, 1, {"zero": 3}),
     ("dp4 checkpointing", 4, 1, 1, {"activation_checkpointing": "full"}),
+    ("dp2 tp2", 2, 2, 1, {}),  # the norms' and residuals' tensors whole on both tp ranks
     ("dp2 tp2 sp", 2, 2, 1, {"sequence_parallel": True}),
     ("dp2 tp2 sp zero2", 2, 2, 1, {"sequence_parallel": True, "zero": 2}),
     ("dp2 pp2 gpipe", 2, 1, 2, {"schedule": "gpipe"}),
     ("dp2 pp2 1f1b", 2, 1, 2, {"schedule": "1f1b"}),
     ("dp2 pp2 interleaved", 2, 1, 2, {"schedule": "interleaved"}),
     ("dp2 pp2 zb zero1", 2, 1, 2, {"schedule": "zb", "zero": 1}),
+    ("tp2 pp2 1f1b", 1, 2, 2, {"schedule": "1f1b"}),
     ("tp2 pp2 1f1b sp", 1, 2, 2, {"schedule": "1f1b", "sequence_parallel": True}),
 ]
 MICRO = 4
@@ -155,7 +157,7 @@ def test_verify_is_refused_before_launch_where_its_whole_model_copies_would_not_
             return str(e)
 
     assert check("14MB").startswith("--verify 3 keeps the whole model after each of the first 3 steps on rank 0, "
-                                    "9.55 MB beside the 5.67 MB it trains with: 15.2 MB, more than the 14 MB each "
+                                    "9.55 MB beside the 5.93 MB it trains with: 15.5 MB, more than the 14 MB each "
                                     "rank has (--memory-limit). Pass a smaller --verify")
     # the layout's 3 copies and the re-run's own 4 (its start and each step's), beside its training
     assert check("30MB").startswith("--verify 3 trains the whole model on the whole global batch in one process "
@@ -268,3 +270,24 @@ def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
     assert rows == estimate(options)
     if flags.get("schedule") == "gpipe":  # GPipe holds every micro-batch's activations: more than 1F1B's peak
         assert rows[0].activations > estimate({**options, "schedule": "1f1b"})[0].activations
+
+
+def test_sequence_parallelism_is_the_cheapest_change_under_tp_where_it_fits():
+    """Under tp, sequence parallelism splits what a block saves outside attention and the MLP (its norms and
+    residuals), which tp alone keeps whole: where that is the difference, it is the change suggested, before
+    activation checkpointing's extra forward; a model of your own, which cannot run it, is never told to."""
+    from fourfold.cli.args import parse_args
+    from fourfold.observe.fits import layout_memory, overflow
+
+    def largest(*flags: str) -> int:
+        rows, _, _ = layout_memory(parse_args(["--nproc", "2", "--tp", "2", *flags]), 2)
+        return max(r.total for r in rows)
+
+    plain, split = largest(), largest("--sequence-parallel")
+    assert split < plain
+    rows, options, estimate = layout_memory(parse_args(["--nproc", "2", "--tp", "2"]), 2)
+    between = (plain + split) // 2
+    _, _, fix = overflow(rows, between, options, estimate, sequence_parallel=True)
+    assert fix.startswith("--sequence-parallel (largest rank then"), fix
+    _, _, fix = overflow(rows, between, options, estimate)
+    assert fix.startswith("--activation-checkpointing full"), fix

@@ -41,6 +41,7 @@ from fourfold.observe.fits import (
     layout_memory,
     overflow,
     per_rank_budget,
+    runs_sequence_parallel,
     too_big_here,
 )
 from fourfold.observe.layouts import (
@@ -399,11 +400,12 @@ def _main(argv: list[str] | None = None) -> int:
         f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else
         f" grad-accum {options['microbatches']}" if options["microbatches"] > 1 else "") + (
         f" zero={options['zero']}" if options["zero"] else "") + (
-        f" checkpointing={t.activation_checkpointing}" if options["checkpoint_every"] else "")
+        f" checkpointing={t.activation_checkpointing}" if options["checkpoint_every"] else "") + (
+        " sequence-parallel" if options["sequence_parallel"] else "")
     print(f"memory per rank, {t.model} on {world} rank(s), {layout}, batch {t.batch_size} x {cfg.model.seq_len}, "
           f"{t.dtype}:")
     print(format_estimate(rows, available, where))
-    over = overflow(rows, available, options, estimate)
+    over = overflow(rows, available, options, estimate, sequence_parallel=runs_sequence_parallel(cfg))
     if over is not None:
         term, size, fix = over
         print(f"  largest term: {term}, {size}; cheapest change that fits: {fix}")

@@ -16,8 +16,8 @@ Per rank (one row per pipeline rank: data-parallel replicas and tensor-parallel 
 * **activations**: one forward of the whole model on one sample (zeros, ``seq_len`` long, on the CPU) records
   the bytes autograd saves inside each block (and, for checkpointed blocks, their input: all they keep). A
   micro-batch of b samples saves b times that (every saved tensor of a transformer grows with the batch); under
-  tensor parallelism each rank holds 1/tp of it (exact with sequence parallelism; without it the layer norms'
-  inputs are whole on every tp rank, so the estimate is low there). Without a pipeline a rank holds one
+  tensor parallelism each rank holds 1/tp of it, but for the column layers' inputs and, without sequence
+  parallelism, what a block saves outside its attention and MLP (norms, residuals), which stay whole. Without a pipeline a rank holds one
   forward of its B/dp samples (B/dp/k with k micro-batches of gradient accumulation: ``microbatches`` says k
   there); with one, the schedule's peak of micro-batches in flight on that rank
   (:func:`~fourfold.parallel.schedule.peak_in_flight`: until W for zero-bubble) times its stages' share.
@@ -69,14 +69,23 @@ class RankMemory:
 @dataclass(frozen=True)
 class Probe:
     """One sample's forward, per unit (``[before the blocks, *blocks, after them]``): bytes saved for backward,
-    of which ``whole`` were saved by column-parallel layers (their input, whole on every tp rank), the unit's
-    input bytes (what a checkpointed unit keeps), and its parametrized layers' output bytes (what zero-bubble
-    keeps from B to W: those outputs' gradients)."""
+    of which ``whole`` were saved by column-parallel layers (their input, whole on every tp rank) and ``outside``
+    by a block outside its tensor-parallel regions (the modules holding its column layers: attention, the MLP),
+    which tp leaves whole and sequence parallelism splits (its norms, residuals); the unit's input bytes (what a
+    checkpointed unit keeps), and its parametrized layers' output bytes (what zero-bubble keeps from B to W:
+    those outputs' gradients)."""
 
     saved: tuple[int, ...]
     whole: tuple[int, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    outside: tuple[int, ...]
+
+    def per_sample(self, u: int, tp: int, sequence_parallel: bool) -> int:
+        """Unit ``u``'s bytes saved on one tp rank for one sample: column layers' inputs whole, and the block's
+        work outside its regions whole unless ``sequence_parallel`` splits it; the rest split by tp."""
+        whole = self.whole[u] + (0 if sequence_parallel else self.outside[u])
+        return whole + (self.saved[u] - whole) // tp
 
 
 def _units(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Parameter]]:
@@ -141,26 +150,33 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
 
     params = {key_of(p) for p in model.parameters()}
     n = len(blocks) + 2
-    saved, whole, inputs, outputs = ([0] * n for _ in range(4))
+    saved, whole, inputs, outputs, outside = ([0] * n for _ in range(5))
     unit = [0]
     stack: list[bool] = []  # per module entered: is it column-parallel (its saved input stays whole)?
     seen: set[int] = set()
     column = {i for i, kind in _kinds(model, shards).items() if kind in ("column", "head")}
+    regions = _regions(blocks, column)
+    depth = [0]  # regions entered
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = key_of(t)
         if key not in params and key not in seen:
             seen.add(key)
-            saved[unit[0]] += t.untyped_storage().nbytes()
+            nbytes = t.untyped_storage().nbytes()
+            saved[unit[0]] += nbytes
             if stack and stack[-1]:
-                whole[unit[0]] += t.untyped_storage().nbytes()
+                whole[unit[0]] += nbytes
+            elif regions and 0 < unit[0] < n - 1 and not depth[0]:
+                outside[unit[0]] += nbytes
         return t
 
     def enter(module: nn.Module, args: Any) -> None:
         stack.append(id(module) in column)
+        depth[0] += id(module) in regions
 
     def leave(module: nn.Module, args: Any, out: Any) -> None:
         stack.pop()
+        depth[0] -= id(module) in regions
         if isinstance(out, torch.Tensor) and next(module.parameters(recurse=False), None) is not None:
             outputs[unit[0]] += out.numel() * out.element_size()
 
@@ -190,7 +206,21 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
         model.train(was)
         for h in handles:
             h.remove()
-    return Probe(tuple(saved), tuple(whole), tuple(inputs), tuple(outputs))
+    return Probe(tuple(saved), tuple(whole), tuple(inputs), tuple(outputs), tuple(outside))
+
+
+def _regions(blocks: list[nn.Module], column: set[int]) -> set[int]:
+    """id() of each block's tensor-parallel regions: the modules directly holding its column layers, when none
+    is the block itself (else the block has no regions to tell apart, and nothing counts as outside them)."""
+    out: set[int] = set()
+    for block in blocks:
+        for name, module in block.named_modules():
+            if id(module) in column:
+                parent = name.rpartition(".")[0]
+                if not parent:
+                    return set()
+                out.add(id(block.get_submodule(parent)))
+    return out
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -284,9 +314,9 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     checkpointed = {1 + i for i in range(len(blocks)) if checkpoint_every and i % checkpoint_every == 0}
     per_sample = [0] * n
     kept_for_w = [0] * n
-    if probe is not None:  # under tp: column layers' inputs whole, the rest split (exact with sequence parallelism)
+    if probe is not None:  # under tp: column layers' inputs, and without sequence parallelism norms, whole
         per_sample = [probe.inputs[u] // (tp if sequence_parallel else 1) if u in checkpointed else
-                      probe.whole[u] + (probe.saved[u] - probe.whole[u]) // tp for u in range(n)]
+                      probe.per_sample(u, tp, sequence_parallel) for u in range(n)]
         kept_for_w = [o // tp for o in probe.outputs]
     rows = []
     if pp == 1:
@@ -341,14 +371,17 @@ def format_estimate(rows: list[RankMemory], available: int | None = None, where:
     return "\n".join(lines)
 
 
-def suggest(estimate: Any, available: int, options: dict[str, Any]) -> str:
+def suggest(estimate: Any, available: int, options: dict[str, Any], *, sequence_parallel: bool = False) -> str:
     """The cheapest change to ``options`` (estimate_memory's keyword arguments) that fits ``available``, in
-    order of what it costs: a higher ZeRO stage (communication only), activation checkpointing (one more
-    forward), more micro-batches (a smaller micro-batch: the pipeline's, or gradient accumulation's), a smaller
-    batch; else more tensor/pipeline ranks."""
+    order of what it costs: a higher ZeRO stage (communication only), sequence parallelism under tp where the
+    model runs it (``sequence_parallel``: the bytes tp moves anyway, in twice the collectives), activation
+    checkpointing (one more forward), more micro-batches (a smaller micro-batch: the pipeline's, or gradient
+    accumulation's), a smaller batch; else more tensor/pipeline ranks."""
     tries: list[tuple[str, dict[str, Any]]] = []
     if options.get("dp", 1) > 1:
         tries += [(f"--zero {z}", {"zero": z}) for z in range(options.get("zero", 0) + 1, 4)]
+    if sequence_parallel and options.get("tp", 1) > 1 and not options.get("sequence_parallel"):
+        tries.append(("--sequence-parallel", {"sequence_parallel": True}))
     if not options.get("checkpoint_every"):
         tries.append(("--activation-checkpointing full", {"checkpoint_every": 1}))
     m = options.get("microbatches", 1)  # without a pipeline: gradient accumulation's

@@ -12,7 +12,7 @@ import os
 from typing import Any, NamedTuple
 
 __all__ = ["WHOLE_MODEL_TIMES", "check_memory", "check_verify_memory", "layout_memory", "overflow", "per_rank_budget",
-           "too_big_here"]
+           "runs_sequence_parallel", "too_big_here"]
 
 
 def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any], Any]:
@@ -82,10 +82,10 @@ def per_rank_budget(cfg: Any, world_size: int) -> tuple[int, str]:
     return per_rank_memory(here, "cuda" if t.device == "cuda" else "cpu")
 
 
-def overflow(rows: list[Any], available: int, options: dict[str, Any],
-              estimate: Any) -> tuple[str, str, str] | None:
+def overflow(rows: list[Any], available: int, options: dict[str, Any], estimate: Any, *,
+             sequence_parallel: bool = False) -> tuple[str, str, str] | None:
     """None when the largest rank fits; else (its largest term, that term's size, the cheapest change that
-    fits)."""
+    fits; ``sequence_parallel``: the model runs it, so it is one to try)."""
     from fourfold.observe.estimate import suggest
     from fourfold.units import format_bytes
 
@@ -93,7 +93,16 @@ def overflow(rows: list[Any], available: int, options: dict[str, Any],
     if worst.total <= available:
         return None
     term, size = worst.largest()
-    return term, format_bytes(size), suggest(estimate, available, options)
+    return term, format_bytes(size), suggest(estimate, available, options, sequence_parallel=sequence_parallel)
+
+
+def runs_sequence_parallel(cfg: Any) -> bool:
+    """Whether ``--sequence-parallel`` is a change to suggest for ``cfg``'s model: TinyGPT's or a Hugging Face
+    family's, under tp, with sequences tp can split."""
+    from fourfold.models.hf import FAMILIES
+
+    t = cfg.train
+    return (t.model == "tinygpt" or t.model in FAMILIES) and t.tp > 1 and cfg.model.seq_len % t.tp == 0
 
 
 def check_memory(cfg: Any, world_size: int) -> str:
@@ -110,7 +119,7 @@ def check_memory(cfg: Any, world_size: int) -> str:
         return f"memory estimate skipped: {type(e).__name__}: {e}"
     available, where = per_rank_budget(cfg, world_size)
     worst = max(rows, key=lambda r: r.total)
-    over = overflow(rows, available, options, estimate)
+    over = overflow(rows, available, options, estimate, sequence_parallel=runs_sequence_parallel(cfg))
     if over is not None:
         term, size, fix = over
         raise ValueError(
