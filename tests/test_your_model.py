@@ -105,6 +105,8 @@ EXTRA = {2: [], 4: [("olmo2", "tp2 x pp2 zb", (1, 2, 2, {"schedule": "zb"})),
                     ("olmo2", "tp2 x pp2 zb sp", (1, 2, 2, {"schedule": "zb", **SP})),
                     *((m, label, layout) for m in MODELS_SP[4] for label, layout in LAYOUTS_SP[4].items())]}
 EXTRA[2] += [(m, label, layout) for m in MODELS_SP[2] for label, layout in LAYOUTS_SP[2].items()]
+# every block checkpointed: its recompute gathers the sequence again, in backward, on both ranks alike
+EXTRA[2] += [("gemma3_text", "tp2 sp checkpointed", (1, 2, 1, {"activation_checkpointing": "full", **SP}))]
 
 
 def build(name: str) -> nn.Module:
@@ -140,7 +142,8 @@ def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict)
     backward = {s.args.get("site") for s in tracer.spans if s.name == "tp.all_reduce" and s.args.get("phase") == "backward"}
     return {"label": f"{name} {label}", "losses": losses, "state": state if ctx.rank == 0 else None,
             "sharded": held["sharded"], "held": held["total"], "tp": tp, "pp": pp, "ops": ops,
-            "sent": max(sends, default=0), "backward": backward}
+            "sent": max(sends, default=0), "backward": backward,
+            "sp": bool(options.get("sequence_parallel"))}
 
 
 def _all(ctx, layouts: dict) -> list[dict]:
@@ -213,7 +216,7 @@ def _check(world: int, index: int) -> None:
     assert (got["sharded"] > 0) == (got["tp"] > 1), (got["label"], got["sharded"])
     if got["tp"] > 1 or got["pp"] > 1:
         assert got["held"] < whole, f"{got['label']}: rank 0 holds {got['held']} of {whole} bytes"
-    if got["tp"] > 1 and family != "mlp" and not got["label"].endswith(" sp"):  # attention and the MLP each all-reduce their input's gradient once,
+    if got["tp"] > 1 and family != "mlp" and not got["sp"]:  # attention and the MLP each all-reduce their input's gradient once,
         # not once per column layer (q, k and v; gate and up): what reaches them inside is a sum over the heads
         within = [site.rpartition(".")[2] for site in got["backward"] if ".layers." in site or ".h." in site]
         assert within and set(within) <= {"self_attn", "mlp", "attn", "q_norm", "k_norm"}, (got["label"], within)
