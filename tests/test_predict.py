@@ -882,3 +882,30 @@ def test_runs_in_a_lab_go_through_lab_run_with_a_nodes_ranks(capsys):
     with pytest.raises(SystemExit):  # refused before any run
         main(["--lab-link", "250mbit", "--layouts", "dp3", "--batch-size", "12"])
     assert "cannot run dp3" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_layout_that_fits_only_with_sequence_parallelism_is_ranked_with_it():
+    """The planner tries --sequence-parallel on a tp layout that does not fit (the model must run it): the norms
+    and residuals split by tp fit it, and its command says so; a model that cannot is left without."""
+    from fourfold.observe.layouts import rank_layouts
+
+    prof, links = profile(), Links(TINY, TINY, ranks_per_node=2)
+    tp2 = Layout(tp=2)
+    plain, split = (predict(prof, replace(tp2, sequence_parallel=sp), links, 8) for sp in (False, True))
+    assert split.peak_bytes < plain.peak_bytes and str(split.layout) == "dp1 tp2 pp1 sp"
+    between = (plain.peak_bytes + split.peak_bytes) // 2
+    (p, fits), = rank_layouts(prof, [tp2], links, 8, between, sequence_parallel=True)
+    assert fits and p.layout.sequence_parallel and "--sequence-parallel" in p.layout.flags()
+    (p, fits), = rank_layouts(prof, [tp2], links, 8, between)
+    assert not p.layout.sequence_parallel and p.layout.grad_accum > 1  # accumulation instead, if any fits
+
+
+def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_the_flags_given():
+    """Given --sequence-parallel (or a --config file), the command for a layout without tp must not carry it:
+    train refuses sequence parallelism at tp 1. The layout's own flags say when it is on."""
+    from fourfold.cli.plan import _user_flags
+
+    assert _user_flags(["--sequence-parallel", "--model", "gpt2"], Layout(dp=2)) == ["--model", "gpt2"]
+    assert _user_flags(["--config", "run.toml"], Layout(dp=2, zero=1)) == ["--config", "run.toml",
+                                                                           "--no-sequence-parallel"]
+    assert Layout(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"

@@ -32,6 +32,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 from fourfold.observe.fits import (
@@ -172,6 +173,11 @@ def _ranking(argv: list[str]) -> int:
         if not candidates:
             raise ValueError(none_runs(cfg, world, "--gpus" if paper else "--nproc", "GPUs" if paper else "ranks",
                                         why, runs_some))
+        # sequence parallelism: where asked for, on every layout with tp; else tried where one does not fit
+        splits_sequence = family is not None and (family.name == "tinygpt" or family.regions is not None)
+        if t.sequence_parallel:
+            candidates = [replace(c, sequence_parallel=c.tp > 1 and cfg.model.seq_len % c.tp == 0)
+                          for c in candidates]
         seq = cfg.model.seq_len
         samples = (1, max(2, t.batch_size // max(1, world)))
         costs = (flop_units(model, blocks, seq, ns.gpu_flops * ns.mfu) if paper else
@@ -186,7 +192,7 @@ def _ranking(argv: list[str]) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"fourfold plan: error: a calibration run failed: {e}", file=sys.stderr)
             return 1
-    ranked = rank_layouts(profile, candidates, links, t.batch_size, available)
+    ranked = rank_layouts(profile, candidates, links, t.batch_size, available, sequence_parallel=splits_sequence)
     fits = [p for p, ok in ranked if ok]
     params = sum(p.numel() for p in model.parameters())
     millions = f"{params / 1e6:,.{1 if params >= 1e7 else 2}f}"  # 0.03 M, not 0.0 M
@@ -238,6 +244,8 @@ def _ranking(argv: list[str]) -> int:
 LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",
                           "--schedule", "--microbatches", "--virtual", "--zero", "--grad-accum"})
 """Train's flags the suggested command sets itself (the layout's, a machine's launch), each taking a value."""
+SWITCHES = frozenset({"--sequence-parallel", "--no-sequence-parallel"})
+"""Train's switches the suggested command sets itself (the layout's)."""
 
 
 def _user_flags(rest: list[str], layout: Any) -> list[str]:
@@ -245,9 +253,12 @@ def _user_flags(rest: list[str], layout: Any) -> list[str]:
     :data:`LAYOUT_FLAGS` names, which the command gives itself."""
     from fourfold.cli.args import without_flags
 
-    kept = without_flags(rest, LAYOUT_FLAGS)
-    if not layout.zero and layout.dp > 1 and any(a.split("=", 1)[0] == "--config" for a in rest):
+    kept = [a for a in without_flags(rest, LAYOUT_FLAGS) if a not in SWITCHES]
+    config = any(a.split("=", 1)[0] == "--config" for a in rest)
+    if not layout.zero and layout.dp > 1 and config:
         kept += ["--zero", "0"]  # a --config file's zero would stand otherwise (flags win over the file)
+    if not layout.sequence_parallel and config:
+        kept += ["--no-sequence-parallel"]  # the file's, likewise
     return kept
 
 

@@ -71,11 +71,13 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
     return out, why
 
 
-def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int) -> list[Any]:
+def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: int, available: int, *,
+                 sequence_parallel: bool = False) -> list[Any]:
     """(prediction, fits) for every candidate, fastest first (of equal times, the smaller memory); a layout that
-    does not fit after all that fit. A layout without a pipeline that does not fit is tried again with gradient
-    accumulation (``--grad-accum k``, the fewest micro-batches that fit: one micro-batch's activations held at a
-    time, the same step), as a pipeline's micro-batches are."""
+    does not fit after all that fit. A tensor-parallel layout that does not fit is tried again with sequence
+    parallelism where the model runs it (``sequence_parallel``) and tp splits its sequences; then one without a
+    pipeline with gradient accumulation (``--grad-accum k``, the fewest micro-batches that fit: one micro-batch's
+    activations held at a time, the same step), as a pipeline's micro-batches are."""
     from dataclasses import replace
 
     from fourfold.observe.predict import predict
@@ -83,7 +85,11 @@ def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: in
     ranked = []
     for layout in candidates:
         p = predict(profile, layout, links, batch_size)
+        if p.peak_bytes > available and sequence_parallel and layout.tp > 1 and not layout.sequence_parallel \
+                and profile.seq_len % layout.tp == 0:
+            p = predict(profile, replace(layout, sequence_parallel=True), links, batch_size)
         if p.peak_bytes > available and layout.pp == 1:
+            layout = p.layout
             for k in divisors(batch_size // layout.dp)[1:]:
                 accumulated = predict(profile, replace(layout, grad_accum=k), links, batch_size)
                 if accumulated.peak_bytes <= available:

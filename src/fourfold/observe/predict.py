@@ -128,6 +128,8 @@ class Layout:
     zero: int = 0
     grad_accum: int = 1
     """Without a pipeline: micro-batches run one after another per step (``--grad-accum``)."""
+    sequence_parallel: bool = False
+    """Under tp: the norms and residuals on T/tp tokens (``--sequence-parallel``)."""
 
     @property
     def world_size(self) -> int:
@@ -138,6 +140,7 @@ class Layout:
         if self.pp > 1:
             out += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         out += f" zero{self.zero}" if self.zero else ""
+        out += " sp" if self.sequence_parallel else ""
         return out + (f" accum{self.grad_accum}" if self.grad_accum > 1 else "")
 
     def flags(self) -> list[str]:
@@ -148,6 +151,7 @@ class Layout:
             if self.schedule == "interleaved":
                 out += ["--virtual", str(self.virtual)]
         out += ["--zero", str(self.zero)] if self.zero else []
+        out += ["--sequence-parallel"] if self.sequence_parallel else []
         return out + (["--grad-accum", str(self.grad_accum)] if self.grad_accum > 1 else [])
 
 
@@ -282,8 +286,10 @@ def _dp_links(links: Links, layout: Layout) -> tuple[CostModel, int | None]:
 def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int, *,
             bucket_bytes: int = 25 * 2**20, checkpoint_every: int = 0,
             sequence_parallel: bool = False) -> Prediction:
-    """One step of ``layout`` on a global batch of ``batch_size`` samples (see the module docstring)."""
+    """One step of ``layout`` on a global batch of ``batch_size`` samples (see the module docstring).
+    ``sequence_parallel``: as ``layout.sequence_parallel`` (either turns it on)."""
     L, n = layout, len(profile.blocks) + 2
+    sequence_parallel = sequence_parallel or L.sequence_parallel
     if L.grad_accum < 1 or L.grad_accum > 1 and L.pp > 1:
         raise ValueError(f"grad_accum must be >= 1, and 1 with a pipeline (its micro-batches do that job), got "
                          f"grad_accum={L.grad_accum} for {L}.")
