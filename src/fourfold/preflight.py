@@ -190,8 +190,8 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
         family = family_of(model)
     except TypeError as e:  # a fourfold_split that is not a Split
         raise ValueError(f"model {cfg.train.model!r}: {e}") from None
-    if cfg.train.sequence_parallel and (family is None or family.regions is None) and \
-            (family is None or family.name != "tinygpt"):  # a factory may return one of fourfold's families
+    # a factory may return one of fourfold's families, which run sequence parallelism
+    if cfg.train.sequence_parallel and not (family is not None and family.splits_sequence):
         raise ValueError(f"sequence_parallel is TinyGPT's and the Hugging Face families' (their plans run norms "
                          f"and residuals on sequence shards and know where attention mixes them), got model "
                          f"{cfg.train.model!r}, a {type(model).__name__}. Drop --sequence-parallel.")

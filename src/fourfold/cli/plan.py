@@ -174,7 +174,7 @@ def _ranking(argv: list[str]) -> int:
             raise ValueError(none_runs(cfg, world, "--gpus" if paper else "--nproc", "GPUs" if paper else "ranks",
                                         why, runs_some))
         # sequence parallelism: where asked for, on every layout with tp; else tried where one does not fit
-        splits_sequence = family is not None and (family.name == "tinygpt" or family.regions is not None)
+        splits_sequence = family is not None and family.splits_sequence
         if t.sequence_parallel:
             candidates = [replace(c, sequence_parallel=c.tp > 1 and cfg.model.seq_len % c.tp == 0)
                           for c in candidates]

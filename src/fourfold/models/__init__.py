@@ -44,6 +44,11 @@ class Family:
     documents: Callable[[nn.Module], None] | None = None
     regions: Callable[[nn.Module], tuple[str, str]] | None = None
 
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether the family runs sequence parallelism: TinyGPT's plan itself, the others around their regions."""
+        return self.name == "tinygpt" or self.regions is not None
+
 
 def _reads_documents(model: nn.Module) -> None:
     """TinyGPT's attention and positions read the layout themselves."""

@@ -216,8 +216,8 @@ def sizes(config: Any) -> Sizes:
 
 
 def examples(model: nn.Module) -> list[torch.Tensor]:
-    """Two id batches differing in batch size and length (random ids, from a generator of their own): lengths of
-    powers of two, T and T/2, which sequence parallelism's shards divide (up to tp = 8)."""
+    """Two id batches differing in batch size and length (random ids, from a generator of their own): T, a power
+    of two, and T/2, far enough apart to differ still when cut to a multiple of tp for sequence parallelism."""
     config: Any = model.config
     T = 1 << max(1, min(sizes(config).positions, 16).bit_length() - 1)
     device = next(model.parameters()).device

@@ -210,16 +210,16 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
 
 
 def _regions(blocks: list[nn.Module], column: set[int]) -> set[int]:
-    """id() of each block's tensor-parallel regions: the modules directly holding its column layers, when none
-    is the block itself (else the block has no regions to tell apart, and nothing counts as outside them)."""
+    """id() of each block's tensor-parallel regions (:func:`~fourfold.parallel.tensor.regions.holders`); none when
+    a column layer is a block's own (nothing then counts as outside them)."""
+    from fourfold.parallel.tensor.regions import holders
+
     out: set[int] = set()
     for block in blocks:
-        for name, module in block.named_modules():
-            if id(module) in column:
-                parent = name.rpartition(".")[0]
-                if not parent:
-                    return set()
-                out.add(id(block.get_submodule(parent)))
+        regions, direct = holders(block, lambda m: id(m) in column)
+        if direct is not None:
+            return set()
+        out |= {id(r) for r in regions.values()}
     return out
 
 

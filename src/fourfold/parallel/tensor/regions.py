@@ -44,7 +44,7 @@ from fourfold.parallel.tensor.comm import Group, copy_to_tp, gather_from_tp, gat
 from fourfold.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from fourfold.parallel.tensor.plan import shard_layouts
 
-__all__ = ["SEQUENCE_SHARDS", "full_length", "shard_regions"]
+__all__ = ["SEQUENCE_SHARDS", "full_length", "holders", "shard_regions"]
 
 SEQUENCE_SHARDS = "fourfold_sequence_shards"
 """The attribute on each block after the first under sequence parallelism: into how many shards its input's
@@ -119,19 +119,29 @@ def _shard_sequence(model: nn.Module, group: Group, layers: nn.ModuleList, found
     setattr(model, "partial_grad_names", (*known, *(n for n in partial if n not in known)))  # noqa: B010
 
 
-def _regions(layer: nn.Module, prefix: str) -> dict[str, nn.Module]:
-    """The block's tensor-parallel regions by name: the modules holding its column layers. Every row layer must
-    be in one, and none may be the block itself (its residual adds would see gathered tokens)."""
+def holders(block: nn.Module, is_column: Callable[[nn.Module], bool]) -> tuple[dict[str, nn.Module], str | None]:
+    """The block's tensor-parallel regions by name, the modules directly holding its column layers (those
+    ``is_column`` says), and the first column layer that is the block's own child (None: none is), which leaves
+    the block no region to tell apart from its residual stream. Shared with the memory estimate, which reads an
+    unsharded model by its plan."""
     regions: dict[str, nn.Module] = {}
-    for name, module in layer.named_modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+    for name, module in block.named_modules():
+        if is_column(module):
             parent = name.rpartition(".")[0]
             if not parent:
-                raise ValueError(f"sequence parallelism gathers the input of the module holding a block's column "
-                                 f"layers, got {prefix}.{name} directly in the block {prefix}. Put the attention "
-                                 "and the MLP in modules of their own, or drop sequence_parallel")
-            if isinstance(module, ColumnParallelLinear):
-                regions.setdefault(parent, layer.get_submodule(parent))
+                return regions, name
+            regions.setdefault(parent, block.get_submodule(parent))
+    return regions, None
+
+
+def _regions(layer: nn.Module, prefix: str) -> dict[str, nn.Module]:
+    """:func:`holders` of a sharded block, refused (ValueError) where a column layer is directly in it or a row
+    layer outside every region."""
+    regions, direct = holders(layer, lambda m: isinstance(m, ColumnParallelLinear))
+    if direct is not None:
+        raise ValueError(f"sequence parallelism gathers the input of the module holding a block's column layers, got "
+                         f"{prefix}.{direct} directly in the block {prefix}. Put the attention and the MLP in modules "
+                         "of their own, or drop sequence_parallel")
     for name, module in layer.named_modules():
         if isinstance(module, RowParallelLinear) and name.rpartition(".")[0] not in regions:
             raise ValueError(f"sequence parallelism reduce-scatters a row layer's output inside the module that "
