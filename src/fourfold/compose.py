@@ -47,7 +47,7 @@ from fourfold.loss import lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
-from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
+from fourfold.parallel.checkpointing import Capture, checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.blocks import (
@@ -60,6 +60,7 @@ from fourfold.parallel.pipeline.blocks import (
     resolve_split,
 )
 from fourfold.parallel.pipeline.split import Balance
+from fourfold.parallel.rng import SEQUENCE_SHARDED, Streams
 from fourfold.parallel.schedule import pipeline_schedule
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
@@ -70,6 +71,7 @@ from fourfold.parallel.tensor import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from fourfold.parallel.tensor.dropout import draw_per_rank
 from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 
 __all__ = ["TensorPlan", "model_blocks", "parallelize"]
@@ -87,7 +89,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 activation_checkpointing: str = "none", zero: int = 0, precision: str = "full",
                 reduce_dtype: torch.dtype | None = None, compress: str | Compressor = "none",
                 balance: Balance = "params", grad_accum: int = 1,
-                boundaries: list[int | str] | None = None, tracer: Tracer | None = None,
+                boundaries: list[int | str] | None = None, seed: int | None = None, tracer: Tracer | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
 
@@ -132,6 +134,12 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     and runs their forward and backward one after another, the gradients accumulated and synchronised once,
     during the last backward: the step of the whole batch, holding one micro-batch's activations. (A pipeline
     cuts its batch into ``microbatches`` already.)
+
+    ``seed``: dropout's base seed on several ranks (default: tp rank 0's ``torch.initial_seed()``). Each rank then
+    draws from streams of its own (:mod:`~fourfold.parallel.rng`): one shared over its tp group, one per tp rank
+    inside the tensor-parallel regions; both differ between pipeline stages and data-parallel replicas, and
+    :meth:`Engine.step` draws from them only, leaving your own ``torch`` generator as it was. One process draws
+    from your generator, as plain PyTorch does.
     """
     from fourfold.models import family_of
 
@@ -171,6 +179,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         family.check(model, m.tp, m.pp)  # whole heads per rank, and the like: before anything is cut
     if m.pp > 1 and microbatches > 1 and strategy != "model":
         batchnorm_for_microbatches(model, microbatches)
+    streams = _streams(ranks, seed) if m.world_size > 1 else None
     with _untouched(model):  # the split's check and the pipeline's trace run the model on examples
         # 0. the pipeline's pieces, found and checked against model(example) on the whole model
         split = split if split is not None else (family.split(model) if family and family.split else None)
@@ -192,9 +201,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             if sites is not None:  # attention and MLP entered once each; sequence parallelism around them
                 shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1],
                               sequence_parallel=sequence_parallel, tracer=tracer)
+            assert streams is not None
+            draw_per_rank(model, streams, getattr(model, SEQUENCE_SHARDED, ()) if sequence_parallel else ())
         every = parse_policy(activation_checkpointing)
         if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
-            checkpoint_blocks(model_blocks(model, split), every, capture_layout)
+            checkpoint_blocks(model_blocks(model, split), every, _captures(capture_layout, streams))
         layouts = shard_layouts(model)
         partial_names = set(getattr(model, "partial_grad_names", ()))
         split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
@@ -241,7 +252,36 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         reads = True
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
-                  reads_documents=reads, precision=precision, grad_accum=grad_accum)
+                  reads_documents=reads, precision=precision, grad_accum=grad_accum, streams=streams)
+
+
+def _streams(ranks: RankMesh, seed: int | None) -> Streams:
+    """This rank's dropout streams, from ``seed`` or else the tp group's first rank's ``torch.initial_seed()``
+    (the replicated activations' masks must agree over tp, whether or not every rank seeded alike)."""
+    if seed is None:
+        seed = torch.initial_seed()
+        if ranks.tp_group is not None:
+            seed = gather_objects(seed, ranks.tp_group, op="agree on the dropout seed over tp")[0]
+    return Streams(seed, ranks.coord)
+
+
+def _captures(layout: Capture, streams: Streams | None) -> Capture:
+    """What an activation-checkpointed block re-enters in its recompute: the packed documents' layout, and
+    the dropout streams as they were."""
+    if streams is None:
+        return layout
+
+    def capture() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        documents, drawn = layout(), streams.capture()
+
+        @contextlib.contextmanager
+        def again() -> Iterator[None]:
+            with documents(), drawn():
+                yield
+
+        return again
+
+    return capture
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> None:

@@ -31,6 +31,7 @@ from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.pipeline.blocks import output_tensor
 from fourfold.parallel.pipeline.runtime import gather_stages
+from fourfold.parallel.rng import Streams
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     Layout,
@@ -77,7 +78,7 @@ class Engine:
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
                  tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
                  sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full",
-                 grad_accum: int = 1) -> None:
+                 grad_accum: int = 1, streams: Streams | None = None) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
@@ -92,6 +93,9 @@ class Engine:
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
+        self.streams = streams  # several ranks: dropout's own streams (fourfold.parallel.rng); one: the caller's
+        if streams is not None:
+            streams.bind(self._device)
 
     @property
     def mesh(self) -> Mesh:
@@ -118,7 +122,7 @@ class Engine:
         micro-batches added, not averaged: any split of the tokens over rows, micro-batches and ranks gives the
         one-process gradient.
         """
-        with self._split_logits():
+        with self._split_logits(), self._drawing():
             if documents is None:
                 return self._step(inputs, targets, self.loss_fn, None)
             return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
@@ -136,7 +140,7 @@ class Engine:
         was = held.training
         self.eval()
         try:
-            with self._split_logits():
+            with self._split_logits(), self._drawing():  # no dropout, but the streams' hooks still switch
                 loss_fn = self.loss_fn if documents is None else self._token_loss(inputs, targets, documents,
                                                                                    num_tokens)
                 loss = self._evaluate(inputs, targets, loss_fn, documents)
@@ -218,6 +222,10 @@ class Engine:
         finally:
             for head in self._split_heads:
                 head.gather_output = True
+
+    def _drawing(self) -> contextlib.AbstractContextManager[Any]:
+        """Several ranks: the step draws from this rank's dropout streams, and puts the caller's back after."""
+        return self.streams.stepping() if self.streams is not None else contextlib.nullcontext()
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
               documents: torch.Tensor | None) -> Loss:

@@ -87,6 +87,8 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
+    if engine.streams is not None:  # several ranks: dropout's own streams (fourfold.parallel.rng)
+        rng["streams"] = engine.streams.state_dict()
     compressor = getattr(engine.dp, "compress", None)  # int8 / PowerSGD: this rank's errors fed back, its factors
     compress = {k: t.detach().to("cpu", copy=True) for k, t in compressor.state_dict().items()} if compressor else {}
     name = f"rank-{rank:05d}.pt"
@@ -193,6 +195,10 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
             torch.set_rng_state(own["rng"]["cpu"])
             if "cuda" in own["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(own["rng"]["cuda"])
+            if engine.streams is not None and "streams" in own["rng"]:
+                engine.streams.load_state_dict(own["rng"]["streams"])
+    elif restore_rng and engine.streams is not None:  # this layout's ranks draw afresh, not the first steps again
+        engine.streams.restart(manifest["step"])
     return manifest
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from fourfold.models.attention import causal_attention, position_ids
 from fourfold.models.gpt import CausalSelfAttention, Embedding, GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
+from fourfold.parallel.rng import SEQUENCE_SHARDED
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
     Group,
@@ -131,6 +132,8 @@ class TensorParallelGPT(nn.Module):
         layouts = shard_layouts(self)
         self.partial_grad_names: tuple[str, ...] = tuple(
             n for n, _ in self.named_parameters() if sequence_parallel and layouts[n].dim is None)
+        if sequence_parallel:  # this rank's positions from the embedding on: dropout draws per tp rank
+            setattr(self, SEQUENCE_SHARDED, (self.embed, *self.blocks))
 
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["POLICY_HELP", "checkpoint_blocks", "parse_policy"]
+__all__ = ["POLICY_HELP", "Capture", "checkpoint_blocks", "parse_policy"]
 
 POLICY_HELP = "none, full (every block), or every-N (blocks 0, N, 2N, ...)"
 Capture = Callable[[], Callable[[], AbstractContextManager[Any]]]

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.observe.trace import Tracer
+from fourfold.parallel.rng import SEQUENCE_SHARDED
 from fourfold.parallel.tensor.comm import Group, copy_to_tp, gather_from_tp, gather_sequence, split_to_tp
 from fourfold.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from fourfold.parallel.tensor.plan import shard_layouts
@@ -115,6 +116,7 @@ def _shard_sequence(model: nn.Module, group: Group, layers: nn.ModuleList, found
     last = model.get_submodule(norm)
     last.register_forward_hook(functools.partial(_gather_output, group, tracer, norm))
     partial += [f"{norm}.{n}" for n, q in last.named_parameters() if q.requires_grad]
+    setattr(model, SEQUENCE_SHARDED, tuple(layers))  # their dropout draws per tp rank: fourfold.parallel.rng
     known = tuple(getattr(model, "partial_grad_names", ()))
     setattr(model, "partial_grad_names", (*known, *(n for n in partial if n not in known)))  # noqa: B010
 

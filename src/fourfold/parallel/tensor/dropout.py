@@ -1,0 +1,67 @@
+"""Dropout inside tensor-parallel regions draws per tp rank: the hooks that switch a sharded model between its
+rank's two dropout streams (:mod:`fourfold.parallel.rng`).
+
+    draw_per_rank(model, streams)                                  # after tensor_parallel / shard_regions
+
+A column layer's output (heads, MLP columns) differs on every tp rank until its row layer sums it: dropout there
+(attention's on its probabilities, an MLP's between its layers) draws from the rank's sharded stream. The row
+layer's all-reduced output is the same on every rank again, and so are its masks (the shared stream). Under
+sequence parallelism the whole of every block runs on this rank's positions or heads: sharded throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from fourfold.parallel.rng import Streams
+from fourfold.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["draw_per_rank"]
+
+
+def draw_per_rank(model: nn.Module, streams: Streams, sequence_sharded: Sequence[nn.Module] = ()) -> None:
+    """Hooks on a tensor-parallel ``model`` that draw its sharded activations' masks from the sharded stream:
+    from a column layer's output (not gathered) to its row layer's output (unless that is sequence-sharded),
+    and through each module of ``sequence_sharded`` (under sequence parallelism, the blocks: everything in them
+    is split by head or by position). ``model``'s own forward leaves the streams as it found them."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            module.register_forward_hook(_after_column(streams))
+        elif isinstance(module, RowParallelLinear):
+            module.register_forward_hook(_after_row(streams))
+    for module in (*sequence_sharded, model):
+        marks: list[int] = []
+        module.register_forward_pre_hook(_enter(streams, marks, module is not model))
+        module.register_forward_hook(_leave(streams, marks))
+
+
+def _after_column(streams: Streams) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if not getattr(module, "gather_output", False):
+            streams.into_shard()
+    return hook
+
+
+def _after_row(streams: Streams) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if not getattr(module, "sequence_parallel", False):  # all-reduced: the same on every tp rank
+            streams.out_of_shard()
+    return hook
+
+
+def _enter(streams: Streams, marks: list[int], shard: bool) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        marks.append(streams.depth)
+        if shard:
+            streams.into_shard()
+    return hook
+
+
+def _leave(streams: Streams, marks: list[int]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if marks:
+            streams.unwind(marks.pop())
+    return hook
