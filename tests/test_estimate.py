@@ -41,6 +41,8 @@ LAYOUTS = [  # (label, dp, tp, pp, options)
     ("dp2 pp2 zb zero1", 2, 1, 2, {"schedule": "zb", "zero": 1}),
     ("tp2 pp2 1f1b", 1, 2, 2, {"schedule": "1f1b"}),
     ("tp2 pp2 1f1b sp", 1, 2, 2, {"schedule": "1f1b", "sequence_parallel": True}),
+    ("tp2 pp2 zb", 1, 2, 2, {"schedule": "zb"}),  # row layers' output gradients kept whole for W
+    ("tp2 pp2 zb sp", 1, 2, 2, {"schedule": "zb", "sequence_parallel": True}),
 ]
 MICRO = 4
 
@@ -91,7 +93,7 @@ def test_estimate_agrees_with_what_the_ranks_measure(index):
         got = runs[index]
         want = rows[got["pp_rank"]]
         for term, limit in (("parameters", 0.05), ("gradients", 0.05), ("optimizer", 0.05),
-                            ("activations", 0.15)):
+                            ("activations", 0.08)):  # measured 0.1-7.2 % under (interleaved)
             estimate = getattr(want, term)
             assert abs(got[term] - estimate) <= limit * estimate, \
                 f"{label} rank {r} (pp {got['pp_rank']}): {term} measured {got[term]}, estimated {estimate}"

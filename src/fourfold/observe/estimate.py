@@ -73,13 +73,23 @@ class Probe:
     by a block outside its tensor-parallel regions (the modules holding its column layers: attention, the MLP),
     which tp leaves whole and sequence parallelism splits (its norms, residuals); the unit's input bytes (what a
     checkpointed unit keeps), and its parametrized layers' output bytes (what zero-bubble keeps from B to W:
-    those outputs' gradients)."""
+    those outputs' gradients), of which ``split_outputs`` are column layers' (split by tp) and
+    ``outside_outputs`` replicated layers' in a block outside its regions (its norms: split by sequence
+    parallelism); the rest (row layers' and the embedding's, whose gradient W reads whole) stays whole."""
 
     saved: tuple[int, ...]
     whole: tuple[int, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     outside: tuple[int, ...]
+    split_outputs: tuple[int, ...]
+    outside_outputs: tuple[int, ...]
+
+    def kept_for_w(self, u: int, tp: int, sequence_parallel: bool) -> int:
+        """Unit ``u``'s output gradients one tp rank keeps from B to W for one sample."""
+        split, outside = self.split_outputs[u], self.outside_outputs[u]
+        whole = self.outputs[u] - split - outside
+        return whole + split // tp + (outside // tp if sequence_parallel else outside)
 
     def per_sample(self, u: int, tp: int, sequence_parallel: bool) -> int:
         """Unit ``u``'s bytes saved on one tp rank for one sample: column layers' inputs whole, and the block's
@@ -150,11 +160,12 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
 
     params = {key_of(p) for p in model.parameters()}
     n = len(blocks) + 2
-    saved, whole, inputs, outputs, outside = ([0] * n for _ in range(5))
+    saved, whole, inputs, outputs, outside, split_outputs, outside_outputs = ([0] * n for _ in range(7))
     unit = [0]
     stack: list[bool] = []  # per module entered: is it column-parallel (its saved input stays whole)?
     seen: set[int] = set()
-    column = {i for i, kind in _kinds(model, shards).items() if kind in ("column", "head")}
+    kinds = _kinds(model, shards)
+    column = {i for i, kind in kinds.items() if kind in ("column", "head")}
     regions = _regions(blocks, column)
     depth = [0]  # regions entered
 
@@ -178,7 +189,12 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
         stack.pop()
         depth[0] -= id(module) in regions
         if isinstance(out, torch.Tensor) and next(module.parameters(recurse=False), None) is not None:
-            outputs[unit[0]] += out.numel() * out.element_size()
+            nbytes = out.numel() * out.element_size()
+            outputs[unit[0]] += nbytes
+            if id(module) in column:
+                split_outputs[unit[0]] += nbytes
+            elif id(module) not in kinds and regions and 0 < unit[0] < n - 1 and not depth[0]:
+                outside_outputs[unit[0]] += nbytes
 
     handles = []
     for module in model.modules():
@@ -206,7 +222,8 @@ def probe_activations(model: nn.Module, blocks: list[nn.Module], seq_len: int,
         model.train(was)
         for h in handles:
             h.remove()
-    return Probe(tuple(saved), tuple(whole), tuple(inputs), tuple(outputs), tuple(outside))
+    return Probe(tuple(saved), tuple(whole), tuple(inputs), tuple(outputs), tuple(outside), tuple(split_outputs),
+                 tuple(outside_outputs))
 
 
 def _regions(blocks: list[nn.Module], column: set[int]) -> set[int]:
@@ -317,7 +334,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     if probe is not None:  # under tp: column layers' inputs, and without sequence parallelism norms, whole
         per_sample = [probe.inputs[u] // (tp if sequence_parallel else 1) if u in checkpointed else
                       probe.per_sample(u, tp, sequence_parallel) for u in range(n)]
-        kept_for_w = [o // tp for o in probe.outputs]
+        kept_for_w = [probe.kept_for_w(u, tp, sequence_parallel) for u in range(n)]
     rows = []
     if pp == 1:
         held = estimate_held(numel([p for u in units for p in u]), itemsize, dp=dp, zero=zero,
