@@ -72,7 +72,7 @@ def test_the_forward_really_runs_again_in_backward_and_the_layout_with_it():
     assert calls.count(1) == 2 and calls.count(2) == 1  # block 0 checkpointed (every-2), block 1 not
     # without re-entering the documents' layout the recompute would attend across documents: wrong gradients
     bare = _model("tiny")
-    checkpoint_blocks(list(bare.blocks), 1, capture=None)
+    checkpoint_blocks(list(bare.blocks), 1)
     _, want = _grads(_model("tiny"), "none", packed=True)
     _, got = _grads(bare, "none", packed=True)
     assert max_error(got, want)[1] > 1e-3

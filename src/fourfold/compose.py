@@ -47,7 +47,7 @@ from fourfold.loss import lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
-from fourfold.parallel.checkpointing import Capture, checkpoint_blocks, parse_policy
+from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.blocks import (
@@ -201,11 +201,12 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             if sites is not None:  # attention and MLP entered once each; sequence parallelism around them
                 shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1],
                               sequence_parallel=sequence_parallel, tracer=tracer)
-            assert streams is not None
-            draw_per_rank(model, streams, getattr(model, SEQUENCE_SHARDED, ()) if sequence_parallel else ())
+            assert streams is not None  # several ranks; the sequence-parallel blocks draw per rank throughout
+            draw_per_rank(model, streams, getattr(model, SEQUENCE_SHARDED, ()))
         every = parse_policy(activation_checkpointing)
         if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
-            checkpoint_blocks(model_blocks(model, split), every, _captures(capture_layout, streams))
+            checkpoint_blocks(model_blocks(model, split), every, capture_layout,
+                              *((streams.capture,) if streams is not None else ()))
         layouts = shard_layouts(model)
         partial_names = set(getattr(model, "partial_grad_names", ()))
         split_heads = heads(model) if loss_fn is None else []  # a loss_fn of yours reads gathered logits
@@ -263,25 +264,6 @@ def _streams(ranks: RankMesh, seed: int | None) -> Streams:
         if ranks.tp_group is not None:
             seed = gather_objects(seed, ranks.tp_group, op="agree on the dropout seed over tp")[0]
     return Streams(seed, ranks.coord)
-
-
-def _captures(layout: Capture, streams: Streams | None) -> Capture:
-    """What an activation-checkpointed block re-enters in its recompute: the packed documents' layout, and
-    the dropout streams as they were."""
-    if streams is None:
-        return layout
-
-    def capture() -> Callable[[], contextlib.AbstractContextManager[Any]]:
-        documents, drawn = layout(), streams.capture()
-
-        @contextlib.contextmanager
-        def again() -> Iterator[None]:
-            with documents(), drawn():
-                yield
-
-        return again
-
-    return capture
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> None:

@@ -6,9 +6,10 @@ instead of every intermediate, and runs its forward twice.
 
 Built on ``torch.utils.checkpoint`` (non-reentrant: keyword arguments, ``autograd.grad`` and the split backward
 of zero-bubble schedules work; the RNG state is restored, so dropout draws the same mask twice). The block's
-``forward`` is wrapped in place, so parameter names do not change. ``capture()``, called at forward time,
-returns what re-enters the forward's context in the recompute (the engine passes the packed documents' layout,
-which a context variable holds during forward only). Tensor-parallel collectives inside a block run again in
+``forward`` is wrapped in place, so parameter names do not change. Each of ``captures``, called at forward
+time, returns what re-enters the forward's context in the recompute (the engine passes the packed documents'
+layout, which a context variable holds during forward only, and on several ranks the dropout streams,
+:meth:`fourfold.parallel.rng.Streams.capture`). Tensor-parallel collectives inside a block run again in
 the recompute, as in Megatron-LM: counted, and drawn, where they happen.
 """
 
@@ -42,25 +43,27 @@ def parse_policy(spec: str) -> int:
     return int(m.group(1))
 
 
-def checkpoint_blocks(blocks: Sequence[nn.Module], every: int, capture: Capture | None = None) -> list[int]:
+def checkpoint_blocks(blocks: Sequence[nn.Module], every: int, *captures: Capture) -> list[int]:
     """Checkpoint blocks 0, ``every``, 2 ``every``, ... (none for 0); returns their indices. Idempotent."""
     chosen = [i for i in range(len(blocks)) if every and i % every == 0]
     for i in chosen:
         block = blocks[i]
         if not getattr(block, "_fourfold_checkpointed", False):
-            block.forward = _checkpointed(block.forward, capture)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, captures)  # type: ignore[method-assign]
             block._fourfold_checkpointed = True  # type: ignore[assignment]
     return chosen
 
 
-def _checkpointed(inner: Callable[..., Any], capture: Capture | None) -> Callable[..., Any]:
+def _checkpointed(inner: Callable[..., Any], captures: Sequence[Capture]) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return inner(*args, **kwargs)
-        again = capture() if capture is not None else contextlib.nullcontext
+        agains = [capture() for capture in captures]
 
         def run(*a: Any, **k: Any) -> Any:
-            with again():
+            with contextlib.ExitStack() as stack:
+                for again in agains:
+                    stack.enter_context(again())
                 return inner(*a, **k)
 
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
