@@ -267,7 +267,7 @@ def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
 
     cfg = Config(model=GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16),
                  train=TrainConfig(batch_size=16, **flags))
-    rows, options, estimate = layout_memory(cfg, 2 if flags.get("pp") else 1)
+    rows, options, estimate, _ = layout_memory(cfg, 2 if flags.get("pp") else 1)
     assert {k: options[k] for k in want} == want
     assert rows == estimate(options)
     if flags.get("schedule") == "gpipe":  # GPipe holds every micro-batch's activations: more than 1F1B's peak
@@ -282,14 +282,37 @@ def test_sequence_parallelism_is_the_cheapest_change_under_tp_where_it_fits():
     from fourfold.observe.fits import layout_memory, overflow
 
     def largest(*flags: str) -> int:
-        rows, _, _ = layout_memory(parse_args(["--nproc", "2", "--tp", "2", *flags]), 2)
+        rows = layout_memory(parse_args(["--nproc", "2", "--tp", "2", *flags]), 2).rows
         return max(r.total for r in rows)
 
     plain, split = largest(), largest("--sequence-parallel")
     assert split < plain
-    rows, options, estimate = layout_memory(parse_args(["--nproc", "2", "--tp", "2"]), 2)
+    rows, options, estimate, splits = layout_memory(parse_args(["--nproc", "2", "--tp", "2"]), 2)
+    assert splits
     between = (plain + split) // 2
     _, _, fix = overflow(rows, between, options, estimate, sequence_parallel=True)
     assert fix.startswith("--sequence-parallel (largest rank then"), fix
     _, _, fix = overflow(rows, between, options, estimate)
     assert fix.startswith("--activation-checkpointing full"), fix
+
+
+def tiny_llama():
+    """A ``--model MODULE:FACTORY`` returning a Hugging Face family's model (test_estimate:tiny_llama)."""
+    from fourfold.models.hf import build_hf
+
+    return build_hf("llama", overrides=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2,
+                                            max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("model, splits", [("test_estimate:tiny_llama", True), ("examples.my_model:build", False)])
+def test_sequence_parallelism_is_suggested_by_the_model_built_not_by_its_name(model, splits):
+    """A factory returning a family's model runs sequence parallelism (it was never suggested for one: the check
+    went by the --model name); a model of your own does not."""
+    pytest.importorskip("transformers")
+    from fourfold.cli.args import parse_args
+    from fourfold.observe.fits import layout_memory
+
+    extra = ["--model-config", "examples/my_model.json"] if "my_model" in model else []
+    cfg = parse_args(["--nproc", "2", "--tp", "2", "--model", model, *extra, "--seq-len", "32"])
+    assert layout_memory(cfg, 2).can_split_sequence is splits

@@ -42,7 +42,6 @@ from fourfold.observe.fits import (
     layout_memory,
     overflow,
     per_rank_budget,
-    runs_sequence_parallel,
     too_big_here,
 )
 from fourfold.observe.layouts import (
@@ -396,7 +395,7 @@ def _main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         world = cfg.launch.world_size
         train_checks(cfg, world)  # what train refuses before launch, refused here the same: one path
-        rows, options, estimate = layout_memory(cfg, world)
+        rows, options, estimate, splits = layout_memory(cfg, world)
     except ValueError as e:
         print(f"fourfold plan: error: {e}", file=sys.stderr)
         return 2
@@ -416,7 +415,7 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"memory per rank, {t.model} on {world} rank(s), {layout}, batch {t.batch_size} x {cfg.model.seq_len}, "
           f"{t.dtype}:")
     print(format_estimate(rows, available, where))
-    over = overflow(rows, available, options, estimate, sequence_parallel=runs_sequence_parallel(cfg))
+    over = overflow(rows, available, options, estimate, sequence_parallel=splits)
     if over is not None:
         term, size, fix = over
         print(f"  largest term: {term}, {size}; cheapest change that fits: {fix}")

@@ -11,12 +11,23 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-__all__ = ["WHOLE_MODEL_TIMES", "check_memory", "check_verify_memory", "layout_memory", "overflow", "per_rank_budget",
-           "runs_sequence_parallel", "too_big_here"]
+__all__ = ["WHOLE_MODEL_TIMES", "LayoutMemory", "check_memory", "check_verify_memory", "layout_memory", "overflow",
+           "per_rank_budget", "too_big_here"]
 
 
-def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any], Any]:
-    """(rows, the estimate's options, a function of options -> rows) for ``cfg`` on ``world_size`` ranks."""
+class LayoutMemory(NamedTuple):
+    """One layout's estimate: its ``rows`` (one per pipeline rank), the ``options`` they were estimated with,
+    ``estimate`` (options -> rows, to try changes), and whether ``--sequence-parallel`` is a change to try (the
+    model as built runs it, TinyGPT or a Hugging Face family however it was named, and tp divides the sequence)."""
+
+    rows: list[Any]
+    options: dict[str, Any]
+    estimate: Any
+    can_split_sequence: bool
+
+
+def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
+    """:class:`LayoutMemory` for ``cfg`` on ``world_size`` ranks."""
     from fourfold.compose import model_blocks
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
@@ -64,7 +75,9 @@ def layout_memory(cfg: Any, world_size: int) -> tuple[list[Any], dict[str, Any],
     def estimate(opts: dict[str, Any]) -> list[Any]:
         return estimate_memory(model, blocks, **opts)
 
-    return estimate(options), options, estimate
+    family = family_of(model)
+    splits = family is not None and family.splits_sequence and mesh.tp > 1 and cfg.model.seq_len % mesh.tp == 0
+    return LayoutMemory(estimate(options), options, estimate, splits)
 
 
 def per_rank_budget(cfg: Any, world_size: int) -> tuple[int, str]:
@@ -96,15 +109,6 @@ def overflow(rows: list[Any], available: int, options: dict[str, Any], estimate:
     return term, format_bytes(size), suggest(estimate, available, options, sequence_parallel=sequence_parallel)
 
 
-def runs_sequence_parallel(cfg: Any) -> bool:
-    """Whether ``--sequence-parallel`` is a change to suggest for ``cfg``'s model: TinyGPT's or a Hugging Face
-    family's, under tp, with sequences tp can split."""
-    from fourfold.models.hf import FAMILIES
-
-    t = cfg.train
-    return (t.model == "tinygpt" or t.model in FAMILIES) and t.tp > 1 and cfg.model.seq_len % t.tp == 0
-
-
 def check_memory(cfg: Any, world_size: int) -> str:
     """Estimate every rank's memory for ``cfg``; refuse (ValueError: the largest term, the cheapest change that
     fits) a layout that would not fit. Returns the one line a run prints first."""
@@ -112,14 +116,14 @@ def check_memory(cfg: Any, world_size: int) -> str:
     from fourfold.units import format_bytes
 
     try:
-        rows, options, estimate = layout_memory(cfg, world_size)
+        rows, options, estimate, splits = layout_memory(cfg, world_size)
     except ModelError:
         raise  # the model itself cannot be built or run as configured: the ranks would fail the same way
     except Exception as e:  # the estimate must never stop a run it cannot read: say so and go on
         return f"memory estimate skipped: {type(e).__name__}: {e}"
     available, where = per_rank_budget(cfg, world_size)
     worst = max(rows, key=lambda r: r.total)
-    over = overflow(rows, available, options, estimate, sequence_parallel=runs_sequence_parallel(cfg))
+    over = overflow(rows, available, options, estimate, sequence_parallel=splits)
     if over is not None:
         term, size, fix = over
         raise ValueError(
