@@ -93,22 +93,50 @@ def test_a_recompute_draws_again_what_its_forward_drew():
         streams.out_of_shard()
 
 
-def test_saved_streams_continue_and_a_restart_draws_afresh():
+def test_saved_streams_continue_and_others_start_afresh_from_the_step():
     streams = Streams(SEED, _Coord())
     streams.bind(torch.device("cpu"))
     with streams.stepping():
         torch.rand(5)
     state = streams.state_dict()
+    assert state["device"] == "cpu"
     with streams.stepping():
         want = torch.rand(3)
     other = Streams(0, _Coord())
     other.bind(torch.device("cpu"))
-    other.load_state_dict(state)
+    other.resume(state, step=2)
     with other.stepping():
         assert torch.equal(torch.rand(3), want)
-    other.restart(step=2)
-    with other.stepping():
-        assert torch.initial_seed() == stream_seed(SEED, SHARED, 0, 0, "step", 2)
+    # another layout (None), a checkpoint from before the streams (None), another kind of device: afresh
+    for saved in (None, {**state, "device": "cuda"}):
+        other.resume(saved, step=2)
+        with other.stepping():
+            assert torch.initial_seed() == stream_seed(SEED, SHARED, 0, 0, "step", 2)
+
+
+def test_a_contained_module_leaves_the_streams_as_it_found_them():
+    """A pipeline stage ending in a column layer (a vocabulary-split head) must not leave the next stage call in
+    the sharded stream; nor a forward that raises."""
+    from fourfold.parallel.tensor.dropout import contain
+
+    streams = Streams(SEED, _Coord())
+    streams.bind(torch.device("cpu"))
+
+    class EndsSharded(nn.Module):
+        def forward(self, x):
+            streams.into_shard()
+            if x.sum() < 0:
+                raise ValueError("negative")
+            return x
+
+    stage = EndsSharded()
+    contain([stage], streams)
+    with streams.stepping():
+        stage(torch.ones(2))
+        assert streams.current == SHARED and streams.depth == 1
+        with pytest.raises(ValueError, match="negative"):
+            stage(-torch.ones(2))
+        assert streams.current == SHARED and streams.depth == 1
 
 
 def test_one_process_draws_from_the_callers_generator_as_plain_pytorch():
@@ -244,6 +272,47 @@ def test_checkpointed_blocks_draw_the_same_masks_again_under_tensor_parallelism(
         assert got["losses"] == plain["losses"], label  # with dropout on: the masks are the same ones
         worst, err = max_error(got["state"], plain["state"])
         assert err == 0.0, f"{label} rank {rank}: {worst} off by {err:.3g}"
+
+
+def _pipeline(ctx) -> dict:
+    """tp2 x pp2 (4 ranks): the stack of streams on entering each stage call, and sequence-parallel zero-bubble
+    with and without checkpointing; Hugging Face's own gradient checkpointing refused under tp."""
+    ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
+    out: dict = {}
+    for policy in ("none", "full"):
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, seed=SEED, timeout_s=30,
+                             schedule="zb", microbatches=4, sequence_parallel=True, activation_checkpointing=policy)
+        depths: list[int] = []
+        for stage in engine.pipeline.stages:
+            stage.register_forward_pre_hook(lambda *a, d=depths, s=engine.streams: d.append(s.depth))
+        opt = optimizer(engine.parameters())
+        losses = []
+        for x, y in batches(CFG, steps=2):
+            losses.append(engine.step(x, y).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[policy] = {"losses": losses, "depths": depths, "state": engine.local_state_dict()}
+    hf = _gpt2(0.1)
+    hf.gradient_checkpointing_enable()
+    try:
+        parallelize(hf, Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30), timeout_s=30)
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipeline_stages_start_in_the_shared_stream_and_recompute_the_same_masks():
+    pytest.importorskip("transformers")
+    for rank, r in enumerate(run_ranks(_pipeline, 4, timeout_s=200)):
+        for policy in ("none", "full"):  # 2 steps x 4 micro-batches x the forwards of each call (zb: no re-entry)
+            assert r[policy]["depths"] and set(r[policy]["depths"]) == {1}, (rank, policy, r[policy]["depths"])
+        assert r["full"]["losses"] == r["none"]["losses"]
+        worst, err = max_error(r["full"]["state"], r["none"]["state"])
+        assert err == 0.0, f"rank {rank}: {worst} off by {err:.3g} with checkpointing"
+        assert "Call model.gradient_checkpointing_disable() and pass activation_checkpointing='full'" in \
+            r["refused"], r.get("refused")
 
 
 def _resume(ctx, root: str) -> dict:

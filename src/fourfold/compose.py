@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -71,7 +72,7 @@ from fourfold.parallel.tensor import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from fourfold.parallel.tensor.dropout import draw_per_rank
+from fourfold.parallel.tensor.dropout import contain, draw_per_rank
 from fourfold.parallel.zero import ZERO_ALGORITHMS, ShardedDataParallel
 
 __all__ = ["TensorPlan", "model_blocks", "parallelize"]
@@ -175,6 +176,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if group is not None:  # each rank keeps its part of its own model: they must be the same model
             _check_same_model(model, group, axis)
     family = family_of(model)
+    if m.tp > 1:
+        _check_own_checkpointing(model)
     if (m.tp > 1 or m.pp > 1) and family is not None and family.check is not None:
         family.check(model, m.tp, m.pp)  # whole heads per rank, and the like: before anything is cut
     if m.pp > 1 and microbatches > 1 and strategy != "model":
@@ -202,6 +205,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1],
                               sequence_parallel=sequence_parallel, tracer=tracer)
             assert streams is not None  # several ranks; the sequence-parallel blocks draw per rank throughout
+            if sequence_parallel and not hasattr(model, SEQUENCE_SHARDED):
+                warnings.warn(f"the tensor plan ran sequence parallelism but named no modules that run on sequence "
+                              f"shards (model.{SEQUENCE_SHARDED}): their dropout draws the same masks on every tp "
+                              "rank. Set it to the blocks in your plan.", stacklevel=2)
             draw_per_rank(model, streams, getattr(model, SEQUENCE_SHARDED, ()))
         every = parse_policy(activation_checkpointing)
         if every:  # after sharding (the blocks hold their shards), before the pipeline cuts them into stages
@@ -227,6 +234,9 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             blocks: nn.Module = Chain(build_pieces(model, pieces), examples or ()) if pieces is not None else model
             pipe = build_pipeline(blocks, sched, ranks.pp_group, balance=balance, boundaries=boundaries,
                                   example=example, loss_fn=loss_fn, tracer=tracer, timeout_s=timeout_s)
+            if m.tp > 1:  # the runtime calls the stages, not the model: each stage leaves the streams as it found them
+                assert streams is not None
+                contain(pipe.stages, streams)
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
     # 3. data: bucket this rank's parameters over dp (the engine calls finish(): auto_finish off).
@@ -264,6 +274,24 @@ def _streams(ranks: RankMesh, seed: int | None) -> Streams:
         if ranks.tp_group is not None:
             seed = gather_objects(seed, ranks.tp_group, op="agree on the dropout seed over tp")[0]
     return Streams(seed, ranks.coord)
+
+
+def _check_own_checkpointing(model: nn.Module) -> None:
+    """A model checkpointing its own layers (Hugging Face's ``gradient_checkpointing_enable()``) recomputes them
+    with torch's generator restored but not the rank's dropout streams, so under tp its recompute would draw
+    other masks inside the regions than its forward did: wrong gradients, silently. Refused where it has dropout
+    (fourfold's own checkpointing re-enters the streams)."""
+    from fourfold.models import dropout_sites
+
+    own = [name or type(model).__name__ for name, m in model.named_modules()
+           if getattr(m, "gradient_checkpointing", False) is True]
+    sites = dropout_sites(model) if own else []
+    if sites:
+        raise ValueError(f"tensor parallelism draws dropout per tp rank inside its regions, and a checkpoint of "
+                         f"the model's own ({own[0]}.gradient_checkpointing) would recompute them with other masks, "
+                         f"got dropout at {', '.join(sites[:3])}. Call model.gradient_checkpointing_disable() and "
+                         "pass activation_checkpointing='full' (fourfold train: --activation-checkpointing full), "
+                         "or set the dropout to 0.")
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> None:

@@ -30,7 +30,7 @@ from fourfold.data import is_token_file, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, written_by_a_run
 from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
-from fourfold.models import family_of, tensor_plan
+from fourfold.models import dropout_sites, family_of, tensor_plan
 from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.models.hf import FAMILIES
@@ -136,11 +136,6 @@ def meta_model(cfg: Config) -> nn.Module | None:
         return None
 
 
-DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout")
-"""Hugging Face config keys of dropout probabilities (attention's is applied inside its kernel, by no module)."""
-
-
 def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
     """``--verify`` compares with one process, which draws other dropout masks than the layout's ranks: with any
     dropout the differences are the masks', and a correct layout would be called a mismatch. Refused, naming
@@ -150,9 +145,7 @@ def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None
     if model is None:  # a model of your own that cannot be built on meta: each rank builds it
         return
     config = getattr(model, "config", None)
-    found = [f"{key}={getattr(config, key)}" for key in DROPOUT_KEYS
-             if isinstance(getattr(config, key, None), float) and getattr(config, key) > 0]
-    found += [f"{name} (p={m.p})" for name, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
+    found = dropout_sites(model)
     if found:
         from fourfold.models.build import model_config_path
 

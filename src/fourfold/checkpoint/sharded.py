@@ -195,10 +195,10 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
             torch.set_rng_state(own["rng"]["cpu"])
             if "cuda" in own["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(own["rng"]["cuda"])
-            if engine.streams is not None and "streams" in own["rng"]:
-                engine.streams.load_state_dict(own["rng"]["streams"])
+            if engine.streams is not None:
+                engine.streams.resume(own["rng"].get("streams"), manifest["step"])
     elif restore_rng and engine.streams is not None:  # this layout's ranks draw afresh, not the first steps again
-        engine.streams.restart(manifest["step"])
+        engine.streams.resume(None, manifest["step"])
     return manifest
 
 

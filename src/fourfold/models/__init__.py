@@ -136,6 +136,20 @@ def shard_plan(model: nn.Module) -> Mapping[str, str] | None:
     return plan if isinstance(plan, Mapping) else None
 
 
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout")
+"""Hugging Face config keys of dropout probabilities (attention's is applied inside its kernel, by no module)."""
+
+
+def dropout_sites(model: nn.Module) -> list[str]:
+    """Where ``model`` draws dropout with p > 0: its config's probabilities (``attn_pdrop=0.1``), its dropout
+    modules (``transformer.drop (p=0.1)``). Empty: it draws nothing random in training."""
+    config = getattr(model, "config", None)
+    found = [f"{key}={getattr(config, key)}" for key in DROPOUT_KEYS
+             if isinstance(getattr(config, key, None), float) and getattr(config, key) > 0]
+    return found + [f"{name} (p={m.p})" for name, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
+
+
 def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module]:
     """The tensor-parallel plan of ``model``'s family; refused for a model fourfold has no plan for."""
     family = family_of(model)
@@ -148,6 +162,9 @@ def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module
 
 
 __all__ = [
+    "DROPOUTS",
+    "DROPOUT_KEYS",
+    "dropout_sites",
     "MLP",
     "Block",
     "CausalSelfAttention",

@@ -159,18 +159,24 @@ class Streams:
         return again
 
     def state_dict(self) -> dict[str, Any]:
-        """The streams' states between steps (a checkpoint's, to continue them on resume)."""
+        """The streams' states between steps (a checkpoint's, to continue them on resume), and the kind of device
+        they draw on (a CPU generator's state is no GPU's)."""
         if self._stack:
             raise RuntimeError(f"the dropout streams are saved between steps, got {self._stack} in force")
-        return {"base": self.base, "states": {n: self._state(n).clone() for n in (SHARED, SHARDED)}
-                if self._generator is not None else {}}
+        if self._generator is None:
+            return {"base": self.base, "device": None, "states": {}}
+        return {"base": self.base, "device": self._generator.device.type,
+                "states": {n: self._state(n).clone() for n in (SHARED, SHARDED)}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.base = int(state["base"])
-        self._seeds(None)
-        self._states.update({n: t.clone() for n, t in state["states"].items()})
-
-    def restart(self, step: int) -> None:
-        """Fresh streams for a run resumed at ``step`` under another layout (its ranks' streams do not map to
-        this one's): seeded from the step too, so they do not replay the first steps' masks."""
-        self._seeds(step)
+    def resume(self, state: dict[str, Any] | None, step: int) -> None:
+        """Continue the streams ``state`` saved (:meth:`state_dict`, the same rank under the same layout) where
+        they draw on this kind of device; otherwise (None: another layout, whose ranks' streams do not map to this
+        one's; a checkpoint from before the streams; another device) start afresh, seeded from ``step`` too, so
+        the first steps' masks are not drawn again."""
+        here = self._generator.device.type if self._generator is not None else None
+        if state is not None and state.get("device") == here and here is not None:
+            self.base = int(state["base"])
+            self._seeds(None)
+            self._states.update({n: t.clone() for n, t in state["states"].items()})
+        else:
+            self._seeds(step)

@@ -7,6 +7,13 @@ A column layer's output (heads, MLP columns) differs on every tp rank until its 
 (attention's on its probabilities, an MLP's between its layers) draws from the rank's sharded stream. The row
 layer's all-reduced output is the same on every rank again, and so are its masks (the shared stream). Under
 sequence parallelism the whole of every block runs on this rank's positions or heads: sharded throughout.
+
+A recompute must re-enter the streams as its forward found them: fourfold's activation checkpointing does
+(:meth:`~fourfold.parallel.rng.Streams.capture`); a checkpoint of the model's own (Hugging Face's
+``gradient_checkpointing_enable()``) restores torch's generator only, and would draw other masks inside the
+regions: :func:`fourfold.parallelize` refuses it under tp where the model has dropout. A pipeline stage boundary
+between a column layer and its row layer would start the next stage in the shared stream on per-rank activations
+(fourfold's own splits cut between blocks).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch import nn
 from fourfold.parallel.rng import Streams
 from fourfold.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["draw_per_rank"]
+__all__ = ["contain", "draw_per_rank"]
 
 
 def draw_per_rank(model: nn.Module, streams: Streams, sequence_sharded: Sequence[nn.Module] = ()) -> None:
@@ -32,10 +39,23 @@ def draw_per_rank(model: nn.Module, streams: Streams, sequence_sharded: Sequence
             module.register_forward_hook(_after_column(streams))
         elif isinstance(module, RowParallelLinear):
             module.register_forward_hook(_after_row(streams))
-    for module in (*sequence_sharded, model):
-        marks: list[int] = []
-        module.register_forward_pre_hook(_enter(streams, marks, module is not model))
-        module.register_forward_hook(_leave(streams, marks))
+    for module in sequence_sharded:
+        _around(module, streams, shard=True)
+    contain([model], streams)
+
+
+def contain(modules: Sequence[nn.Module], streams: Streams) -> None:
+    """Each of ``modules``' forwards leaves the streams as it found them: a pipeline's stages, which its runtime
+    calls one by one (a stage ending in a column layer, a vocabulary-split head, would leave the next call in the
+    sharded stream)."""
+    for module in modules:
+        _around(module, streams, shard=False)
+
+
+def _around(module: nn.Module, streams: Streams, shard: bool) -> None:
+    marks: list[int] = []
+    module.register_forward_pre_hook(_enter(streams, marks, shard))
+    module.register_forward_hook(_leave(streams, marks), always_call=True)  # also when its forward raises
 
 
 def _after_column(streams: Streams) -> Callable[..., None]:
