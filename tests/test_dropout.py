@@ -9,6 +9,7 @@ stream is seeded with a seed of its own (``stream_seed``)."""
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,21 @@ def _draws(ctx) -> dict:
     for label, (model, sp) in {"tp2": ("tiny", False), "tp2 sp": ("tiny", True), "gpt2 tp2 sp": ("gpt2", True),
                                }.items():
         out[f"{label} checkpointed"] = _run(ctx, model, 1, 2, 1, {"sequence_parallel": sp}, checkpointing="full")
+    with warnings.catch_warnings(record=True) as caught:  # a plan function of yours that names no shards
+        warnings.simplefilter("always")
+        parallelize(TinyGPT(CFG, seed=0), Mesh.for_world(ctx.world_size, tp=2).build(30), tp_plan=_plan_naming_none,
+                    sequence_parallel=True, timeout_s=30)
+    out["unnamed"] = [str(w.message) for w in caught]
     return out
+
+
+def _plan_naming_none(model, group, **kwargs):
+    from fourfold.models.gpt_plan import parallelize_tinygpt
+    from fourfold.parallel.rng import SEQUENCE_SHARDED
+
+    sharded = parallelize_tinygpt(model, group, **kwargs)
+    delattr(sharded, SEQUENCE_SHARDED)
+    return sharded
 
 
 @functools.cache
@@ -250,6 +265,13 @@ def test_sequence_parallel_blocks_draw_per_rank_throughout(label):
         assert _streams_at(r0, "embed.drop") == {"sharded"}
     else:  # GPT-2's is whole (split at the first block): the same mask on both ranks
         assert _streams_at(r0, "transformer.drop") == {"shared"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sequence_parallel_plan_of_yours_that_names_no_shards_is_warned_about():
+    for r in _spawn():
+        assert any("named no modules that run on sequence shards" in w for w in r["unnamed"]), r["unnamed"]
 
 
 @pytest.mark.slow
