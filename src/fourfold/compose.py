@@ -277,7 +277,7 @@ def _streams(ranks: RankMesh, seed: int | None) -> Streams:
 
 
 def _check_own_checkpointing(model: nn.Module) -> None:
-    """A model checkpointing its own layers (Hugging Face's ``gradient_checkpointing_enable()``) recomputes them
+    """A model checkpointing its own layers (Hugging Face's ``activation_checkpointing_enable()``) recomputes them
     with torch's generator restored but not the rank's dropout streams, so under tp its recompute would draw
     other masks inside the regions than its forward did: wrong gradients, silently. Refused where it has dropout
     (fourfold's own checkpointing re-enters the streams)."""
@@ -289,7 +289,8 @@ def _check_own_checkpointing(model: nn.Module) -> None:
     if sites:
         raise ValueError(f"tensor parallelism draws dropout per tp rank inside its regions, and a checkpoint of "
                          f"the model's own ({own[0]}.gradient_checkpointing) would recompute them with other masks, "
-                         f"got dropout at {', '.join(sites[:3])}. Call model.gradient_checkpointing_disable() and "
+                         f"got dropout at {', '.join(sites[:3])}. Call model.activation_checkpointing_disable() "
+                         "(or gradient_checkpointing_disable(), its older name) and "
                          "pass activation_checkpointing='full' (fourfold train: --activation-checkpointing full), "
                          "or set the dropout to 0.")
 

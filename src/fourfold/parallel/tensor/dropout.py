@@ -10,10 +10,9 @@ sequence parallelism the whole of every block runs on this rank's positions or h
 
 A recompute must re-enter the streams as its forward found them: fourfold's activation checkpointing does
 (:meth:`~fourfold.parallel.rng.Streams.capture`); a checkpoint of the model's own (Hugging Face's
-``gradient_checkpointing_enable()``) restores torch's generator only, and would draw other masks inside the
-regions: :func:`fourfold.parallelize` refuses it under tp where the model has dropout. A pipeline stage boundary
-between a column layer and its row layer would start the next stage in the shared stream on per-rank activations
-(fourfold's own splits cut between blocks).
+``activation_checkpointing_enable()``) restores torch's generator only, and would draw other masks inside the
+regions: :func:`fourfold.parallelize` refuses it under tp where the model has dropout. A pipeline stage that
+starts between a column layer and its row layer (a boundary of your own) starts in the sharded stream.
 """
 
 from __future__ import annotations
@@ -47,9 +46,15 @@ def draw_per_rank(model: nn.Module, streams: Streams, sequence_sharded: Sequence
 def contain(modules: Sequence[nn.Module], streams: Streams) -> None:
     """Each of ``modules``' forwards leaves the streams as it found them: a pipeline's stages, which its runtime
     calls one by one (a stage ending in a column layer, a vocabulary-split head, would leave the next call in the
-    sharded stream)."""
+    sharded stream). A stage that starts inside a region (its first tensor-parallel layer a row layer: the
+    boundary fell between a column layer and its row layer) starts in the sharded stream."""
     for module in modules:
-        _around(module, streams, shard=False)
+        _around(module, streams, shard=_starts_in_region(module))
+
+
+def _starts_in_region(module: nn.Module) -> bool:
+    first = next((m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), None)
+    return isinstance(first, RowParallelLinear) and not first.sequence_parallel
 
 
 def _around(module: nn.Module, streams: Streams, shard: bool) -> None:
