@@ -221,6 +221,13 @@ def test_parse_bytes():
     assert parse_bytes("80B", unit=True) == 80 and parse_bytes("1 KiB", unit=True) == 1024
 
 
+def test_format_bytes_never_writes_e_notation():
+    from fourfold.units import format_bytes
+
+    assert [format_bytes(n) for n in (512, 874 * 1024, 3.18 * 2**20, 1010 * 1024, 1023.9 * 2**20, 2**30)] == \
+        ["512 B", "874 KB", "3.18 MB", "1010 KB", "1024 MB", "1 GB"]
+
+
 def test_tinygpt_shards_describe_the_real_plan():
     """The estimate's description of TinyGPT's plan divides exactly the parameters the real plan shards."""
     from fourfold.observe.estimate import _shard_divisors

@@ -33,8 +33,10 @@ def parse_bytes(text: str, *, what: str = "size", unit: bool = False) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Three significant figures in the largest unit that keeps the number >= 1: ``'3.18 MB'``, ``'874 KB'``."""
+    """Three significant figures in the largest unit that keeps the number >= 1: ``'3.18 MB'``, ``'874 KB'``;
+    from 999.5 of a unit to the next, four (``'1010 KB'``, never ``'1.01e+03 KB'``)."""
     for unit, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            x = n / scale
+            return f"{x:.0f} {unit}" if x >= 999.5 else f"{x:.3g} {unit}"
     return f"{n:.0f} B"
