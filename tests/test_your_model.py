@@ -316,6 +316,28 @@ def test_a_gemma_that_attends_both_ways_is_refused_and_capped_scores_run_eager_a
     assert built == ["eager", "eager", "sdpa", "eager"], built  # transformers' Gemma 2 runs no SDPA
 
 
+def test_a_misspelt_config_key_is_refused_naming_the_key_it_meant(tmp_path):
+    """transformers keeps a key its config does not read as an attribute and builds its default: ``n_layr`` gave
+    a 12-layer GPT-2, ``atn_pdrop`` left dropout at 0.1, silently. A key close to one it reads is refused; other
+    unknown keys (older versions' ``n_ctx``, ``rope_theta`` in Hugging Face's own files) pass."""
+    import json
+
+    from fourfold.models.hf import hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"n_layr": 2, "atn_pdrop": 0.0, "n_embd": 16, "n_head": 2}))
+    with pytest.raises(ValueError, match=r"model_config's keys must be GPT2Config's, got 'n_layr' \(did you mean "
+                                         r"'n_layer'\?\), 'atn_pdrop' \(did you mean 'attn_pdrop'\?\) in .*config.json"):
+        hf_config("gpt2", path)
+    path.write_text(json.dumps({"n_layer": 2, "attn_pdrop": 0.0, "n_ctx": 1024, "n_embd": 16, "n_head": 2}))
+    assert hf_config("gpt2", path).n_layer == 2
+    path.write_text(json.dumps({**LLAMA, "num_hidden_layer": 1}))
+    with pytest.raises(ValueError, match=r"'num_hidden_layer' \(did you mean 'num_hidden_layers'\?\)"):
+        hf_config("llama", path)
+    path.write_text(json.dumps({**LLAMA, "rope_theta": 10000.0}))
+    assert hf_config("llama", path).num_attention_heads == 4
+
+
 def test_a_config_of_another_architecture_is_refused_naming_the_family_to_pass(tmp_path):
     """A config.json says which architecture it is (model_type); transformers would take a Mixtral's keys as a
     Mistral's and build a dense model silently."""

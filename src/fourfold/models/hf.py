@@ -45,6 +45,9 @@ which masks its attention gets in :mod:`fourfold.models.hf_split`. Their public 
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -263,6 +266,29 @@ def seeded(model: nn.Module, seed: int) -> SeededInit:
     return SeededInit(model, seed, blocks=blocks, init=init)
 
 
+@functools.cache
+def config_keys(cls: type) -> frozenset[str]:
+    """The keys a transformers config class reads: its ``__init__``'s parameters, a default instance's attributes
+    (the common ones every config has) and its ``attribute_map`` aliases (GPT-2's ``hidden_size``)."""
+    params = {n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    return frozenset(params | set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))) - {"self"}
+
+
+def _check_keys(cls: type, values: dict[str, Any], path: str | os.PathLike[str] | None) -> None:
+    """A key the config class does not read is kept as an attribute and ignored: refused where it is a misspelling
+    of one it reads (``n_layr``: a 12-layer default GPT-2, silently). Other unknown keys pass: Hugging Face's own
+    config.json files carry keys older versions read (``n_ctx``, ``rope_theta``, ``torch_dtype``)."""
+    known = config_keys(cls)
+    typos = {k: near[0] for k in values if k not in known
+             and (near := difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.8))}
+    if typos:
+        where = f" in {str(path)!r}" if path is not None else ""
+        got = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in typos.items())
+        raise ValueError(f"model_config's keys must be {cls.__name__}'s, got {got}{where}: {cls.__name__} would "
+                         f"ignore {'them' if len(typos) > 1 else 'it'} and keep its defaults. Fix the "
+                         f"key{'s' if len(typos) > 1 else ''}.")
+
+
 def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
               overrides: dict[str, Any] | None = None) -> Any:
     """The family's config from a JSON file (and ``overrides``), read without building the model."""
@@ -283,6 +309,7 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
         raise ValueError(f"model_config must be a {family} config (its model_type), got model_type={named!r} in "
                          f"{str(config_path)!r}. {fix}, or a config of the model you name.")
     cls = getattr(transformers, _CLASSES[family][1])
+    _check_keys(cls, values, config_path)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below
     try:
