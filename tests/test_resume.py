@@ -229,6 +229,27 @@ def test_checkpoints_from_before_model_config_values_still_resume(tmp_path, monk
     assert parse_args(["--resume", str(where), "--steps", "4"]).train.model == "tinygpt"
 
 
+def test_a_model_config_edited_since_the_checkpoint_is_refused_naming_the_keys(tmp_path, monkeypatch):
+    """The resumed run reads --model-config from the checkpoint's path again: a file edited since (dropout set to 0)
+    would build another model silently. Compared by contents, the keys that differ named, the checkpoint's own
+    given to write back."""
+    from fourfold.checkpoint.resume import check_resume
+    from fourfold.cli.args import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2, "attn_pdrop": 0.1}))
+    then = parse_args(["--model", "gpt2", "--model-config", "cfg.json", "--steps", "4"])
+    manifest = {"config": then.record(), "dir": "ck", "step": 2}
+    check_resume(parse_args(["--model", "gpt2", "--model-config", "cfg.json", "--steps", "4"]), manifest)
+    (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2, "attn_pdrop": 0.0}))
+    with pytest.raises(ValueError, match=r"resume: the checkpoint ck's model was built from other --model-config keys "
+                                         r"than .*cfg.json holds now: attn_pdrop=0.1 there, 0.0 here\. Write the "
+                                         r'checkpoint\'s \(\{"n_layer": 2, "attn_pdrop": 0.1\}\) to a file'):
+        check_resume(parse_args(["--model", "gpt2", "--model-config", "cfg.json", "--steps", "4"]), manifest)
+    (tmp_path / "moved.json").write_text(json.dumps({"attn_pdrop": 0.1, "n_layer": 2}))  # the same keys elsewhere
+    check_resume(parse_args(["--model", "gpt2", "--model-config", "moved.json", "--steps", "4"]), manifest)
+
+
 def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolute(tmp_path, monkeypatch):
     # runs before 2026-11-24 recorded --tokenizer as typed; later ones absolute: a resume compares the files
     from fourfold.checkpoint.resume import changed_settings

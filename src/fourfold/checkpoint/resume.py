@@ -84,8 +84,20 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     (The model settings not given were taken from the checkpoint: :func:`take_checkpoint_model`.)"""
     saved, here = manifest["config"], cfg.record()
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
-              for s, keys in MODEL_KEYS.items() for k in keys if saved.get(s, {}).get(k) != here[s][k]
-              and not (k == "model_config" and _same_model_config(saved, here))]
+              for s, keys in MODEL_KEYS.items() for k in keys if k != "model_config"
+              and saved.get(s, {}).get(k) != here[s][k]]
+    then, now = saved.get("model_config_values"), here.get("model_config_values")
+    if not differ and then is not None and now is not None and then != now:  # the file edited since, say
+        keys = [k for k in sorted({*then, *now}) if then.get(k) != now.get(k)]
+        shown = "; ".join(f"{k}={then.get(k)!r} there, {now.get(k)!r} here" for k in keys[:4])
+        raise ValueError(f"resume: the checkpoint {manifest['dir']}'s model was built from other --model-config "
+                         f"keys than {here['train']['model_config'] or 'the --init-from directory'} holds now: "
+                         f"{shown}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}. Write the checkpoint's "
+                         f"({json.dumps(then)}) to a file and pass --model-config FILE, or resume another "
+                         "checkpoint.")
+    if not _same_model_config(saved, here):
+        differ.append(f"model_config={saved.get('train', {}).get('model_config')!r} there, "
+                      f"{here['train']['model_config']!r} here")
     if differ:
         raise ValueError(f"resume: the checkpoint {manifest['dir']} was saved from another model: "
                          f"{'; '.join(differ)}. Leave these flags out (a resumed run takes the checkpoint's), or "
@@ -96,13 +108,15 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
 
 
 def _same_model_config(saved: dict[str, Any], here: dict[str, Any]) -> bool:
-    """The same --model-config: two files (moved, copied, named another way) holding the same JSON object, or,
-    for a checkpoint that recorded only the path as typed (before model_config_values), the same file."""
+    """The same --model-config: files (the same one, edited or not; moved, copied, named another way) holding the
+    same JSON object, or, for a checkpoint that recorded only the path as typed (before model_config_values), the
+    same file; or none on either side."""
     if saved.get("model_config_values") is not None:
         return bool(saved["model_config_values"] == here.get("model_config_values"))
-    path = saved.get("train", {}).get("model_config")
-    return path is not None and here["train"]["model_config"] is not None and \
-        os.path.abspath(path) == os.path.abspath(here["train"]["model_config"])
+    path, now = saved.get("train", {}).get("model_config"), here["train"]["model_config"]
+    if path is None or now is None:
+        return path == now
+    return os.path.abspath(path) == os.path.abspath(now)
 
 
 CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_decay", "min_lr", "max_grad_norm",
