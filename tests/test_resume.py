@@ -194,6 +194,22 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
     assert capsys.readouterr().err == ""  # nothing resumed
 
 
+def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_start_afresh(tmp_path, capsys):
+    from fourfold.cli.args import parse_args
+    from fourfold.mesh import Mesh
+    from fourfold.preflight import _resume_note
+
+    part = tmp_path / "part"
+    assert train_mod.main([*SMALL, "--dropout", "0.1", "--steps", "1", "--out", str(part)]) == 0  # 1 rank
+    capsys.readouterr()
+    for nproc, said in [(2, True), (1, False)]:  # another layout: afresh; the same one: continued
+        cfg = parse_args([*SMALL, "--nproc", str(nproc), "--steps", "3", "--resume", str(part)])
+        _resume_note(cfg, Mesh.for_world(nproc, dp=nproc), nproc)
+        err = capsys.readouterr().err
+        assert ("the model's dropout (dropout=0.1, embed.drop (p=0.1)) draws from each rank's "
+                "own streams, continued only under the checkpoint's layout (1 ranks" in err) == said, (nproc, err)
+
+
 def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resumed_checkpoint(tmp_path,
                                                                                              monkeypatch):
     from fourfold.checkpoint.resume import resume_from
