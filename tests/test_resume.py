@@ -266,6 +266,21 @@ def test_a_model_config_edited_since_the_checkpoint_is_refused_naming_the_keys(t
     check_resume(parse_args(["--model", "gpt2", "--model-config", "moved.json", "--steps", "4"]), manifest)
 
 
+def test_a_hugging_face_run_records_no_tinygpt_sizes_and_older_records_of_them_still_resume(tmp_path, monkeypatch):
+    """run.json once said n_layer 4, dropout 0.0 for any Hugging Face model (TinyGPT's defaults): read as the
+    model's. They are left out now; a checkpoint that recorded them resumes as before."""
+    from fourfold.checkpoint.resume import check_resume
+    from fourfold.cli.args import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2}))
+    cfg = parse_args(["--model", "gpt2", "--model-config", "cfg.json", "--steps", "4"])
+    assert cfg.record()["model"] == {"seq_len": cfg.model.seq_len}
+    assert parse_args(["--steps", "4"]).record()["model"]["n_layer"] == 4  # TinyGPT's own
+    older = {**cfg.record(), "model": cfg.to_dict()["model"]}
+    check_resume(cfg, {"config": older, "dir": "ck", "step": 2})
+
+
 def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolute(tmp_path, monkeypatch):
     # runs before 2026-11-24 recorded --tokenizer as typed; later ones absolute: a resume compares the files
     from fourfold.checkpoint.resume import changed_settings

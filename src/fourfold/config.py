@@ -407,9 +407,13 @@ class Config:
         return read_model_config(path) if path is not None else None
 
     def record(self) -> dict[str, Any]:
-        """What a run writes down (run.json, checkpoints, model.pt): :meth:`to_dict`, and ``--model-config``'s
-        JSON object itself under ``model_config_values``, so a resume compares contents, not paths."""
+        """What a run writes down (run.json, checkpoints, model.pt): :meth:`to_dict` (for a model other than TinyGPT
+        without TinyGPT's sizes and dropout, its defaults, which would read as this model's), and
+        ``--model-config``'s JSON object itself under ``model_config_values``, so a resume compares contents, not
+        paths."""
         record: dict[str, Any] = self.to_dict()
+        if self.train.model != "tinygpt":  # TinyGPT's sizes and dropout are not this model's: never written down
+            record["model"] = {k: v for k, v in record["model"].items() if k not in TINYGPT_ONLY}
         if self.model_config_values is not None:
             record["model_config_values"] = self.model_config_values
         if self.train.eval_every:

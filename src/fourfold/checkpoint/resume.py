@@ -83,9 +83,10 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps.
     (The model settings not given were taken from the checkpoint: :func:`take_checkpoint_model`.)"""
     saved, here = manifest["config"], cfg.record()
+    # what this model records: not TinyGPT's sizes for another model (older checkpoints recorded their defaults)
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
               for s, keys in MODEL_KEYS.items() for k in keys if k != "model_config"
-              and saved.get(s, {}).get(k) != here[s][k]]
+              and k in here[s] and saved.get(s, {}).get(k) != here[s][k]]
     then, now = saved.get("model_config_values"), here.get("model_config_values")
     if not differ and then is not None and now is not None and then != now:  # the file edited since, say
         keys = [k for k in sorted({*then, *now}) if then.get(k) != now.get(k)]
