@@ -281,6 +281,18 @@ def test_a_hugging_face_run_records_no_tinygpt_sizes_and_older_records_of_them_s
     check_resume(cfg, {"config": older, "dir": "ck", "step": 2})
 
 
+def test_another_dropout_on_resume_is_a_training_change_named_not_another_model():
+    from fourfold.checkpoint.resume import changed_settings, check_resume
+    from fourfold.cli.args import parse_args
+
+    then = parse_args([*SMALL, "--dropout", "0.1", "--steps", "4"])
+    manifest = {"config": then.record(), "dir": "ck", "step": 2}
+    lower = parse_args([*SMALL, "--dropout", "0.05", "--steps", "4"])
+    check_resume(lower, manifest)  # accepted: dropout shapes nothing
+    assert changed_settings(lower, manifest) == ["dropout 0.05 (was 0.1)"]
+    assert changed_settings(parse_args([*SMALL, "--dropout", "0.1", "--steps", "4"]), manifest) == []
+
+
 def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolute(tmp_path, monkeypatch):
     # runs before 2026-11-24 recorded --tokenizer as typed; later ones absolute: a resume compares the files
     from fourfold.checkpoint.resume import changed_settings

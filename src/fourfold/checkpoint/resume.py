@@ -83,9 +83,10 @@ def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
     """Refuse, before any process starts, a checkpoint of another model or dtype, or one at or past --steps.
     (The model settings not given were taken from the checkpoint: :func:`take_checkpoint_model`.)"""
     saved, here = manifest["config"], cfg.record()
-    # what this model records: not TinyGPT's sizes for another model (older checkpoints recorded their defaults)
+    # what this model records: not TinyGPT's sizes for another model (older checkpoints recorded their defaults);
+    # dropout shapes nothing: another one is a training change (changed_settings names it), not another model
     differ = [f"{k}={saved.get(s, {}).get(k)!r} there, {here[s][k]!r} here"
-              for s, keys in MODEL_KEYS.items() for k in keys if k != "model_config"
+              for s, keys in MODEL_KEYS.items() for k in keys if k not in ("model_config", "dropout")
               and k in here[s] and saved.get(s, {}).get(k) != here[s][k]]
     then, now = saved.get("model_config_values"), here.get("model_config_values")
     if not differ and then is not None and now is not None and then != now:  # the file edited since, say
@@ -153,4 +154,7 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
                    "end: training reads other windows or documents)")
     if here["lr_decay"] != "none" and saved["steps"] != here["steps"]:
         out.append(f"steps {here['steps']} (was {saved['steps']}: the learning rate's decay now ends there)")
+    dropout, was_dropout = cfg.model.dropout, manifest["config"].get("model", {}).get("dropout", cfg.model.dropout)
+    if cfg.train.model == "tinygpt" and dropout != was_dropout:
+        out.append(f"dropout {dropout!r} (was {was_dropout!r})")
     return out
