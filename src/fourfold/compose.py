@@ -202,7 +202,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
             if family is not None and family.fixups is not None:
                 family.fixups(model, m.tp)
             if sites is not None:  # attention and MLP entered once each; sequence parallelism around them
-                shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1],
+                shard_regions(model, ranks.tp_group, blocks=sites[0], norm=sites[1], head=sites[2],
                               sequence_parallel=sequence_parallel, tracer=tracer)
             assert streams is not None  # several ranks; the sequence-parallel blocks draw per rank throughout
             if sequence_parallel and not hasattr(model, SEQUENCE_SHARDED):

@@ -32,8 +32,8 @@ class Family:
     ``examples``:
     inputs showing the dims that may vary, ``documents(model)``, which makes the model keep packed
     documents apart (positions and attention read :func:`fourfold.data.packing.current_layout`), and
-    ``regions(model)``: its blocks and final norm by name, around which its plan's column -> row modules are
-    entered once each and sequence parallelism runs (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
+    ``regions(model)``: its blocks, final norm and head (None: its norm's output is gathered) by name, around
+    which its plan's column -> row modules are entered once each and sequence parallelism runs (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
 
     name: str
     plan: Callable[[nn.Module], Mapping[str, str] | Callable[..., nn.Module]] | None = None
@@ -42,7 +42,7 @@ class Family:
     fixups: Callable[[nn.Module, int], None] | None = None
     examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
     documents: Callable[[nn.Module], None] | None = None
-    regions: Callable[[nn.Module], tuple[str, str]] | None = None
+    regions: Callable[[nn.Module], tuple[str, str, str | None]] | None = None
 
     @property
     def splits_sequence(self) -> bool:

@@ -32,10 +32,14 @@ GPT2_PLAN = {
 }
 
 
-def block_sites(model: nn.Module) -> tuple[str, str]:
-    """The family's blocks, and the norm between the last one and the head: where its attention and MLP are
-    entered once each, and sequence parallelism runs (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
-    return ("transformer.h", "transformer.ln_f") if _kind(model) == "gpt2" else ("model.layers", "model.norm")
+def block_sites(model: nn.Module) -> tuple[str, str, str | None]:
+    """The family's blocks, the norm between the last one and the head, and the head where it reads the norm's
+    output position by position (None: GPT-2, whose model reshapes that output by the whole sequence's length):
+    where its attention and MLP are entered once each, and sequence parallelism runs
+    (:func:`~fourfold.parallel.tensor.regions.shard_regions`)."""
+    if _kind(model) == "gpt2":
+        return "transformer.h", "transformer.ln_f", None
+    return "model.layers", "model.norm", "lm_head"
 
 
 def _kind(model: nn.Module) -> str | None:

@@ -18,7 +18,8 @@ tables and masks over the whole sequence) is unchanged::
       block:  norm (B,T/p,C) -> attention's input: all-gather (backward: reduce-scatter)      gather_sequence
               q | k | v on H/p heads (no f: the entry sums dL/dX) -> o_proj: reduce-scatter -> + residual
               norm -> MLP's input: all-gather -> gate | up -> down: reduce-scatter -> + residual
-    final norm (B,T/p,C) -> its output: all-gather (backward: keep own slice) -> head             gather_from_tp
+    final norm (B,T/p,C) -> head's input: all-gather (backward: reduce-scatter) -> head     gather_sequence
+    (no head given: the norm's output all-gathered, backward keep own slice; GPT-2)          gather_from_tp
 
 Each block's all-reduce is cut into its two halves, so the bytes are plain tensor parallelism's. A replicated
 parameter that sees only this rank's tokens (the blocks' norms, the row layers' biases, the final norm) gets a
@@ -58,11 +59,13 @@ def full_length(block: nn.Module, hidden: torch.Tensor) -> int:
     return hidden.size(1) * getattr(block, SEQUENCE_SHARDS, 1)
 
 
-def shard_regions(model: nn.Module, group: Group, *, blocks: str, norm: str, sequence_parallel: bool = False,
-                  tracer: Tracer | None = None) -> nn.Module:
+def shard_regions(model: nn.Module, group: Group, *, blocks: str, norm: str, head: str | None = None,
+                  sequence_parallel: bool = False, tracer: Tracer | None = None) -> nn.Module:
     """Enter each of ``model``'s tensor-parallel regions once, in place, after
     :func:`~fourfold.parallel.tensor.tensor_parallel` has sharded its blocks' matmuls: ``blocks`` names its
-    ``nn.ModuleList`` of blocks, ``norm`` the module between the last block and the head. Without
+    ``nn.ModuleList`` of blocks, ``norm`` the module between the last block and the head, ``head`` the
+    column-parallel head when it reads ``norm``'s output position by position (under sequence parallelism it
+    then gathers the sequence itself, its backward a reduce-scatter; None: ``norm``'s output is gathered). Without
     ``sequence_parallel`` a model whose blocks hold no regions (linear layers directly in a block) is left as it
     is, each column layer with its own f; with it, such a model is refused. Returns ``model``."""
     layers = model.get_submodule(blocks)
@@ -93,13 +96,14 @@ def shard_regions(model: nn.Module, group: Group, *, blocks: str, norm: str, seq
                 elif isinstance(module, RowParallelLinear):
                     module.sequence_parallel = sequence_parallel
     if sequence_parallel:
-        _shard_sequence(model, group, layers, found, blocks, norm, tracer)
+        _shard_sequence(model, group, layers, found, blocks, norm, head, tracer)
     return model
 
 
 def _shard_sequence(model: nn.Module, group: Group, layers: nn.ModuleList, found: list[dict[str, nn.Module]],
-                    blocks: str, norm: str, tracer: Tracer | None) -> None:
-    """The sequence split at the first block and gathered after ``norm``, and the partial gradients listed."""
+                    blocks: str, norm: str, head: str | None, tracer: Tracer | None) -> None:
+    """The sequence split at the first block and gathered after ``norm`` (or by ``head``), and the partial
+    gradients listed."""
     layouts = shard_layouts(model)
     partial: list[str] = []
     for i, (layer, regions) in enumerate(zip(layers, found, strict=True)):
@@ -114,7 +118,11 @@ def _shard_sequence(model: nn.Module, group: Group, layers: nn.ModuleList, found
     scatter = functools.partial(_scatter, group=group, tracer=tracer, site=blocks)
     layers[0].register_forward_pre_hook(_on_hidden(scatter), with_kwargs=True)
     last = model.get_submodule(norm)
-    last.register_forward_hook(functools.partial(_gather_output, group, tracer, norm))
+    reader = model.get_submodule(head) if head is not None else None
+    if isinstance(reader, ColumnParallelLinear):  # gathers its input: backward a reduce-scatter, not an all-reduce
+        reader.sequence_parallel = True
+    else:
+        last.register_forward_hook(functools.partial(_gather_output, group, tracer, norm))
     partial += [f"{norm}.{n}" for n, q in last.named_parameters() if q.requires_grad]
     setattr(model, SEQUENCE_SHARDED, tuple(layers))  # their dropout draws per tp rank: fourfold.parallel.rng
     known = tuple(getattr(model, "partial_grad_names", ()))
