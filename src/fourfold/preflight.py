@@ -267,26 +267,25 @@ def _memory_line(cfg: Config, world_size: int) -> None:
 
 def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
     """Say so when a resumed run will not continue the checkpoint's run exactly: a training setting given
-    another value, or int8's and PowerSGD's state (errors fed back, factors), each rank's own, restored only
-    under the checkpoint's layout."""
+    another value, or what each rank keeps of its own, restored only under the checkpoint's layout: int8's and
+    PowerSGD's state (errors fed back, factors), the dropout streams."""
     t = cfg.train
     resume = resume_from(cfg)
     changed = changed_settings(cfg, resume) if resume is not None else []
     if resume is not None and changed:
         print(f"fourfold train: note: resuming step {resume['step']} with {', '.join(changed)}; the run goes on "
               "with these, so it is not the checkpoint's run continued exactly.", file=sys.stderr, flush=True)
-    moved = resume is not None and (
-        resume["world_size"] != world_size or resume["mesh"] != {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp})
-    if mesh.dp > 1 and t.compress in ("int8", "powersgd") and moved:
-        assert resume is not None
+    if resume is None or (resume["world_size"] == world_size
+                          and resume["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
+        return  # below: what each rank keeps of its own, continued only under the checkpoint's layout
+    if mesh.dp > 1 and t.compress in ("int8", "powersgd"):
         print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its errors fed back), "
               f"restored only under the checkpoint's layout ({resume['world_size']} ranks, {resume['mesh']}): "
               "this run starts it afresh, so its losses follow an uninterrupted run's closely, not exactly.",
               file=sys.stderr, flush=True)
-    model = meta_model(cfg) if moved else None
+    model = meta_model(cfg)
     sites = dropout_sites(model) if model is not None else []
     if sites:
-        assert resume is not None
         print(f"fourfold train: note: the model's dropout ({', '.join(sites[:2])}) draws from each rank's own "
               f"streams, continued only under the checkpoint's layout ({resume['world_size']} ranks, "
               f"{resume['mesh']}): this run draws them afresh from the seed and step {resume['step']}, so its "

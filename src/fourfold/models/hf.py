@@ -73,10 +73,10 @@ if TYPE_CHECKING:
     from fourfold.models.seeded import SeededInit
 
 __all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
-           "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "build_hf",
+           "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "block_sites", "build_hf",
            "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split",
            "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
-           "prepare", "read_documents", "seeded", "block_sites", "shard_fixups", "sizes", "sliding_window", "windowed"]
+           "prepare", "read_documents", "seeded", "shard_fixups", "sizes", "sliding_window", "windowed"]
 
 
 _CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config", "GPT-2"), "llama": ("LlamaForCausalLM", "LlamaConfig", "Llama"),

@@ -73,14 +73,18 @@ class Streams:
         self._states = {k: v for k, v in self._states.items() if k not in self._seed}  # fresh: drawn on bind
 
     def bind(self, device: torch.device) -> None:
-        """Draw on ``device``'s default generator (CPU, or the GPU's own)."""
-        if device.type == "cuda":
-            self._generator = torch.cuda.default_generators[
-                device.index if device.index is not None else torch.cuda.current_device()]
-        elif device.type == "cpu":
+        """Draw on ``device``'s default generator: the CPU's, or an accelerator's own (its module's
+        ``default_generators``); a device without one (meta) switches nothing."""
+        if device.type == "cpu":
             self._generator = torch.default_generator
-        else:  # meta, or a device without a default generator fourfold knows: nothing to switch
+            return
+        module = torch.get_device_module(device) if device.type != "meta" else None
+        generators = getattr(module, "default_generators", ())
+        if not generators:
             self._generator = None
+            return
+        assert module is not None
+        self._generator = generators[device.index if device.index is not None else module.current_device()]
 
     def _state(self, name: str) -> torch.Tensor:
         if name not in self._states:

@@ -64,15 +64,15 @@ def _around(module: nn.Module, streams: Streams, shard: bool) -> None:
 
 
 def _after_column(streams: Streams) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, out: Any) -> None:
-        if not getattr(module, "gather_output", False):
+    def hook(module: ColumnParallelLinear, args: Any, out: Any) -> None:
+        if not module.gather_output:  # gathered (a head's logits made whole): the same on every tp rank
             streams.into_shard()
     return hook
 
 
 def _after_row(streams: Streams) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, out: Any) -> None:
-        if not getattr(module, "sequence_parallel", False):  # all-reduced: the same on every tp rank
+    def hook(module: RowParallelLinear, args: Any, out: Any) -> None:
+        if not module.sequence_parallel:  # all-reduced: the same on every tp rank
             streams.out_of_shard()
     return hook
 
