@@ -46,6 +46,7 @@ from fourfold.engine import Engine, LossFn
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
+from fourfold.model_checks import check_own_checkpointing, check_same_model, check_whole_logits
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
@@ -53,11 +54,9 @@ from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.blocks import (
     Chain,
-    EvalMode,
     Split,
     block_paths,
     build_pieces,
-    output_tensor,
     resolve_split,
 )
 from fourfold.parallel.pipeline.split import Balance
@@ -174,10 +173,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         batchnorm_for_data_parallel(model, sync_batchnorm, ranks.dp_group, timeout_s)
     for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):
         if group is not None:  # each rank keeps its part of its own model: they must be the same model
-            _check_same_model(model, group, axis)
+            check_same_model(model, group, axis)
     family = family_of(model)
     if m.tp > 1:
-        _check_own_checkpointing(model)
+        check_own_checkpointing(model)
     if (m.tp > 1 or m.pp > 1) and family is not None and family.check is not None:
         family.check(model, m.tp, m.pp)  # whole heads per rank, and the like: before anything is cut
     if m.pp > 1 and microbatches > 1 and strategy != "model":
@@ -226,7 +225,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         if m.tp > 1 and own is None and not split_heads:  # each tp rank's loss reads its own logits: whole ones?
             with tracer.paused():  # a check, not part of any step
                 found = _examples(model, example, family)
-                _check_whole_logits(model, found[0] if found else None, ranks)
+                check_whole_logits(model, found[0] if found else None, ranks)
         # 2. pipeline: cut the blocks (or the split's pieces) into stages; keep this rank's.
         pipe = None
         if m.pp > 1:
@@ -276,67 +275,6 @@ def _streams(ranks: RankMesh, seed: int | None) -> Streams:
     return Streams(seed, ranks.coord)
 
 
-def _check_own_checkpointing(model: nn.Module) -> None:
-    """A model checkpointing its own layers (Hugging Face's ``activation_checkpointing_enable()``) recomputes them
-    with torch's generator restored but not the rank's dropout streams, so under tp its recompute would draw
-    other masks inside the regions than its forward did: wrong gradients, silently. Refused where it has dropout
-    (fourfold's own checkpointing re-enters the streams)."""
-    from fourfold.models import dropout_sites
-
-    own = [name or type(model).__name__ for name, m in model.named_modules()
-           if getattr(m, "gradient_checkpointing", False) is True]
-    sites = dropout_sites(model) if own else []
-    if sites:
-        raise ValueError(f"tensor parallelism draws dropout per tp rank inside its regions, and a checkpoint of "
-                         f"the model's own ({own[0]}.gradient_checkpointing) would recompute them with other masks, "
-                         f"got dropout at {', '.join(sites[:3])}. Call model.activation_checkpointing_disable() "
-                         "(or gradient_checkpointing_disable(), its older name) and "
-                         "pass activation_checkpointing='full' (fourfold train: --activation-checkpointing full), "
-                         "or set the dropout to 0.")
-
-
-def _check_same_model(model: nn.Module, group: dist.ProcessGroup, axis: str) -> None:
-    """Tensor and pipeline parallelism cut each rank's own model and keep its part, so the ranks must have built
-    the same one; a model initialised from torch's global generator without a seed (or seeded by rank) would
-    train a mixture of several, silently. Its parameters' names, shapes and two sums are compared over
-    ``group`` (data parallelism broadcasts rank 0's weights instead, so it needs no check)."""
-    params = list(model.named_parameters())
-    meta = any(p.is_meta for _, p in params)  # nothing to compare: decided by every rank together, below
-    sums = [] if meta else [_sums(p) for _, p in params]
-    mine = ([(n, tuple(p.shape)) for n, p in params], sums, meta)
-    everyone = gather_objects(mine, group, op=f"compare the model built on each {axis} rank")
-    if any(m for _, _, m in everyone):
-        return
-    def close(x: tuple[float, float], y: tuple[float, float]) -> bool:
-        return all(abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) for a, b in zip(x, y, strict=True))
-
-    for r, (layout, theirs, _) in enumerate(everyone):
-        if layout != mine[0]:
-            raise ValueError(f"rank {dist.get_rank()}: the {axis} ranks built different models: their parameters' "
-                             f"names or shapes differ from {axis} rank {r}'s. Build the same model, from the same "
-                             "config, on every rank.")
-        name = next((n for (n, _), x, y in zip(params, theirs, sums, strict=True) if not close(x, y)), None)
-        if name is not None:
-            raise ValueError(
-                f"rank {dist.get_rank()}: the {axis} ranks built different models ({name} differs on {axis} rank "
-                f"{r}), and {'tensor' if axis == 'tp' else 'pipeline'} parallelism keeps each rank's part of its "
-                "own. Build the model the same way on every rank: seed first (torch.manual_seed(0) before building "
-                "it), or load the same weights.")
-
-
-@torch.no_grad()
-def _sums(p: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
-    """The sum of ``p``'s elements and of their squares, in float64, a million elements at a time: no
-    temporary the size of ``p`` (a model's parameters may be untouched pages that should stay so:
-    :func:`fourfold.models.weights.zero_pages`)."""
-    total = squares = 0.0
-    for part in p.detach().reshape(-1).split(chunk):
-        wide = part.double()
-        total += float(wide.sum())
-        squares += float(torch.dot(wide, wide))
-    return total, squares
-
-
 def _examples(model: nn.Module, example: torch.Tensor | None, family: Any,
               multiple: int = 1) -> list[torch.Tensor] | None:
     """Inputs to run ``model`` on, first the one a check uses: ``example`` and a batch of two of it, its
@@ -348,30 +286,6 @@ def _examples(model: nn.Module, example: torch.Tensor | None, family: Any,
         return [x[:, :max(multiple, x.size(1) - x.size(1) % multiple)] for x in family.examples(model)]
     own = getattr(model, "example_inputs", None)
     return list(own()) if callable(own) else None
-
-
-def _check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: RankMesh) -> None:
-    """Under tp with no 'head' in the plan the logits must be whole, the same on every tp rank, as each rank's
-    loss reads them. A plan that leaves them split ("column" on the output layer) trains each rank on its own
-    slice of the vocabulary: a loss that looks plausible and is wrong. The model (sharded, still whole in
-    depth) runs once on ``example``, in eval mode, and the logits' shapes and sums are compared over tp; the
-    run is refused if they differ. (With no example to run on, nothing is checked; ``--verify`` still shows
-    it.)"""
-    if example is None:
-        return
-    with torch.no_grad(), EvalMode(model):
-        logits = output_tensor(model(example)).detach().double()
-    weights = torch.arange(1, logits.numel() + 1, dtype=torch.float64, device=logits.device).reshape(logits.shape)
-    mine = (tuple(logits.shape), float(logits.sum()), float((logits * weights).sum()))
-    everyone = gather_objects(mine, ranks.tp_group, op="compare the logits across the tensor-parallel ranks")
-    scale = max(1.0, *(abs(x) for _, *sums in everyone for x in sums))
-    if any(shape != mine[0] or any(abs(a - b) > 1e-6 * scale for a, b in zip(sums, mine[1:], strict=True))
-           for shape, *sums in everyone):
-        raise ValueError(
-            f"the tensor-parallel ranks of one replica compute different logits (shape {mine[0]} on this rank, "
-            "sums differ), and with no 'head' in the plan each rank's loss reads its own: the plan leaves the "
-            "output layer's logits split. Mark that layer 'head' (fourfold's vocabulary-parallel loss reads them "
-            "split), or leave it out of the plan (replicated).")
 
 
 @contextlib.contextmanager
