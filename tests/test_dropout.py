@@ -384,3 +384,13 @@ def _resume(ctx, root: str) -> dict:
 def test_a_resumed_run_continues_its_dropout_streams(tmp_path):
     for r in run_ranks(_resume, 2, str(tmp_path), timeout_s=100):
         assert r["resumed"] == r["whole"][2:]  # bit for bit: the masks of step 3 are the uninterrupted run's
+    # one process resumed from those ranks (another layout): torch's generator is reseeded from the seed and the
+    # step, the same way every time, not left where the first steps' masks were drawn
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), Mesh(), timeout_s=30)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(SEED)
+        load(tmp_path, engine, optimizer(engine.parameters()))
+        draws.append(torch.rand(4))
+    torch.manual_seed(SEED)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], torch.rand(4))

@@ -194,7 +194,8 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
     assert capsys.readouterr().err == ""  # nothing resumed
 
 
-def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_start_afresh(tmp_path, capsys):
+def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_start_afresh(tmp_path, capsys,
+                                                                                         monkeypatch):
     from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
     from fourfold.preflight import _resume_note
@@ -208,6 +209,15 @@ def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_sta
         err = capsys.readouterr().err
         assert ("the model's dropout (dropout=0.1, embed.drop (p=0.1)) draws from each rank's "
                 "own streams, continued only under the checkpoint's layout (1 ranks" in err) == said, (nproc, err)
+    # one process from a checkpoint of 2 ranks: its ranks' streams, and torch's generator, which load reseeds
+    import fourfold.preflight as preflight
+
+    cfg = parse_args([*SMALL, "--steps", "3", "--resume", str(part)])
+    two = {**preflight.resume_from(cfg), "world_size": 2, "mesh": {"dp": 2, "tp": 1, "pp": 1}}
+    monkeypatch.setattr(preflight, "resume_from", lambda _: two)
+    _resume_note(cfg, Mesh.for_world(1), 1)
+    assert "draws from its ranks' own streams (one process: torch's), continued only under the checkpoint's " \
+           "layout (2 ranks" in capsys.readouterr().err
 
 
 def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resumed_checkpoint(tmp_path,

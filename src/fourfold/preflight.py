@@ -286,10 +286,11 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
     model = meta_model(cfg)
     sites = dropout_sites(model) if model is not None else []
     if sites:
-        print(f"fourfold train: note: the model's dropout ({', '.join(sites[:2])}) draws from each rank's own "
-              f"streams, continued only under the checkpoint's layout ({resume['world_size']} ranks, "
-              f"{resume['mesh']}): this run draws them afresh from the seed and step {resume['step']}, so its "
-              "losses follow an uninterrupted run's statistically, not exactly.", file=sys.stderr, flush=True)
+        what = "each rank's own streams" if world_size > 1 else "its ranks' own streams (one process: torch's)"
+        print(f"fourfold train: note: the model's dropout ({', '.join(sites[:2])}) draws from {what}, continued "
+              f"only under the checkpoint's layout ({resume['world_size']} ranks, {resume['mesh']}): this run "
+              f"draws afresh from the seed and step {resume['step']}, so its losses follow an uninterrupted run's "
+              "statistically, not exactly.", file=sys.stderr, flush=True)
 
 
 PIPELINE_FLAGS = ("schedule", "microbatches", "virtual")

@@ -159,8 +159,10 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
 
     Refused with :class:`CheckpointError`, on every rank alike, when the model's tensors (names, global shapes,
     dtypes) differ from the checkpoint's, naming them. RNG states and gradient compressors' state are restored
-    when the layout is the same.
+    when the layout is the same; under another, ``restore_rng`` reseeds from the seed and the step (each rank's
+    dropout streams, or one process's ``torch`` generator), so the first steps' masks are not drawn again.
     """
+    from fourfold.parallel.rng import stream_seed
     from fourfold.parallel.tensor import LazyState
     from fourfold.parallel.tensor.layers import Layout, fused, shard, unshard
 
@@ -197,8 +199,11 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
                 torch.cuda.set_rng_state(own["rng"]["cuda"])
             if engine.streams is not None:
                 engine.streams.resume(own["rng"].get("streams"), manifest["step"])
-    elif restore_rng and engine.streams is not None:  # this layout's ranks draw afresh, not the first steps again
-        engine.streams.resume(None, manifest["step"])
+    elif restore_rng:  # another layout: draw afresh from the seed and the step, not the first steps' masks again
+        if engine.streams is not None:
+            engine.streams.resume(None, manifest["step"])
+        else:  # one process draws from torch's own generator, as plain PyTorch does
+            torch.manual_seed(stream_seed(torch.initial_seed(), "step", manifest["step"]))
     return manifest
 
 
