@@ -370,6 +370,19 @@ def test_verify_names_the_step_and_parameter_that_differ():
     assert not compare([1.0], [got], [1.0], [start, want], "bf16")[0].ok
     rows = compare([1.0], [got], [1.0 + 5e-3], [start, want], "compressed")
     assert rows[0].ok and "parameters shown, not judged" in report(rows, "compressed")
+    # a causal mask's -inf is equal to itself, first in the state or not; a NaN the reference lacks is the worst
+    mask = torch.triu(torch.full((2, 2), float("-inf")), 1)
+    for order in (("mask", "a"), ("a", "mask")):
+        def state(a, m, order=order):
+            return {k: {"mask": m, "a": a}[k] for k in order}
+
+        rows = compare([1.0], [state(want["a"], mask)], [1.0], [state(start["a"], mask), state(want["a"], mask)],
+                       kind="float64")
+        assert rows[0].ok and rows[0].param_diff == 0 and rows[0].relative == 0, (order, rows[0])
+        broken = state(want["a"].clone().fill_(float("nan")), mask)
+        for kind in ("float64", "float32"):
+            rows = compare([1.0], [broken], [1.0], [state(start["a"], mask), state(want["a"], mask)], kind)
+            assert not rows[0].ok and rows[0].worst == "a", (order, kind, rows[0])
     from fourfold.config import TrainConfig
 
     with pytest.raises(ValueError, match="verify must be between 0 and steps"):

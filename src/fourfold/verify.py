@@ -153,16 +153,26 @@ def compare(losses: list[float], states: list[dict[str, torch.Tensor]], ref_loss
             if got.shape != want.shape:
                 worst, diff, off = name, float("inf"), float("inf")
                 break
-            delta = got.double() - want.double()
+            delta = _difference(got, want)
             d = delta.abs().max().item() if want.numel() else 0.0
             off += delta.square().sum().item()
-            moved += (want.double() - initial[name].double()).square().sum().item()
-            if d > diff or not worst:
+            moved += _difference(want, initial[name]).square().sum().item()
+            if not d <= diff or not worst:  # a NaN where the reference has none is the worst there is
                 worst, diff = name, d
+            if math.isnan(d):
+                break
         relative = (off / moved) ** 0.5 if moved > 0 else (0.0 if off == 0 else float("inf"))
         loss_tol, param_tol = tolerances(kind, ref_loss)
         rows.append(VerifyRow(i + 1, loss, ref_loss, diff, worst, loss_tol, param_tol, relative, KINDS[kind].exact))
     return rows
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` in float64, 0 where the two are equal: infinities (a causal mask's -inf) and NaNs in the same
+    places; a NaN or an infinity on one side only stays one."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, 0.0, a - b)
 
 
 def report(rows: list[VerifyRow], kind: str, what: str | None = None) -> str:
