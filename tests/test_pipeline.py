@@ -464,6 +464,27 @@ def test_split_by_time_and_blocks_that_do_not_compose():
         split_model(nn.Sequential(nn.Linear(8, 16), nn.Linear(12, 4)), 2, example=torch.zeros(2, 8))
 
 
+def test_a_module_at_several_positions_is_a_block_each_time_and_one_stage_per_rank():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4), shared, shared, nn.Linear(4, 4))
+    weight = shared.weight
+    stages = split_model(model, 2, held=[1])  # pp2: a rank each; the second stage's copy is a tied weight
+    assert [s.names for s in stages] == [("0", "1"), ("2", "3")]
+    assert set(stages[1].tied) == {"blocks.0.weight", "blocks.0.bias"}
+    assert stages[1].blocks[0].weight is not weight and torch.equal(stages[1].blocks[0].weight, weight)
+    # described by a Split, each piece holds the module at the path it names, not at the first one's
+    from fourfold import Split
+    from fourfold.parallel.pipeline.blocks import resolve_split
+
+    for split in (Split.sequential(["0", "1", "2", "3"]),
+                  Split(blocks=["1", "2"], before=lambda m, x: m[0](x), after=lambda m, h: m[3](h))):
+        assert [s.paths for s in resolve_split(model, split, torch.zeros(2, 4))] == [("0",), ("1",), ("2",), ("3",)]
+    # interleaved: one rank would hold both of its stages, and one module cannot be two stages' copies
+    with pytest.raises(ValueError, match=r"block 3 of stage 3 holding the same Linear as block 1 of stage 1, both "
+                                         r"held here \(stages \[1, 3\]\)\. Pass virtual=1"):
+        split_model(nn.Sequential(nn.Linear(4, 4), shared, nn.Linear(4, 4), shared), 4, held=[1, 3])
+
+
 @pytest.mark.timeout(30)
 def test_multi_device_single_process_equals_one_process():
     model = MultiDeviceModel(TinyGPT(CFG, seed=0, dtype=torch.float64), ["cpu", "cpu"])

@@ -1,5 +1,6 @@
-"""Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP and
-Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, Phi-3, OLMo 2, OLMo 3 and
+"""Your model through every strategy, with no model-specific code per layout: an ``nn.Sequential`` MLP, one
+that applies one block three times (ALBERT's shared weights: under pp its copies on each stage are summed as a tied
+weight's) and Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, Phi-3, OLMo 2, OLMo 3 and
 SmolLM3 (tiny configs, float64, 3 AdamW steps), and GPT-2 with eager attention, also under sequence parallelism (each
 family at tp2; four across a pipeline and beside dp), each equal to the same model trained in one process: the losses and every parameter, by the model's own names, to 1e-9 (the parameters of the Gemmas and the
 OLMos, whose norms compute in float32, to 1e-6; an OLMo at tp, whose sharded q/k norms add float32 halves, to 1e-7
@@ -84,7 +85,8 @@ CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qw
            "gemma2": GEMMA2, "gemma3_text": GEMMA3, "granite": GRANITE, "phi3": PHI3, "olmo2": OLMO2, "olmo3": OLMO3,
            "smollm3": SMOLLM3}
 # GPT-2 again with eager attention, which applies no causal mask of its own: every piece must give it one
-MODELS = ("mlp", *CONFIGS, "gpt2-eager")
+MODELS = ("mlp", "shared", *CONFIGS, "gpt2-eager")
+OWN = ("mlp", "shared")  # plans of your own: no blocks to find, no sequence parallelism
 # label -> (dp, tp, pp, options)
 LAYOUTS_2 = {"dp2 ring": (2, 1, 1, {"allreduce": "ring"}), "tp2": (1, 2, 1, {}),
              "pp2 1f1b": (1, 1, 2, {"schedule": "1f1b"}), "pp2 zb": (1, 1, 2, {"schedule": "zb"}),
@@ -96,7 +98,7 @@ LAYOUTS_4 = {"dp2 x tp2": (2, 2, 1, {}), "tp2 x pp2": (1, 2, 2, {"schedule": "1f
 SP = {"sequence_parallel": True}
 LAYOUTS_SP = {2: {"tp2 sp": (1, 2, 1, SP)},
               4: {"tp2 x pp2 sp": (1, 2, 2, {"schedule": "1f1b", **SP}), "dp2 x tp2 sp": (2, 2, 1, SP)}}
-MODELS_SP = {2: [m for m in MODELS if m != "mlp"], 4: ["gpt2", "phi3", "gemma3_text", "olmo3"]}
+MODELS_SP = {2: [m for m in MODELS if m not in OWN], 4: ["gpt2", "phi3", "gemma3_text", "olmo3"]}
 # one model more in one layout more: OLMo 2's sharded q/k norms all-reduce in backward, which zero-bubble splits
 # into B (input gradients: the norms' all-reduces run there) and W (weight gradients)
 # with sequence parallelism too, where W must not all-gather again what B gathered (a row layer's output gradient)
@@ -109,12 +111,27 @@ EXTRA[2] += [(m, label, layout) for m in MODELS_SP[2] for label, layout in LAYOU
 EXTRA[2] += [("gemma3_text", "tp2 sp checkpointed", (1, 2, 1, {"activation_checkpointing": "full", **SP}))]
 
 
+class _Residual(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
 def build(name: str) -> nn.Module:
     """The same model on every rank (seeded), in float64."""
     if name == "mlp":
         torch.manual_seed(0)
         return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16),
                              nn.Linear(16, 64)).double()
+    if name == "shared":  # one block at three positions: a pipeline cuts between them
+        torch.manual_seed(0)
+        block = _Residual(16)
+        model = nn.Sequential(nn.Embedding(64, 16), block, block, block, nn.Linear(16, 64)).double()
+        model.fourfold_tp_plan = {"1.fc1": "column", "1.fc2": "row"}  # the one module, at every position
+        return model
     from fourfold.models.hf import build_hf
 
     if name == "gpt2-eager":
@@ -216,7 +233,7 @@ def _check(world: int, index: int) -> None:
     assert (got["sharded"] > 0) == (got["tp"] > 1), (got["label"], got["sharded"])
     if got["tp"] > 1 or got["pp"] > 1:
         assert got["held"] < whole, f"{got['label']}: rank 0 holds {got['held']} of {whole} bytes"
-    if got["tp"] > 1 and family != "mlp" and not got["sp"]:  # attention and the MLP each all-reduce their input's gradient once,
+    if got["tp"] > 1 and family not in OWN and not got["sp"]:  # attention and the MLP each all-reduce their input's gradient once,
         # not once per column layer (q, k and v; gate and up): what reaches them inside is a sum over the heads
         within = [site.rpartition(".")[2] for site in got["backward"] if ".layers." in site or ".h." in site]
         assert within and set(within) <= {"self_attn", "mlp", "attn", "q_norm", "k_norm"}, (got["label"], within)

@@ -121,6 +121,8 @@ class Piece(nn.Module):
             _place(self, path, module)
         self._fn = fn
 
+    __getitem__ = _Node.__getitem__  # m[0] in a function over an nn.Sequential reads child "0", as the model would
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return output_tensor(self._fn(self, self.get_submodule(self.block), x))
@@ -253,7 +255,8 @@ def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list
         with EvalMode(model):
             h = example
 
-            def run(label: str, fn: Callable[..., Any], *args: Any, block: str | None = None) -> torch.Tensor:
+            def run(label: str, fn: Callable[..., Any], *args: Any, block: str | None = None,
+                    own: str | None = None) -> torch.Tensor:
                 rec.clear()
                 try:
                     out = output_tensor(fn(model, *args))
@@ -266,8 +269,12 @@ def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list
                 if not called:
                     raise SplitError(f"split piece {label!r} calls no module of the model. Call the model's "
                                      "modules in it (m.transformer.wte(ids)), or fold it into its neighbour")
-                if block is not None and block not in called:
-                    called.insert(0, block)
+                target = block or own  # the module the piece names: by that path, not by an alias of it
+                if target is not None:  # (a module at several paths is recorded under its first)
+                    module = model.get_submodule(target)
+                    called = [n for n in called if n == target or model.get_submodule(n) is not module]
+                    if target not in called:
+                        called.insert(0, target)
                 specs.append(PieceSpec(label, tuple(called), fn, block))
                 return out
 
@@ -275,7 +282,7 @@ def resolve_split(model: nn.Module, split: Split, example: torch.Tensor) -> list
                 h = run("before", split.before, h)
             for path in paths:
                 if split.block is None and split.before is None and split.after is None:  # the plain chain
-                    h = run(path, lambda m, x, p=path: _apply(m.get_submodule(p), x), h)
+                    h = run(path, lambda m, x, p=path: _apply(m.get_submodule(p), x), h, own=path)
                 else:
                     h = run(path, block_fn, model.get_submodule(path), h, block=path)
             if split.after is not None:

@@ -114,8 +114,8 @@ def named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.M
     if isinstance(model, nn.Module) and callable(layers):
         where = {id(m): name for name, m in model.named_modules()}
         return [(where.get(id(m), str(i)), m) for i, m in enumerate(layers())]
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
+    if isinstance(model, nn.Sequential):  # every position, a module applied at several (shared weights) each time
+        return [(n, m) for n, m in model.named_modules(remove_duplicate=False) if n and "." not in n]
     if isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
         return [(str(i), m) for i, m in enumerate(model)]
     raise TypeError(f"model must be a module with layers() (TinyGPT), an nn.Sequential or a list of modules, "
@@ -272,9 +272,30 @@ def split_model(model: nn.Module | Sequence[nn.Module], stages: int, *, balance:
     specs = _trace(named, examples) if examples is not None else None
     ends = (*starts[1:], len(named))
     parts = [named[a:b] for a, b in zip(starts, ends, strict=True)]
+    _one_stage_per_module(parts, range(stages) if held is None else held)
     tied = _untie(parts, range(stages) if held is None else held)
     return [Stage(k, stages, part, in_spec=specs[a] if specs else None, out_spec=specs[b] if specs else None,
                   tied=tied[k]) for k, (part, a, b) in enumerate(zip(parts, starts, ends, strict=True))]
+
+
+def _one_stage_per_module(parts: list[list[tuple[str, nn.Module]]], held: Collection[int]) -> None:
+    """Refuse a module with parameters of its own (a block applied at several positions: shared weights) in two
+    stages one process holds: each stage after the first needs its own copy of the weights (their gradients
+    summed as a tied weight's), and one module object cannot be both."""
+    first: dict[int, tuple[int, str]] = {}
+    for k in sorted(held):
+        for name, block in parts[k]:
+            for m in block.modules():
+                if next(m.parameters(recurse=False), None) is None:
+                    continue
+                j, where = first.setdefault(id(m), (k, name))
+                if j != k:
+                    raise ValueError(
+                        f"a module applied at several positions must be in one stage of each rank's, got block "
+                        f"{name} of stage {k} holding the same {type(m).__name__} as block {where} of stage {j}, "
+                        f"both held here (stages {sorted(held)}). Pass virtual=1 (without interleaving each rank "
+                        "holds one stage, and the copies' gradients are summed as a tied weight's), or boundaries "
+                        "that keep its uses within stages of different ranks.")
 
 
 def _untie(parts: list[list[tuple[str, nn.Module]]],

@@ -173,7 +173,7 @@ def heads(model: nn.Module) -> list[ColumnParallelLinear]:
 def shard_layouts(model: nn.Module) -> dict[str, Layout]:
     """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
     out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):  # a module held twice: both its names
         if isinstance(module, SHARDED):
             for name, layout in module.layouts().items():
                 key = f"{prefix}.{name}" if prefix else name
