@@ -404,37 +404,48 @@ class _Branchy(nn.Module):
             self.aux.bias.zero_()
         self.register_buffer("scale", torch.tensor(1.0 + rank, dtype=torch.float64))
 
-    def forward(self, idx, targets, use_aux: bool = False):
+    use_aux = False  # what forward(idx) alone takes: the logits (fourfold.parallelize's engine passes no more)
+
+    def forward(self, idx, targets=None, use_aux: bool | None = None):
         x = self.gpt.embed(idx) * self.scale  # (B, T, C)
-        if use_aux:
+        if self.use_aux if use_aux is None else use_aux:
             x = x + self.aux(x)  # (B, T, C)
         for block in self.gpt.blocks:
             x = block(x)  # (B, T, C)
-        return lm_loss(self.gpt.head(x), targets)
+        logits = self.gpt.head(x)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
-def _branchy_reference(world_size: int, uses_aux: list[bool], steps: int) -> dict[str, torch.Tensor]:
-    """Average of the ranks' gradients computed one after another in one process, None read as zero."""
+def _branchy_reference(world_size: int, uses_aux: list[tuple[bool, bool]], steps: int) -> dict[str, torch.Tensor]:
+    """Each rank's shard in two halves, ``uses_aux[rank]`` saying which take the branch: the gradients summed
+    over the halves and averaged over the ranks, in one process; None where nothing used a parameter (AdamW then
+    skips it: no weight decay), as one process leaves it."""
     model = _Branchy()
     opt = _optimizer(model)
     for step in range(steps):
-        total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        total: dict[str, torch.Tensor | None] = dict.fromkeys(n for n, _ in model.named_parameters())
         for rank in range(world_size):
-            model.zero_grad(set_to_none=True)
             x, y = _loader(rank, world_size).shard(step)
-            model(x, y, use_aux=uses_aux[rank]).backward()
-            for n, p in model.named_parameters():
-                if p.grad is not None:
-                    total[n] += p.grad
+            half = x.size(0) // 2
+            for part, use in zip((slice(0, half), slice(half, None)), uses_aux[rank], strict=True):
+                model.zero_grad(set_to_none=True)
+                (model(x[part], y[part], use_aux=use) / 2).backward()
+                for n, p in model.named_parameters():
+                    if p.grad is not None:
+                        total[n] = p.grad.clone() if total[n] is None else total[n] + p.grad
         for n, p in model.named_parameters():
-            p.grad = total[n] / world_size  # zeros where no rank used the parameter: weight decay still applies
+            t = total[n]
+            p.grad = None if t is None else t / world_size
         opt.step()
     return _params(model)
 
 
 ACCUMULATE_STEPS = 2
 UNUSED_STEPS = 2
-UNUSED_CASES = {"unused everywhere": [False, False], "used on rank 1 only": [False, True]}  # case -> use_aux
+# case -> per rank, whether the aux branch is taken in the first half of its shard (under no_sync) and the second
+UNUSED_CASES = {"unused everywhere": [(False, False), (False, False)],
+                "used on rank 1 only": [(False, False), (True, True)],
+                "used under no_sync only": [(True, False), (False, False)]}
 
 
 def _accumulate(ctx) -> dict:
@@ -464,24 +475,44 @@ def _accumulate(ctx) -> dict:
     return {"quiet": quiet, "loud": loud, "params": _params(model), "digest": _digest(model)}
 
 
-def _train_branchy(ctx, use_aux: bool) -> dict:
+def _train_branchy(ctx, uses: tuple[bool, bool]) -> dict:
     model = _Branchy(ctx.rank)
     dp = DataParallel(model, algorithm="ring", bucket_mb=BUCKET_MB, timeout_s=20, find_unused_parameters=True)
     scale = model.scale.item()
     opt = _optimizer(model)
     for step in range(UNUSED_STEPS):
         x, y = _loader(ctx.rank, ctx.world_size).shard(step)
+        half = x.size(0) // 2
         opt.zero_grad(set_to_none=True)
-        dp(x, y, use_aux=use_aux).backward()
+        with dp.no_sync():  # the first half accumulates locally, the second syncs the sum
+            (dp(x[:half], y[:half], use_aux=uses[0]) / 2).backward()
+        (dp(x[half:], y[half:], use_aux=uses[1]) / 2).backward()
         dp.finish()
         opt.step()
-    return {"params": _params(model), "digest": _digest(model), "scale": scale}
+    return {"params": _params(model), "digest": _digest(model), "scale": scale,
+            "aux_grad": model.aux.weight.grad is not None}
+
+
+def _engine_branchy(ctx) -> dict:
+    """The same through fourfold.parallelize: rank 1 takes the branch every step, rank 0 never."""
+    from fourfold import Mesh, parallelize
+
+    model = _Branchy()
+    model.use_aux = ctx.rank == 1
+    engine = parallelize(model, Mesh.for_world(2, dp=2).build(20), find_unused_parameters=True, timeout_s=20)
+    opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for step in range(UNUSED_STEPS):
+        engine.step(*_loader(ctx.rank, ctx.world_size).shard(step))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": dict(engine.state_dict())}
 
 
 def _two_ranks(ctx) -> dict:
     """Each case guarded, so that one failing still lets the others report (all fail alike on both ranks)."""
     cases = {"no_sync": (_accumulate,)}
     cases.update({case: (_train_branchy, uses[ctx.rank]) for case, uses in UNUSED_CASES.items()})
+    cases["engine"] = (_engine_branchy,)
     out = {}
     for case, (fn, *args) in cases.items():
         try:
@@ -518,7 +549,7 @@ def test_no_sync_accumulation_over_two_micro_steps_equals_one_step_on_the_whole_
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", list(UNUSED_CASES))
-def test_find_unused_parameters_trains_as_if_their_gradient_were_zero(two_ranks, case):
+def test_find_unused_parameters_trains_as_one_process_does(two_ranks, case):
     errors = _errors(two_ranks, case)
     assert not errors, errors
     results = [r[case] for r in two_ranks]
@@ -526,6 +557,19 @@ def test_find_unused_parameters_trains_as_if_their_gradient_were_zero(two_ranks,
     assert results[0]["digest"] == results[1]["digest"], f"{case}: replicas differ after training"
     want = _branchy_reference(2, UNUSED_CASES[case], UNUSED_STEPS)
     failures = _compare(results[0]["params"], want, TOL64, f"find_unused_parameters=True, aux {case}")
+    assert not failures, "\n".join(failures)
+    # used by no rank: no gradient, as one process (AdamW skips it); used anywhere: the averaged one on every rank
+    assert [r["aux_grad"] for r in results] == [case != "unused everywhere"] * 2, (case, results)
+
+
+@pytest.mark.timeout(90)
+def test_find_unused_parameters_through_parallelize_trains_as_one_process_does(two_ranks):
+    errors = _errors(two_ranks, "engine")
+    assert not errors, errors
+    want = _branchy_reference(2, UNUSED_CASES["used on rank 1 only"], UNUSED_STEPS)
+    got = {n: t for n, t in two_ranks[0]["engine"]["params"].items() if n in want}
+    assert set(got) == set(want)
+    failures = _compare(got, want, TOL64, "parallelize(find_unused_parameters=True), aux used on rank 1 only")
     assert not failures, "\n".join(failures)
 
 

@@ -85,7 +85,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 split: Split | None = None, example: torch.Tensor | None = None,
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
-                bucket_mb: float = 25.0, sync_batchnorm: bool = False, loss_fn: LossFn | None = None,
+                bucket_mb: float = 25.0, sync_batchnorm: bool = False, find_unused_parameters: bool = False,
+                loss_fn: LossFn | None = None,
                 activation_checkpointing: str = "none", zero: int = 0, precision: str = "full",
                 reduce_dtype: torch.dtype | None = None, compress: str | Compressor = "none",
                 balance: Balance = "params", grad_accum: int = 1,
@@ -108,6 +109,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     each rank's T/tp tokens (Megatron's): TinyGPT's plan runs it itself, a Hugging Face family's blocks get it
     around their attention and MLP (:func:`~fourfold.parallel.tensor.regions.shard_regions`); a ``{module:
     style}`` plan of your own refuses it.
+
+    ``find_unused_parameters`` (dp > 1, no ZeRO, no pipeline): a model that leaves parameters unused in some
+    steps (a branch taken now and then) trains as one process does: their gradient counts as zero on the ranks
+    that did not use them and stays None where no rank did (the optimiser skips them). Without it such a step is
+    an error naming them. One small all-reduce a step more.
 
     BatchNorm under dp > 1 normalises each rank's shard on its own (a warning names the layers);
     ``sync_batchnorm=True`` takes the statistics over the whole batch instead
@@ -169,6 +175,11 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
+    if find_unused_parameters and (zero or m.pp > 1):
+        raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={zero}, pp={m.pp}: "
+                         "ZeRO's optimiser steps flat shards, which cannot leave one parameter without a gradient, "
+                         "and a pipeline's stages are not covered yet. Drop zero/pp, or use every parameter in each "
+                         "step (or freeze those you do not: requires_grad=False).")
     if m.dp > 1:  # the batch a BatchNorm normalises over is split: sync it, or say so
         batchnorm_for_data_parallel(model, sync_batchnorm, ranks.dp_group, timeout_s)
     for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):
@@ -253,7 +264,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         else:
             dp = DataParallel(held, ranks.dp_group, allreduce, bucket_mb, tracer=tracer, timeout_s=timeout_s,
                               auto_finish=False, reduce_dtype=reduce_dtype, compress=compressor,
-                              comm_group=thread_group)
+                              comm_group=thread_group, find_unused_parameters=find_unused_parameters)
         if pipe is not None:
             pipe.grad_sync = dp
     reads = bool(getattr(model, "fourfold_documents", False))

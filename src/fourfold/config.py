@@ -123,6 +123,10 @@ class TrainConfig:
     sync_batchnorm: bool = field(default=False, metadata=_help(
         "with --dp: BatchNorm layers take their statistics over the whole batch (every rank's samples), as one "
         "process does; without it each rank normalises its own shard (a warning names the layers)"))
+    find_unused_parameters: bool = field(default=False, metadata=_help(
+        "with --dp: a model that leaves parameters unused in some steps (a branch taken now and then); their "
+        "gradient counts as zero on the ranks that did not use them, and stays None where no rank did, as one "
+        "process leaves it. One small all-reduce a step more; not with --zero or --pp"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
@@ -221,6 +225,11 @@ class TrainConfig:
             raise ValueError(f"compress {self.compress} replaces the all-reduce, which ZeRO does not use, got "
                              f"compress={self.compress!r} with zero={self.zero}. Drop one (--compress bf16 works with "
                              "--zero).")
+        if self.find_unused_parameters and (self.zero or self.pp > 1):
+            raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={self.zero}, "
+                             f"pp={self.pp}: ZeRO's optimiser steps flat shards, which cannot leave one parameter "
+                             "without a gradient, and a pipeline's stages are not covered yet. Drop --zero/--pp, or "
+                             "use every parameter in each step (or freeze those you do not: requires_grad=False).")
         if self.compress != "none" and self.reduce_dtype != "auto" and not (
                 self.compress == "bf16" and self.reduce_dtype == "bfloat16"):
             raise ValueError(f"compress sets what crosses the wire, got compress={self.compress!r} with reduce_dtype="

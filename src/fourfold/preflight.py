@@ -296,7 +296,7 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
 PIPELINE_FLAGS = ("schedule", "microbatches", "virtual")
 """What a schedule reads: nothing to do without a pipeline (pp=1) or under strategy model (one micro-batch)."""
 DATA_FLAGS = ("allreduce", "bucket_mb", "reduce_dtype", "compress", "powersgd_rank", "powersgd_warmup", "zero",
-              "sync_batchnorm")
+              "sync_batchnorm", "find_unused_parameters")
 """What the gradient sync reads: nothing to do without data parallelism (dp=1)."""
 
 

@@ -321,7 +321,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     t = cfg.train
     return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
             "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
-            "sync_batchnorm": t.sync_batchnorm, "activation_checkpointing": t.activation_checkpointing,
+            "sync_batchnorm": t.sync_batchnorm, "find_unused_parameters": t.find_unused_parameters,
+            "activation_checkpointing": t.activation_checkpointing,
             "zero": t.zero, "precision": t.precision, "grad_accum": t.grad_accum, "seed": t.seed,
             "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype),
             "compress": PowerSGD(t.powersgd_rank, t.powersgd_warmup) if t.compress == "powersgd" else t.compress}

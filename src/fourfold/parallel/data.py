@@ -258,25 +258,49 @@ class DataParallel(nn.Module):
             names = ", ".join(self._names[id(p)] for _, p in missing[:8])
             raise RuntimeError(
                 f"rank {dist.get_rank()}: {len(missing)} parameter(s) got no gradient this step: {names}. Every "
-                "rank must use every parameter in each step; pass find_unused_parameters=True to treat their "
-                "gradient as zero, or freeze them (requires_grad=False).")
-        for b, p in missing:  # unused this step: contributes zero, so every rank still reduces every bucket
-            self._where[id(p)][1].zero_()
-            b.ready.add(id(p))
+                "rank must use every parameter in each step; pass find_unused_parameters=True "
+                "(fourfold.parallelize(..., find_unused_parameters=True), fourfold train --find-unused-parameters) "
+                "to take their gradient as zero on the ranks that did not use them, or freeze them "
+                "(requires_grad=False).")
+        for b, p in missing:  # unused in this backward: every rank still reduces every bucket
+            if p.grad is not None:  # accumulated under no_sync (or zeroed in place): that goes
+                self._pack(p)
+            else:  # nothing: zero
+                self._where[id(p)][1].zero_()
+                b.ready.add(id(p))
         self._launch_in_order()
         waiting = self.tracer.span("wait", "grad_sync") if self.tracer is not None else contextlib.nullcontext()
         with waiting:  # the communication backward could not hide
             for b in self.buckets:
                 self._wait(b)  # then unpack it at once, while later buckets are still in flight
-                self._unpack(b)
+                if not self.find_unused_parameters:
+                    self._unpack(b)
+            if self.find_unused_parameters:  # after every bucket: the group is free for one more collective
+                unused = self._unused_everywhere()
+                for b in self.buckets:
+                    self._unpack(b, unused)
         self._finished, self._checked = True, True
 
-    def _unpack(self, b: Bucket) -> None:
+    def _unused_everywhere(self) -> set[int]:
+        """The parameters no rank has a gradient for (a collective over the group): they keep ``grad = None``,
+        as one process leaves a parameter its forward never used (the optimiser then skips it: no weight decay,
+        no moments), where DDP's ``find_unused_parameters`` does the same."""
+        params = [p for b in self.buckets for p in b.params]
+        held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        work = dist.all_reduce(held, group=self._comm.group, async_op=True)
+        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="all-reduce of which parameters have gradients",
+                     awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
+                     hint="A peer is dead, stuck, or skipped a backward.")
+        return {id(p) for p, n in zip(params, held.tolist(), strict=True) if n == 0}
+
+    def _unpack(self, b: Bucket, unused: set[int] | frozenset[int] = frozenset()) -> None:
         """Each ``p.grad`` becomes a view of its slice of the bucket (as DDP's ``gradient_as_bucket_view``): no
         copy back, and the gradient autograd produced is freed. ``zero_grad()`` then zeroes the bucket in place
-        (or drops the view), and the next backward accumulates into it; the hook packs it again either way."""
+        (or drops the view), and the next backward accumulates into it; the hook packs it again either way.
+        ``unused``: parameters no rank has a gradient for, left at None."""
         for p in b.params:
-            p.grad = self._where[id(p)][1]
+            if id(p) not in unused:
+                p.grad = self._where[id(p)][1]
 
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):

@@ -264,7 +264,8 @@ class ShardedDataParallel(DataParallel):
             b.zero.free()
         self._fresh = self._fresh and not stale  # an optimiser step may follow: the next forward gathers again
 
-    def _unpack(self, b: Bucket) -> None:
+    def _unpack(self, b: Bucket, unused: set[int] | frozenset[int] = frozenset()) -> None:
+        # ``unused`` is not for ZeRO: its optimiser steps flat shards, whose gradient cannot be None in part
         seg = b.handle.result()  # the reduce-scatter bounds its own waits and names the peer
         shard, b.wire = b.zero.shard, None
         if seg.dtype != shard.dtype:  # reduced in reduce_dtype (bfloat16, say): back to the master's dtype
