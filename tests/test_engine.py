@@ -236,6 +236,14 @@ def test_bad_layouts_are_refused_with_the_fix():
         parallelize(TinyGPT(CFG, seed=0), Mesh(), sequence_parallel=True)
     with pytest.raises(TypeError, match="mesh must be a RankMesh, a Mesh or None"):
         parallelize(TinyGPT(CFG, seed=0), "dp=2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"find_unused_parameters works with plain data parallelism, got zero=1"):
+        parallelize(TinyGPT(CFG, seed=0), Mesh(), zero=1, find_unused_parameters=True)
+    from fourfold.cli.args import parse_args
+    from fourfold.train import engine_options
+
+    assert engine_options(parse_args(["--nproc", "2", "--find-unused-parameters"]))["find_unused_parameters"]
+    with pytest.raises(SystemExit):  # before launch, from the flags (or TOML) alike
+        parse_args(["--nproc", "4", "--pp", "2", "--find-unused-parameters"])
     from fourfold.models import tensor_plan
 
     with pytest.raises(ValueError, match="tp_plan="):
@@ -269,3 +277,30 @@ def test_ranks_that_built_different_models_are_refused_under_tp():
     with pytest.raises(RankError, match=r"the tp ranks built different models \(embed.wte.weight differs.*"
                                         r"torch.manual_seed\(0\) before building it"):
         run_ranks(_differently_built, 2, timeout_s=60)
+
+
+def _rows_by_global_rank(ctx) -> dict:
+    """Each rank given rows by its global rank, as DistributedSampler would: under tp and under pp."""
+    out = {}
+    for label, layout in (("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
+        engine = parallelize(TinyGPT(CFG, seed=0), Mesh.for_world(2, **layout).build(30), microbatches=2,
+                             timeout_s=30)
+        x, y = batches(CFG, steps=2)[ctx.rank]
+        try:
+            engine.step(x, y)
+            out[label] = "stepped"
+        except ValueError as e:
+            out[label] = str(e)
+        x, y = batches(CFG, steps=1)[0]
+        out[f"{label} same rows"] = engine.step(x, y).item()  # the same rows then: it trains (checked once)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_replicas_ranks_given_other_rows_are_refused_naming_them():
+    for got in run_ranks(_rows_by_global_rank, 2, timeout_s=100):
+        for label, axis in (("tp2", "tp"), ("pp2", "pp")):
+            assert got[label].startswith("every tp and pp rank of a data-parallel replica must step on the same "
+                                         "rows, got other inputs on rank 1 than on rank 0 "), got[label]
+            assert f"({axis} group of ranks [0, 1]). Shard the batch by the replica, ranks.coord.dp" in got[label]
+            assert math.isfinite(got[f"{label} same rows"])

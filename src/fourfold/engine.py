@@ -25,6 +25,7 @@ from fourfold.data.packing import document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
+from fourfold.model_checks import check_same_rows
 from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
 from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span, Tracer
 from fourfold.parallel.data import DataParallel
@@ -91,6 +92,7 @@ class Engine:
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
+        self._rows_checked = False
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
         self.streams = streams  # several ranks: dropout's own streams (fourfold.parallel.rng); one: the caller's
@@ -122,10 +124,19 @@ class Engine:
         micro-batches added, not averaged: any split of the tokens over rows, micro-batches and ranks gives the
         one-process gradient.
         """
+        self.check_rows(inputs, targets)
         with self._split_logits(), self._drawing():
             if documents is None:
                 return self._step(inputs, targets, self.loss_fn, None)
             return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
+
+    def check_rows(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+        """Refuse, naming the ranks, a replica whose tp and pp ranks were given other rows than each other
+        (:func:`~fourfold.model_checks.check_same_rows`). :meth:`step` runs it on its first call, a collective
+        over the tp and pp groups; call it first where a step's collectives are counted."""
+        if not self._rows_checked:
+            check_same_rows(inputs, targets, self.ranks)
+            self._rows_checked = True
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, *, documents: torch.Tensor | None = None,

@@ -1,10 +1,14 @@
 """What :func:`fourfold.parallelize` checks on a model before it cuts it, where a wrong model would train
 silently: that every tp and pp rank built the same one (each keeps its part of its own), that a model
 checkpointing its own layers does not redraw dropout masks under tp, and that without a vocabulary-parallel
-head the tp ranks' logits are whole.
+head the tp ranks' logits are whole. And what the engine checks on its first batch: that a replica's tp and pp
+ranks step on the same rows.
 """
 
 from __future__ import annotations
+
+import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +18,7 @@ from fourfold.comm.wait import gather_objects
 from fourfold.mesh import RankMesh
 from fourfold.parallel.pipeline.blocks import EvalMode, output_tensor
 
-__all__ = ["check_own_checkpointing", "check_same_model", "check_whole_logits"]
+__all__ = ["check_own_checkpointing", "check_same_model", "check_same_rows", "check_whole_logits"]
 
 
 def check_own_checkpointing(model: nn.Module) -> None:
@@ -100,3 +104,34 @@ def check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: Ra
             "sums differ), and with no 'head' in the plan each rank's loss reads its own: the plan leaves the "
             "output layer's logits split. Mark that layer 'head' (fourfold's vocabulary-parallel loss reads them "
             "split), or leave it out of the plan (replicated).")
+
+
+def _digest(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    if t is None:
+        return None
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return tuple(t.shape), str(t.dtype), hashlib.sha256(data).hexdigest()
+
+
+def check_same_rows(inputs: torch.Tensor | None, targets: torch.Tensor | None, ranks: RankMesh) -> None:
+    """Refuse, on every rank alike, a replica whose tp or pp ranks were given different batches (collectives over
+    the tp and pp groups; the engine runs it on its first step). Each replica's ranks must step on the same rows:
+    sharding by global rank, DDP's habit, gives them different ones, and the layout then trains on a mix that no
+    one process computes. A rank passing None (a pipeline stage that reads no inputs) is not compared."""
+    mine = (_digest(inputs), _digest(targets))
+    for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):
+        if group is None:
+            continue
+        everyone = gather_objects(mine, group, op=f"compare the {axis} ranks' batches")
+        members = dist.get_process_group_ranks(group)
+        for i, what in enumerate(("inputs", "targets")):
+            held = [(r, d[i]) for r, d in zip(members, everyone, strict=True) if d[i] is not None]
+            other = next(((r, d) for r, d in held[1:] if d != held[0][1]), None)
+            if other is not None:
+                (first, a), (r, b) = held[0], other
+                shapes = f" (shapes {a[0]} and {b[0]})" if a[0] != b[0] else ""
+                raise ValueError(
+                    f"every tp and pp rank of a data-parallel replica must step on the same rows, got other {what} "
+                    f"on rank {r} than on rank {first}{shapes} ({axis} group of ranks {members}). Shard the batch by "
+                    "the replica, ranks.coord.dp of ranks.mesh.dp, not by the global rank (DistributedSampler's "
+                    "habit under DDP): one process computes none of what the layout would train on.")

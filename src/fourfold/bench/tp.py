@@ -298,6 +298,8 @@ def _step(v: _Variant, x: Any, y: Any, it: int) -> None:
     if it > 0:
         v.run(x, y)
     else:
+        if v.engine is not None:
+            v.engine.check_rows(x, y)  # its first step's one-time check, outside the step's count
         with warnings.catch_warnings(), CommDebugMode() as mode:
             warnings.simplefilter("ignore")  # CommDebugMode's full backward hooks warn that x needs no grad
             loss = v.run(x, y)
