@@ -311,6 +311,10 @@ def _refusals(p: int) -> dict[str, str]:
         "norm_features": lambda: ShardedRMSNorm(odd, None, eps=1e-6, arithmetic="input"),
         "norm_gemma": lambda: tensor_parallel(nn.Sequential(GemmaNorm(4 * p)), {"0": "norm"}, None),
         "norm_linear": lambda: tensor_parallel(TiedModel(), {"fc1": "norm"}, None),
+        "plan_sizes": lambda: tensor_parallel(nn.Sequential(nn.Linear(4, odd), nn.Linear(odd, 4)),
+                                              {"0": "column", "1": "row"}, None),
+        "plan_mha": lambda: tensor_parallel(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
+                                            {"self_attn.out_proj": "row"}, None),
     }
     out = {}
     for name, make in cases.items():
@@ -400,6 +404,9 @@ REFUSALS = {
     "norm_gemma": "plan style 'norm' computes an RMSNorm, x / sqrt(mean(x^2) + eps) * weight, got a GemmaNorm that "
                   "computes otherwise on a test input. Gather its input whole instead",
     "norm_linear": "plan style 'norm' shards an RMSNorm's 1-D weight, got Linear with weight (",
+    "plan_sizes": "plan entry '0' (column): out_features must be divisible by tp, got {odd} and {p}",
+    "plan_mha": "plan style 'row' cannot shard 'self_attn.out_proj': nn.MultiheadAttention (nn.TransformerEncoderLayer's "
+                "too) computes with its weights directly",
 }
 
 

@@ -304,8 +304,8 @@ def _uncalled(model: nn.Module, label: str, e: Exception) -> str:
     if name in buffers or name in params:  # a tensor on the root module: no piece holds the root
         kind = "buffer" if name in buffers else "parameter"
         return (f"split piece {label!r} reads the model's {kind} {name!r}, which sits on the root module, and a "
-                "piece holds only the submodules it calls. Move it into a submodule (a small nn.Module that holds "
-                "it and applies it, called in the piece), as every parameter and buffer a piece needs must be")
+                "piece holds only the submodules it calls: every parameter and buffer a piece needs must live in a "
+                "submodule. Move it into one (a small nn.Module that holds it and applies it, called in the piece)")
     return (f"split piece {label!r} uses a module it did not call when its modules were found: {e}. Call "
             "modules (m.lm_head(h)) rather than reading their weights")
 

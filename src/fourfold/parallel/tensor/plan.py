@@ -95,6 +95,18 @@ def _parse_style(name: str, style: str) -> tuple[str, int | tuple[int, ...]]:
                      "<parts>: a fused weight's count of equal blocks (3), or their widths (32,8,8)")
 
 
+def _unshardable(model: nn.Module, name: str, style: str, kind: str, module: nn.Module) -> str:
+    want = "nn.Embedding" if kind == "vocab" else "nn.Linear (or a GPT-2 Conv1D)"
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    if isinstance(parent, nn.MultiheadAttention):  # its out_proj is a Linear subclass it never calls
+        return (f"plan style {style!r} cannot shard {name!r}: nn.MultiheadAttention (nn.TransformerEncoderLayer's "
+                "too) computes with its weights directly rather than calling its layers, so a plan cannot split its "
+                "attention. Split the MLP around it (linear1 'column', linear2 'row'), or write the attention with "
+                "nn.Linear q, k, v ('column') and output ('row') layers of your own (docs/your-model.md)")
+    return (f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. Use "
+            "'column'/'row'/'head' for linear layers and 'vocab' for nn.Embedding")
+
+
 def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
                     tracer: Tracer | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` in place: each module named in ``plan`` is replaced by its tensor-parallel version.
@@ -130,19 +142,20 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
         linear = type(module) is nn.Linear or is_conv1d(module)
         new: Sharded
-        if kind == "norm":  # its features are a column layer's split output: the mean square over all of them
-            new = ShardedRMSNorm.from_norm(module, group, tracer=tracer, site=name)
-        elif kind in ("column", "head") and linear:
-            extra = {"head": True, "gather_output": True} if kind == "head" else {"parts": parts}
-            new = ColumnParallelLinear.from_linear(module, group, **kw, **extra)
-        elif kind == "row" and linear:
-            new = RowParallelLinear.from_linear(module, group, **kw)
-        elif kind == "vocab" and type(module) is nn.Embedding:
-            new = VocabParallelEmbedding.from_embedding(module, group, **kw)
-        else:
-            want = "nn.Embedding" if kind == "vocab" else "nn.Linear (or a GPT-2 Conv1D)"
-            raise TypeError(f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. "
-                            f"Use 'column'/'row'/'head' for linear layers and 'vocab' for nn.Embedding")
+        try:
+            if kind == "norm":  # its features are a column layer's split output: the mean square over all of them
+                new = ShardedRMSNorm.from_norm(module, group, tracer=tracer, site=name)
+            elif kind in ("column", "head") and linear:
+                extra = {"head": True, "gather_output": True} if kind == "head" else {"parts": parts}
+                new = ColumnParallelLinear.from_linear(module, group, **kw, **extra)
+            elif kind == "row" and linear:
+                new = RowParallelLinear.from_linear(module, group, **kw)
+            elif kind == "vocab" and type(module) is nn.Embedding:
+                new = VocabParallelEmbedding.from_embedding(module, group, **kw)
+            else:
+                raise TypeError(_unshardable(model, name, style, kind, module))
+        except ValueError as e:  # a size tp does not divide: say which layer
+            raise ValueError(f"plan entry {name!r} ({style}): {e}") from e
         full, layout = module.weight, new.layouts()["weight"]
         assert isinstance(full, torch.Tensor)
         if id(full) in sharded:  # tied: reuse the first shard, if it was cut the same way
