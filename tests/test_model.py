@@ -112,6 +112,10 @@ def test_loss_is_cross_entropy_over_all_tokens() -> None:
     expected = F.cross_entropy(logits.reshape(-1, SMALL.vocab_size), y.reshape(-1))
     assert torch.equal(loss, expected)
     assert torch.equal(lm_loss(logits, y), expected)
+    # the last position's logits only (nanoGPT's forward without targets): refused naming both shapes
+    with pytest.raises(ValueError, match=r"one row of logits per target, \(B, T, vocab\) for targets \(B, T\), got "
+                                         r"logits \(2, 1, 64\) for targets \(2, 8\)"):
+        lm_loss(torch.zeros(2, 1, 64), torch.zeros(2, 8, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
