@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from fourfold import Mesh, parallelize
+from fourfold import Mesh, Split, parallelize
 from fourfold.engine import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer
@@ -304,3 +304,68 @@ def test_a_replicas_ranks_given_other_rows_are_refused_naming_them():
                                          "rows, got other inputs on rank 1 than on rank 0 "), got[label]
             assert f"({axis} group of ranks [0, 1]). Shard the batch by the replica, ranks.coord.dp" in got[label]
             assert math.isfinite(got[f"{label} same rows"])
+
+
+class _Tabular(torch.nn.Module):
+    """A model whose forward takes a dict of tensors: float features and category ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cat_emb = torch.nn.Embedding(10, 8, dtype=torch.float64)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).double()
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.mlp(torch.cat([batch["num"], self.cat_emb(batch["cat"])], -1))
+
+
+def _tabular_batches() -> list[tuple[dict, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [({"num": torch.randn(8, 4, generator=g, dtype=torch.float64), "cat": torch.randint(0, 10, (8,), generator=g)},
+             torch.randint(0, 2, (8,), generator=g)) for _ in range(2)]
+
+
+def _tabular(ctx) -> dict:
+    import torch.nn.functional as F
+
+    out = {}
+    for label, layout, options in (("dp2 accum2", {"dp": 2}, {"grad_accum": 2}),
+                                   ("tp2", {"tp": 2}, {"tp_plan": {"mlp.0": "column", "mlp.2": "row"}}),
+                                   ("pp2", {"pp": 2}, {"split": Split(blocks=["mlp.0", "mlp.1", "mlp.2"], before=lambda m, b:
+                                                          torch.cat([b["num"], m.cat_emb(b["cat"])], -1))})):
+        ranks = Mesh.for_world(2, **layout).build(30)
+        dp, r = ranks.mesh.dp, ranks.coord.dp
+        example = {k: v[:1] for k, v in _tabular_batches()[0][0].items()}
+        try:
+            engine = parallelize(_Tabular(), ranks, loss_fn=F.cross_entropy, example=example, timeout_s=30, **options)
+            opt = optimizer(engine.parameters())
+            losses = []
+            for x, y in _tabular_batches():
+                losses.append(engine.step({k: shard(v, r, dp) for k, v in x.items()}, shard(y, r, dp)).item())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out[label] = {"losses": losses, "state": engine.state_dict()}
+        except (TypeError, ValueError) as e:
+            out[label] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_model_taking_a_dict_of_tensors_trains_as_one_process_under_dp_and_tp():
+    import torch.nn.functional as F
+
+    model = _Tabular()
+    opt = optimizer(model.parameters())
+    want = []
+    for x, y in _tabular_batches():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    for got in run_ranks(_tabular, 2, timeout_s=100):
+        for label in ("dp2 accum2", "tp2"):
+            assert max(abs(a - b) for a, b in zip(got[label]["losses"], want, strict=True)) <= TOL64, (label, got)
+            name, err = max_error(got[label]["state"], model.state_dict())
+            assert err <= TOL64, (label, name, err)
+        assert "a pipeline's inputs must be one tensor (its stages send tensors), got dict" in got["pp2"], got["pp2"]

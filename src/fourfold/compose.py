@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.batch import cat
 from fourfold.comm.compress import Compressor, make_compressor
 from fourfold.comm.wait import gather_objects
 from fourfold.data.packing import capture_layout
@@ -59,6 +60,7 @@ from fourfold.parallel.pipeline.blocks import (
     build_pieces,
     resolve_split,
 )
+from fourfold.parallel.pipeline.runtime import PIPELINE_TENSOR
 from fourfold.parallel.pipeline.split import Balance
 from fourfold.parallel.rng import SEQUENCE_SHARDED, Streams
 from fourfold.parallel.schedule import pipeline_schedule
@@ -197,6 +199,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         # 0. the pipeline's pieces, found and checked against model(example) on the whole model
         split = split if split is not None else (family.split(model) if family and family.split else None)
         pieces, examples = None, None
+        if m.pp > 1 and example is not None and not isinstance(example, torch.Tensor):
+            raise TypeError(PIPELINE_TENSOR.format(what="inputs", got=type(example).__name__))
         if m.pp > 1:
             if split is not None:
                 examples = _examples(model, example, family, m.tp if sequence_parallel else 1)
@@ -292,7 +296,7 @@ def _examples(model: nn.Module, example: torch.Tensor | None, family: Any,
     family's (cut to lengths of a ``multiple``: sequence parallelism's tp), or its own ``example_inputs()``; None
     when there is none."""
     if example is not None:
-        return [example, torch.cat([example, example])]
+        return [example, cat([example, example])]
     if family is not None and family.examples is not None:
         return [x[:, :max(multiple, x.size(1) - x.size(1) % multiple)] for x in family.examples(model)]
     own = getattr(model, "example_inputs", None)

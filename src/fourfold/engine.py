@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold import gradnorm
+from fourfold.batch import chunk, leaves, rows
 from fourfold.comm.wait import bounded_wait
 from fourfold.data.packing import document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
@@ -280,7 +281,7 @@ class Engine:
         for i, (x, y, d) in enumerate(parts):
             quiet = (self.dp.no_sync() if self.dp is not None and i < k - 1 and self.zero < 2  # ZeRO-2/3: synced
                      else contextlib.nullcontext())
-            key = (tuple(x.shape), d is not None, torch.is_grad_enabled())
+            key = (tuple((path, tuple(t.shape)) for path, t in leaves(x)), d is not None, torch.is_grad_enabled())
             which = {"microbatch": i} if k > 1 else {}
             with quiet:
                 with self.tracer.span("compute", "forward", **which), document_layout(d), \
@@ -305,12 +306,13 @@ class Engine:
         """The batch as the ``grad_accum`` equal micro-batches it is cut into (no pipeline), (inputs, targets,
         documents) each; a batch they do not divide is refused."""
         k = self.grad_accum
-        if inputs.shape[0] % k:
+        n = rows(inputs)  # a tensor, or a dict / list / tuple of them (fourfold.batch)
+        if n % k:
             raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
-                             f"{inputs.shape[0]} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
+                             f"{n} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
                              f"train: --batch-size a multiple of dp x {k}).")
         docs = documents.chunk(k) if documents is not None else [None] * k
-        return list(zip(inputs.chunk(k), targets.chunk(k), docs, strict=True))
+        return list(zip(chunk(inputs, k), chunk(targets, k), docs, strict=True))
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""

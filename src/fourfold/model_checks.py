@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.batch import leaves
 from fourfold.comm.wait import gather_objects
 from fourfold.mesh import RankMesh
 from fourfold.parallel.pipeline.blocks import EvalMode, output_tensor
@@ -106,14 +107,19 @@ def check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: Ra
             "split), or leave it out of the plan (replicated).")
 
 
-def _digest(t: torch.Tensor | None) -> tuple[Any, ...] | None:
-    if t is None:
+def _digest(batch: Any) -> tuple[Any, ...] | None:
+    """Shapes, dtypes and a hash of every tensor of ``batch`` (a tensor, or a dict / list / tuple of them)."""
+    if batch is None:
         return None
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    return tuple(t.shape), str(t.dtype), hashlib.sha256(data).hexdigest()
+    shapes, hashed = [], hashlib.sha256()
+    for path, t in leaves(batch):
+        shapes.append(f"{path}{tuple(t.shape)}" if path else tuple(t.shape))
+        hashed.update(str(t.dtype).encode())
+        hashed.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return tuple(shapes), hashed.hexdigest()
 
 
-def check_same_rows(inputs: torch.Tensor | None, targets: torch.Tensor | None, ranks: RankMesh) -> None:
+def check_same_rows(inputs: Any, targets: Any, ranks: RankMesh) -> None:
     """Refuse, on every rank alike, a replica whose tp or pp ranks were given different batches (collectives over
     the tp and pp groups; the engine runs it on its first step). Each replica's ranks must step on the same rows:
     sharding by global rank, DDP's habit, gives them different ones, and the layout then trains on a mix that no
@@ -129,7 +135,7 @@ def check_same_rows(inputs: torch.Tensor | None, targets: torch.Tensor | None, r
             other = next(((r, d) for r, d in held[1:] if d != held[0][1]), None)
             if other is not None:
                 (first, a), (r, b) = held[0], other
-                shapes = f" (shapes {a[0]} and {b[0]})" if a[0] != b[0] else ""
+                shapes = f" (shapes {list(a[0])} and {list(b[0])})" if a[0] != b[0] else ""
                 raise ValueError(
                     f"every tp and pp rank of a data-parallel replica must step on the same rows, got other {what} "
                     f"on rank {r} than on rank {first}{shapes} ({axis} group of ranks {members}). Shard the batch by "

@@ -65,6 +65,10 @@ __all__ = ["Pipeline", "PipelineError", "StepResult", "build_pipeline"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+PIPELINE_TENSOR = ("a pipeline's {what} must be one tensor (its stages send tensors), got {got}. Pack them into one "
+                   "tensor for pp, or train this model with dp and tp, which take a dict, list or tuple of tensors.")
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One step, measured. ``*_by_rank``: every rank of the pipeline group (gathered at the step's end)."""
@@ -299,6 +303,8 @@ class Pipeline:
                 raise ValueError(f"{what} must be given on rank {self.rank}, which holds stage "
                                  f"{'0' if what == 'inputs' else self.schedule.stages - 1}, got None.")
             return None
+        if not isinstance(batch, torch.Tensor):
+            raise TypeError(PIPELINE_TENSOR.format(what=what, got=type(batch).__name__))
         size = batch.size(0) if batch.dim() else 0
         if size == 0 or size % m:
             fix = f"a batch size divisible by {m}" + (f", or microbatches dividing {size}" if size else "")
