@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.batch import cat
+from fourfold.batch import Batch, cat
 from fourfold.comm.compress import Compressor, make_compressor
 from fourfold.comm.wait import gather_objects
 from fourfold.data.packing import capture_layout
@@ -84,7 +84,7 @@ or ``{module name: "column" | "row" | "vocab"}`` for :func:`~fourfold.parallel.t
 
 
 def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_plan: TensorPlan | None = None,
-                split: Split | None = None, example: torch.Tensor | None = None,
+                split: Split | None = None, example: Batch | None = None,
                 sequence_parallel: bool = False, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 2,
                 strategy: Literal["pipeline", "model"] = "pipeline", allreduce: str = "native",
                 bucket_mb: float = 25.0, sync_batchnorm: bool = False, find_unused_parameters: bool = False,

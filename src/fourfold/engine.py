@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold import gradnorm
-from fourfold.batch import chunk, leaves, rows
+from fourfold.batch import Batch, chunk, leaves, rows
 from fourfold.comm.wait import bounded_wait
 from fourfold.data.packing import document_layout
 from fourfold.launch import DEFAULT_TIMEOUT_S
@@ -111,7 +111,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ one step
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, documents: torch.Tensor | None = None,
+    def step(self, inputs: Batch, targets: torch.Tensor, *, documents: torch.Tensor | None = None,
              num_tokens: int | None = None) -> Loss:
         """Forward and backward of this rank's shard of the global batch; gradients synchronised in ``p.grad``.
 
@@ -131,7 +131,7 @@ class Engine:
                 return self._step(inputs, targets, self.loss_fn, None)
             return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
 
-    def check_rows(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+    def check_rows(self, inputs: Batch | None, targets: torch.Tensor | None) -> None:
         """Refuse, naming the ranks, a replica whose tp and pp ranks were given other rows than each other
         (:func:`~fourfold.model_checks.check_same_rows`). :meth:`step` runs it on its first call, a collective
         over the tp and pp groups; call it first where a step's collectives are counted."""

@@ -286,7 +286,8 @@ class DataParallel(nn.Module):
         as one process leaves a parameter its forward never used (the optimiser then skips it: no weight decay,
         no moments), where DDP's ``find_unused_parameters`` does the same."""
         params = [p for b in self.buckets for p in b.params]
-        held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                            device=self.buckets[0].flat.device)  # where the backend reduces (NCCL: the GPU)
         work = dist.all_reduce(held, group=self._comm.group, async_op=True)
         bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="all-reduce of which parameters have gradients",
                      awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
