@@ -4,7 +4,6 @@ against the formulas they stand on; the predictions against real runs live in `f
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -372,7 +371,7 @@ def test_flops_on_a_meta_model_match_the_transformer_formula():
     assert costs.forward[-1][1] == pytest.approx(2 * s * d * config.vocab_size, rel=0.05)  # the head
 
 
-def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
+def test_calibrate_takes_contention_from_a_dp_run_and_a_collective_call_from_a_tp_run():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=2, cores=2)
     before = predict(prof, Layout(dp=2), links, batch_size=8)
@@ -381,10 +380,19 @@ def test_calibrate_takes_contention_from_a_dp_run_and_alpha_from_a_tp_run():
             Layout(tp=2): Measured(1.0)}
     prof2, links2, fitted = calibrate(prof, links, 8, runs)
     assert fitted["contention"] == pytest.approx(1.5) and links2.contention == fitted["contention"]
-    fitted_dp = replace(links, contention=links2.contention)  # the tp fit changed the node link's alpha
-    assert predict(prof2, Layout(dp=2), fitted_dp, batch_size=8).step_s == pytest.approx(
-        runs[Layout(dp=2)].step_s, rel=1e-9)
-    assert links2.node.alpha_s > LINK.alpha_s and math.isfinite(fitted["tp_alpha_s"])
+    fitted_dp = replace(links, contention=links2.contention)
+    for fit in (fitted_dp, links2):  # the tp fit leaves the links' alpha, so the dp run still comes out
+        assert predict(prof2, Layout(dp=2), fit, batch_size=8).step_s == pytest.approx(runs[Layout(dp=2)].step_s,
+                                                                                    rel=1e-9)
+    assert links2.node == LINK and links2.tp_call_s == fitted["tp_call_s"] > 0
+    assert predict(prof2, Layout(tp=2), links2, batch_size=8).step_s == pytest.approx(1.0, rel=1e-9)
+    # a call, not a ring step: sequence parallelism's reduce-scatter and all-gather halves cost one each, so its
+    # step is longer by a call per extra collective (TinyGPT: every region's f and g, both ways)
+    sp = Layout(tp=2, sequence_parallel=True)
+    calls = sum(prof.forward_collectives) + sum(prof.backward_collectives)
+    assert predict(prof2, sp, links2, 8).step_s - predict(prof2, Layout(tp=2), links2, 8).step_s == pytest.approx(
+        calls * links2.tp_call_s, rel=1e-6)
+    assert predict(prof2, sp, links, 8).step_s == pytest.approx(predict(prof2, Layout(tp=2), links, 8).step_s)
     # a pipeline stage computing alone (the other waits in the bubble) goes at its own speed: GPipe pp2 comes out
     # between no contention and contention over the whole step
     gpipe = Layout(pp=2, schedule="gpipe", microbatches=2)
@@ -638,7 +646,8 @@ def test_bench_predict_layout_names():
     assert parse_layout("pp2:interleaved", 4) == Layout(1, 1, 2, "interleaved", 4, 2)
     assert parse_layout("tp2", 4) == Layout(tp=2)
     assert parse_layout("dp2:accum4", 4) == Layout(dp=2, grad_accum=4)
-    for bad in ("dp2:zb2", "pp2:1f1b:accum2"):
+    assert parse_layout("tp2pp2:zb:sp", 4) == Layout(1, 2, 2, "zb", 4, 1, sequence_parallel=True)
+    for bad in ("dp2:zb2", "pp2:1f1b:accum2", "dp2:sp", "tp1:sp"):
         with pytest.raises(ValueError, match="layout must look like"):
             parse_layout(bad, 4)
 

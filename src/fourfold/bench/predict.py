@@ -44,18 +44,21 @@ LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,
 
 def parse_layout(text: str, microbatches: int) -> Layout:
     """``"dp2tp2pp2:zb"`` -> Layout(dp=2, tp=2, pp=2, schedule="zb", microbatches=...); ``"dp2:accum4"``: with
-    gradient accumulation (``--grad-accum 4``; no pipeline)."""
+    gradient accumulation (``--grad-accum 4``; no pipeline); ``"tp2:sp"``: with sequence parallelism
+    (``--sequence-parallel``; tp > 1)."""
     import re
 
-    match = re.fullmatch(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(?::(gpipe|1f1b|interleaved|zb))?(?::accum(\d+))?",
-                         text.strip())
-    if not text.strip() or match is None or match.group(3) and match.group(5):
-        raise ValueError(f"layout must look like dp2, tp2pp2:1f1b, dp2tp2pp2:zb or dp2:accum2 (sizes, then :schedule "
-                         f"with pp, or :accumK without), got {text!r}.")
+    match = re.fullmatch(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(?::(gpipe|1f1b|interleaved|zb))?(?::accum(\d+))?"
+                         r"(:sp)?", text.strip())
+    if not text.strip() or match is None or match.group(3) and match.group(5) or match.group(6) and not (
+            match.group(2) and int(match.group(2)) > 1):
+        raise ValueError(f"layout must look like dp2, tp2pp2:1f1b, dp2tp2pp2:zb, dp2:accum2 or tp2:sp (sizes, then "
+                         f":schedule with pp, or :accumK without, then :sp with tp), got {text!r}.")
     dp, tp, pp = (int(g) if g else 1 for g in match.groups()[:3])
     schedule = match.group(4) or "1f1b"
     return Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
-                  virtual=2 if pp > 1 and schedule == "interleaved" else 1, grad_accum=int(match.group(5) or 1))
+                  virtual=2 if pp > 1 and schedule == "interleaved" else 1, grad_accum=int(match.group(5) or 1),
+                  sequence_parallel=bool(match.group(6)))
 
 
 def swapped_pairs(rows: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

@@ -3,7 +3,7 @@
     runs = measure_runs(calibration_layouts(4), ...)              # fourfold.observe.runs
     profile, links, fitted = calibrate(profile, links, 16, runs)  # then fourfold.observe.predict.predict(...)
 
-:mod:`fourfold.observe.predict` is the model; this module sets its figures (``Links``' α, β, ``contention``,
+:mod:`fourfold.observe.predict` is the model; this module sets its figures (``Links``' β, ``tp_call_s``, ``contention``,
 ``action_s``, ``send_s``, ``p2p_alpha_s``, ``oversubscribed``, ``wake_s``) from real runs' step times and spans
 (docs/simulator.md).
 """
@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from fourfold.comm.auto import cost
 from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, predict
 from fourfold.observe.trace import Span, _overlap
 
@@ -30,8 +29,8 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
     * a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is the node
       link's β in use; its step over its prediction is the slowdown of compute when ranks share the machine
       (``contention``: memory, caches, the launcher and gloo's threads);
-    * a tensor-parallel run's step over its prediction, spread over its collectives' steps, is the node link's α
-      in use (waits for the slower rank included);
+    * a tensor-parallel run's step over its prediction, spread over its collectives, is ``tp_call_s``, what each
+      call costs in use (the wait for the slower rank, its dispatch);
     * a pipeline run with a core per rank gives ``action_s`` and ``send_s``, an action's time outside its compute
       and its waits and what a send adds to it, and ``p2p_alpha_s``, a message's latency in use: from a send's
       end to the end of the receive waiting for it (:func:`message_latency`; all read off its spans; without a
@@ -60,19 +59,17 @@ def calibrate(profile: ModelProfile, links: Links, batch_size: int,
         # below 1 too: the in-process timing may have run in a slower moment than the run (this VM's speed drifts)
         fitted["contention"] = max(0.05, (dp_run[1].step_s - p.dp_exposed_s) / work)
         links = replace(links, contention=fitted["contention"])
-    tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1), None)
+    tp_run = next(((L, m) for L, m in runs.items() if L.tp > 1 and L.dp == L.pp == 1 and not L.sequence_parallel),
+                  None)
     if tp_run is not None:
         L, m = tp_run
-        p = predict(profile, L, links, batch_size)
-        collectives = sum(profile.forward_collectives) + sum(profile.backward_collectives) + \
-            2 * sum(profile.norm_collectives)  # a norm's all-reduce takes as many alpha steps as any
-        itemsize = next(profile.model.parameters()).element_size()
-        steps = cost("ring", profile.hidden_bytes * batch_size // itemsize, itemsize, L.tp).steps * collectives
-        link = links.node
-        # the step is linear in alpha (one batch, no pipeline): the alpha that makes the run's own step come out
-        fitted["tp_alpha_s"] = max(1e-7, link.alpha_s + (m.step_s - p.step_s) / steps)
-        links = replace(links, node=replace(link, alpha_s=fitted["tp_alpha_s"],
-                                            source=f"{link.source}; alpha fitted on {L}"))
+        p = predict(profile, L, replace(links, tp_call_s=0.0), batch_size)
+        calls = sum(profile.forward_collectives) + sum(profile.backward_collectives) + \
+            2 * sum(profile.norm_collectives)  # a norm's statistic is a call like any other
+        # the step is linear in the cost of a call (one batch, no pipeline): the one that gives the run's own step.
+        # Per call, not per ring step: sequence parallelism's halves each cost about what a whole all-reduce does
+        fitted["tp_call_s"] = max(0.0, (m.step_s - p.step_s) / calls) if calls else 0.0
+        links = replace(links, tp_call_s=fitted["tp_call_s"])
     alone = next(((L, m) for L, m in runs.items() if L.pp > 1 and L.dp == L.tp == 1
                   and (not links.cores or L.world_size <= links.cores)), None)  # a core per rank
     if alone is not None and alone[1].spans:

@@ -14,8 +14,9 @@ The model (docs/simulator.md):
   units into stages as the runtime does (by parameter count); a split backward gives W the share timed for it.
 * **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
   layer forward and per column-parallel layer (per module holding them, where one f serves them all: a Hugging
-  Face family's attention and MLP) or head backward, ring-costed on the node's link; its α steps
-  wait without a core, its bytes are copied and added by one.
+  Face family's attention and MLP) or head backward, ring-costed on the node's link; under sequence
+  parallelism a reduce-scatter and an all-gather in its place (half the steps and bytes each). Every call costs
+  ``Links.tp_call_s`` more; its α steps and that wait without a core, its bytes are copied and added by one.
 * **pipeline**: :func:`~fourfold.parallel.schedule.simulate` runs the schedule with every action's own cost
   and one point-to-point message (α + bytes·β) between ranks: the makespan and the bubble.
 * **data parallelism**: the rank's gradients in buckets, each a ring all-reduce on the dp group's link
@@ -94,6 +95,12 @@ class Links:
     """What an action that sends to another rank spends on it beyond ``action_s``: gloo's ``isend`` copies the
     message out in the calling thread (~0.2 ms for 128 KB on this VM). It uses a core. A zero-bubble W sends
     nothing; an interleaved schedule sends after every F and B. Measured with ``action_s``."""
+
+    tp_call_s: float = 0.0
+    """What each tensor-parallel collective costs beyond its ring steps' α, once per call: the wait for the group's
+    slowest rank and the call's own dispatch (no core used). Fitted by :mod:`~fourfold.observe.calibrate` on a
+    tensor-parallel run (1.5-2.5 ms a call on this VM, whatever the size: sequence parallelism's reduce-scatter
+    and all-gather halves each cost about what one all-reduce does); 0 on paper."""
 
     p2p_alpha_s: float | None = None
     """A pipeline message's fixed latency within a node, fitted on a pipeline run so that its step comes out. None:
@@ -309,15 +316,25 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
     per_node = links.ranks_per_node
     tp_link = links.node if L.tp <= per_node else links.network
 
-    def tp_allreduce(nbytes: int, size: int) -> tuple[float, float]:
-        """(its time, its latency) on the tp group's link: the latency (alpha per step: the peer's arrival
-        included) uses no core; copying and adding the bytes does."""
-        time = _ring(tp_link, nbytes, size, L.tp)
-        steps = cost("ring", max(1, nbytes // size), size, L.tp).steps
-        return time, min(time, steps * tp_link.alpha_s) if L.tp > 1 else 0.0
+    def tp_collective(nbytes: int, size: int, share: float = 1.0) -> tuple[float, float]:
+        """(its time, its latency) on the tp group's link, for an all-reduce (``share`` 1) or one of sequence
+        parallelism's halves (0.5: a reduce-scatter or an all-gather, half its steps and bytes). The latency (α
+        per step, and ``tp_call_s`` per call: the slowest rank's arrival) uses no core; copying and adding the
+        bytes does."""
+        if L.tp == 1:
+            return 0.0, 0.0
+        time = _ring(tp_link, nbytes, size, L.tp) * share
+        steps = cost("ring", max(1, nbytes // size), size, L.tp).steps * share
+        return time + links.tp_call_s, min(time, steps * tp_link.alpha_s) + links.tp_call_s
 
-    allreduce, latency = tp_allreduce(profile.hidden_bytes * micro, itemsize)  # a block's activation
-    statistic, statistic_latency = tp_allreduce(4 * profile.seq_len * micro, 4)  # a norm's mean square per token
+    # Each row-parallel (vocabulary) layer's forward all-reduce and each column-parallel region's backward one;
+    # under sequence parallelism each becomes a reduce-scatter in its direction and an all-gather in the other
+    fwd, bwd = profile.forward_collectives, profile.backward_collectives
+    by_halves = sequence_parallel and L.tp > 1
+    calls = {"F": tuple(f + b for f, b in zip(fwd, bwd, strict=True)) if by_halves else fwd}
+    calls["B"] = calls["F"] if by_halves else bwd
+    one, latency = tp_collective(profile.hidden_bytes * micro, itemsize, 0.5 if by_halves else 1.0)  # an activation
+    statistic, statistic_latency = tp_collective(4 * profile.seq_len * micro, 4)  # a norm's mean square per token
     norms = profile.norm_collectives
     costs = profile.costs
 
@@ -325,17 +342,15 @@ def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int
         """(computing, waiting) seconds: the unit's own work and its tensor-parallel collectives' bytes moved and
         added, then the collectives' latency (waits on the link and the group's slowest rank: no core used, so
         cores shared do not slow it). Norms over split features all-reduce a statistic forward and backward."""
-        collectives = (profile.forward_collectives if op == "F" else profile.backward_collectives)[u]
-        stats = norms[u]
-        return (costs.time(op, u, micro, L.tp) + collectives * (allreduce - latency)
+        collectives, stats = calls[op][u], norms[u]
+        return (costs.time(op, u, micro, L.tp) + collectives * (one - latency)
                 + stats * (statistic - statistic_latency), collectives * latency + stats * statistic_latency)
 
     def total(op: str, us: Iterable[int]) -> tuple[float, float]:
         parts = [unit_time(op, u) for u in us]
         return sum(c for c, _ in parts), sum(w for _, w in parts)
 
-    tp_comm = micro_count * (allreduce * (sum(profile.forward_collectives) + sum(profile.backward_collectives))
-                             + statistic * 2 * sum(norms))
+    tp_comm = micro_count * (one * (sum(calls["F"]) + sum(calls["B"])) + statistic * 2 * sum(norms))
     timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
         share = links.speed(copies)
