@@ -87,6 +87,20 @@ def reference_run(cfg: GPTConfig, steps: list[tuple[torch.Tensor, torch.Tensor]]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def one_process(model: torch.nn.Module, steps: list[tuple], loss_fn) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A model of yours trained in one process on the whole batches with the seeded optimiser, ``loss_fn(model(x),
+    y)`` each step: the losses and the final state."""
+    opt = optimizer(model.parameters())
+    losses = []
+    for x, y in steps:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def reference_eval(cfg: GPTConfig, state: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     """One process's eval-mode loss of ``batch`` under ``state``: what ``engine.evaluate`` must give."""
     model = TinyGPT(cfg, seed=0, dtype=next(iter(state.values())).dtype).eval()

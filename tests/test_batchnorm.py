@@ -14,7 +14,7 @@ from torch import nn
 
 from fourfold import Mesh, parallelize
 from fourfold.testing import run_ranks
-from helpers import max_error, optimizer
+from helpers import max_error, one_process, optimizer
 
 TOL = 1e-10
 B = 8
@@ -82,16 +82,7 @@ def _both(ctx) -> dict:
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_on_two_ranks_equals_one_process_and_plain_batchnorm_is_named():
     per_rank = run_ranks(_both, 2, timeout_s=90)
-    model = _model()
-    opt = optimizer(model.parameters())
-    want = []
-    for x, y in _batches():
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
-    reference = model.state_dict()
+    want, reference = one_process(_model(), _batches(), F.mse_loss)
     for rank, got in enumerate(per_rank):
         for run in ("sync", "sync zero2 native", "sync zero3 native", "sync powersgd native"):
             sync = got[run]

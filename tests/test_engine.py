@@ -30,7 +30,7 @@ from fourfold.engine import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer
 from fourfold.testing import run_ranks
-from helpers import TOL64, batches, max_error, optimizer, reference_eval, reference_run, shard
+from helpers import TOL64, batches, max_error, one_process, optimizer, reference_eval, reference_run, shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 MICRO = 2
@@ -354,18 +354,10 @@ def _tabular(ctx) -> dict:
 def test_a_model_taking_a_dict_of_tensors_trains_as_one_process_under_dp_and_tp():
     import torch.nn.functional as F
 
-    model = _Tabular()
-    opt = optimizer(model.parameters())
-    want = []
-    for x, y in _tabular_batches():
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want, reference = one_process(_Tabular(), _tabular_batches(), F.cross_entropy)
     for got in run_ranks(_tabular, 2, timeout_s=100):
         for label in ("dp2 accum2", "tp2"):
             assert max(abs(a - b) for a, b in zip(got[label]["losses"], want, strict=True)) <= TOL64, (label, got)
-            name, err = max_error(got[label]["state"], model.state_dict())
+            name, err = max_error(got[label]["state"], reference)
             assert err <= TOL64, (label, name, err)
         assert "a pipeline's inputs must be one tensor (its stages send tensors), got dict" in got["pp2"], got["pp2"]
