@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fourfold import train as train_mod
-from fourfold.checkpoint import load_checkpoint
+from fourfold.checkpoint import CheckpointError, find_latest, load_checkpoint
 from helpers import process_tree
 
 SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
@@ -80,7 +80,19 @@ def test_an_overwrite_run_keeps_the_earlier_run_aside_until_it_finishes(tmp_path
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == first  # the earlier run, whole
     assert not (out / "model.pt").exists()  # and nothing of it mixed with the crashed run's files
     assert "is kept in .replaced-" in capsys.readouterr().err
-    assert train_mod.main([*args, "--overwrite"]) == 0
+    # its checkpoints are named where a resume looks for them
+    with pytest.raises(CheckpointError, match=rf"{aside[0].name}/checkpoints holds the checkpoints of an earlier run "
+                                              "an --overwrite run set aside and did not finish"):
+        find_latest(out)
+    # a run without --overwrite keeps it, and says so before it starts (OUT holds no run: the crashed one's files
+    # gone, as when an --overwrite run fails before it writes any, on bad data say)
+    for name in ("metrics.jsonl", "run.json"):
+        (out / name).unlink()
+    assert train_mod.main([*args, "--checkpoint-every", "0"]) == 0
+    assert list(out.glob(".replaced-*")) == aside and (aside[0] / "metrics.jsonl").read_text() == first
+    assert f"{aside[0].name}/ holds an earlier run that an --overwrite run set aside and did not finish " \
+           "(checkpoints, metrics.jsonl, model.pt, run.json); it is kept" in (err := capsys.readouterr().err), err
+    assert train_mod.main([*args, "--overwrite"]) == 0  # an --overwrite run that finishes replaces them all
     assert not list(out.glob(".replaced-*")) and (out / "model.pt").exists()
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs",
-           "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "steady", "write_text_atomic",
-           "written_by_a_run"]
+           "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "set_aside", "steady",
+           "write_text_atomic", "written_by_a_run"]
 
 LOCK_NAME = ".fourfold.lock"
 OUTPUTS = ("run.json", "metrics.jsonl", "trace.json", "model.pt")
@@ -123,9 +123,16 @@ def move_aside(out: Path) -> Path | None:
 
 
 def drop_replaced(out: Path) -> None:
-    """Remove the earlier runs moved aside by :func:`move_aside` (called once a run in ``out`` is complete)."""
-    for aside in out.glob(f"{REPLACED}*"):
+    """Remove the earlier runs moved aside in ``out`` (:func:`move_aside`), once an ``--overwrite`` run there is
+    complete: it replaces them, as asked. A run without ``--overwrite`` leaves them (another run's, kept)."""
+    for aside in set_aside(out):
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_aside(out: Path) -> list[Path]:
+    """Earlier runs ``--overwrite`` runs moved aside in ``out`` and did not remove: those runs failed, so these
+    are the runs they would have replaced, kept whole (move the files back to restore one)."""
+    return sorted(p for p in out.glob(f"{REPLACED}*") if p.is_dir()) if out.is_dir() else []
 
 
 def steady(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from fourfold.checkpoint.resume import (
 )
 from fourfold.config import Config
 from fourfold.data import is_token_file, token_range, vocab_of
-from fourfold.files import check_writable, earlier_outputs, written_by_a_run
+from fourfold.files import check_writable, earlier_outputs, set_aside, written_by_a_run
 from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
 from fourfold.models import dropout_sites, family_of, tensor_plan
@@ -228,6 +228,7 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     """The launcher's lines after :func:`preflight`: the memory estimate (a layout that would not fit is refused,
     ValueError), then what a resumed or ignored setting means for this run."""
     _default_size_note(cfg)
+    _set_aside_note(Path(cfg.train.out), cfg.train.overwrite)
     _memory_line(cfg, world_size)
     _resume_note(cfg, mesh, world_size)
     _unused_note(cfg, mesh)
@@ -240,6 +241,17 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
               "s, so a stuck run ends at the timeout, whose error names the operation, before the hang doctor can "
               "name the rank that never arrived. Pass a --hang-threshold below --timeout.",
               file=sys.stderr, flush=True)
+
+
+def _set_aside_note(out: Path, overwrite: bool) -> None:
+    """OUT holds runs a failed ``--overwrite`` set aside: say so before anything runs, what becomes of them, and
+    how to restore one."""
+    for aside in set_aside(out):
+        held = ", ".join(sorted(p.name for p in aside.iterdir())) or "nothing"
+        fate = ("this --overwrite run replaces it: it is removed when this run finishes" if overwrite else
+                f"it is kept (a run with --overwrite would replace it). To restore it: mv {out / aside.name}/* {out}/")
+        print(f"fourfold train: note: {out / aside.name}/ holds an earlier run that an --overwrite run set aside "
+              f"and did not finish ({held}); {fate}.", file=sys.stderr, flush=True)
 
 
 def _default_size_note(cfg: Config) -> None:

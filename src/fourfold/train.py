@@ -275,8 +275,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         if metrics_file is not None:
             metrics_file.close()
     _write_outputs(cfg, ctx, engine, tracer, out, result)
-    if ctx.is_main:  # this run is complete: the earlier one it replaces can go
-        drop_replaced(out)
+    if ctx.is_main and t.overwrite:  # this run is complete: the earlier ones it replaces can go (only then: a
+        drop_replaced(out)  # run without --overwrite keeps what a failed --overwrite set aside)
     return result
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fourfold.files import set_aside
+
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "find_latest", "prune", "read_manifest", "restart_count",
            "sha256_file", "starting_manifest"]
 
@@ -70,6 +72,11 @@ def find_latest(path: str | Path) -> Path:
     if not complete:
         partial = sorted(q.name for q in root.iterdir() if _STEP_DIR.fullmatch(q.name)) if root.is_dir() else []
         extra = f" ({', '.join(partial)} have no {MANIFEST}: saves that did not finish)" if partial else ""
+        out = root.parent if root.name == "checkpoints" else root
+        aside = [a for a in set_aside(out) if (a / "checkpoints").is_dir()]
+        if aside:
+            extra += (f"; {out / aside[-1].name}/checkpoints holds the checkpoints of an earlier run an --overwrite "
+                      f"run set aside and did not finish: resume from it, or move its files back into {out}")
         raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
                               "to write some.")
     return complete[-1][1]
