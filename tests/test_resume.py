@@ -51,6 +51,25 @@ def test_resume_continues_in_place_bitwise_and_under_another_layout_exactly(tmp_
     assert max(abs(a - b) for a, b in zip(got, losses(full)[2:], strict=True)) <= TOL64, got
 
 
+def test_resuming_in_place_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [*SMALL, "--checkpoint-every", "1", "--keep", "3", "--out", str(out)]
+    assert train_mod.main([*argv, "--steps", "4"]) == 0  # keeps step-2, -3 and -4
+    old = (out / "checkpoints" / "step-000004" / "manifest.json").read_text()
+    capsys.readouterr()
+    assert train_mod.main([*argv, "--steps", "3", "--lr", "1e-3", "--resume", str(out / "checkpoints" /
+                                                                                  "step-000002")]) == 0
+    assert "resuming step 2 in" in (err := capsys.readouterr().err) and "went on to step-000003, step-000004: " \
+        "this run departs from them, so they are kept in checkpoints/.abandoned-" in err, err
+    (aside,) = (out / "checkpoints").glob(".abandoned-*")
+    assert (aside / "step-000004" / "manifest.json").read_text() == old  # kept whole, out of the way
+    assert [r["step"] for r in rows(out)] == [1, 2, 3]
+    # the next resume continues this run (its step 3), not the abandoned step 4
+    assert train_mod.main([*argv, "--steps", "5", "--lr", "1e-3", "--resume", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())["resumed_from"]["step"] == 3
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--resume", "{tmp}/nowhere"], "does not exist"),
     (["--resume", "{tmp}"], "no complete checkpoint in"),

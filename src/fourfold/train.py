@@ -41,6 +41,7 @@ from tqdm import tqdm
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.checkpoint.resume import continues_run, restart_count, resume_from
+from fourfold.checkpoint.store import set_aside_newer
 from fourfold.cli.args import parse_args, without_section_flags
 from fourfold.comm.compress import PowerSGD
 from fourfold.comm.ledger import LEDGER
@@ -199,6 +200,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
+    if ctx.is_main and continuing:  # resumed in place from an older checkpoint: the newer ones are another branch
+        _set_aside_newer(out, first - 1)
     if ctx.is_main:
         run = {"config": cfg.record(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": source,
@@ -278,6 +281,16 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if ctx.is_main and t.overwrite:  # this run is complete: the earlier ones it replaces can go (only then: a
         drop_replaced(out)  # run without --overwrite keeps what a failed --overwrite set aside)
     return result
+
+
+def _set_aside_newer(out: Path, step: int) -> None:
+    """Keep OUT's checkpoints past ``step``, which this run resumed in place from, out of the next resume's way."""
+    aside = set_aside_newer(out / "checkpoints", step)
+    if aside is not None:
+        print(f"fourfold train: note: resuming step {step} in {out}, whose checkpoints went on to "
+              f"{', '.join(sorted(p.name for p in aside.iterdir()))}: this run departs from them, so they are kept in "
+              f"{aside.relative_to(out)}/, where --resume does not look (its metrics past step {step} are this "
+              "run's).", file=sys.stderr, flush=True)
 
 
 def _stop(metrics_file: Any, row: dict[str, Any], error: str, e: NonFiniteLoss) -> NoReturn:

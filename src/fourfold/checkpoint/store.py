@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 from fourfold.files import set_aside
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "find_latest", "prune", "read_manifest", "restart_count",
-           "sha256_file", "starting_manifest"]
+           "set_aside_newer", "sha256_file", "starting_manifest"]
 
 FORMAT = "fourfold-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -48,6 +50,21 @@ def prune(root: Path, keep: int) -> None:
         m = _STEP_DIR.fullmatch(path.name)
         if m and int(m.group(1)) < newest and not (path / MANIFEST).exists():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, step: int) -> Path | None:
+    """Move the checkpoints in ``root`` past ``step`` (complete or not) into ``root/.abandoned-<time>/``: a run
+    resumed in place from an older checkpoint departs from them, and left where they were the next ``--resume``
+    would take the newest of them, and ``prune`` would delete the one this run started from. Kept, not deleted;
+    None when there were none."""
+    newer = [p for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and int(m.group(1)) > step] \
+        if root.is_dir() else []
+    if not newer:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=f".abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))
+    for p in sorted(newer):
+        p.rename(aside / p.name)
+    return aside
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:
