@@ -918,3 +918,9 @@ def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_th
     assert _user_flags(["--config", "run.toml"], Layout(dp=2, zero=1)) == ["--config", "run.toml",
                                                                            "--no-sequence-parallel"]
     assert Layout(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"
+
+
+def test_plan_shows_a_tiny_models_step_in_microseconds_not_zero_ms():
+    from fourfold.cli.plan import _time
+
+    assert [_time(s) for s in (47.7e-6, 0.0, 0.0123, 12.0)] == ["47.7 us", "0.0 ms", "12.3 ms", "12.0 s"]

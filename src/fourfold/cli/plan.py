@@ -345,6 +345,9 @@ on this machine (without --gpus):
 
 
 def _time(s: float) -> str:
+    """Seconds as a plan's columns show them: a tiny model's step on paper is microseconds, not "0.0 ms"."""
+    if 0 < s < 1e-3:
+        return f"{s * 1e6:.1f} us"
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
 
 
