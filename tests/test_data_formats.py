@@ -180,3 +180,14 @@ def test_a_bpe_trained_at_start_up_is_shared_by_every_rank_and_equals_one_proces
     run = json.loads((tmp_path / "two" / "run.json").read_text())
     assert run["corpus"]["tokenizer"].startswith("bpe:300 (") and run["corpus"]["tokens"] == len(
         run_corpus(str(path), "bpe:300", tmp_path / "two").tokens)
+
+
+def test_a_bpe_that_learns_fewer_ids_than_asked_says_so(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(_docs(tmp_path)))
+    corpus = run_corpus(str(path), "bpe:4096", tmp_path)
+    got = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(got) < 4096 and int(corpus.tokens.max()) < len(got)
+    assert (f"bpe:4096 learned only {len(got)} ids from this corpus" in (err := capsys.readouterr().err)
+            and f"Pass --tokenizer bpe:{len(got)} --vocab-size {len(got)}" in err), err

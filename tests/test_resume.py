@@ -98,6 +98,11 @@ def test_a_resumed_run_names_the_training_settings_it_changes(tmp_path, capsys):
                            str(run), "--out", str(run)]) == 0
     err = capsys.readouterr().err
     assert "note: resuming step 1 with seed 3 (was 0), lr 0.001 (was 0.003)" in err, err
+    from fourfold.checkpoint.resume import changed_settings
+    from fourfold.cli.args import parse_args
+
+    was = {"config": {"train": {"data": "corpus.jsonl"}}}  # no --data now: the built-in corpus, not "None"
+    assert "data the built-in corpus (was 'corpus.jsonl')" in changed_settings(parse_args([*SMALL]), was)
 
 
 def test_a_damaged_checkpoint_found_in_the_ranks_ends_the_run_in_one_line(tmp_path, capsys):

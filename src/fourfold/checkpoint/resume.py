@@ -144,7 +144,11 @@ def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
     # a key the checkpoint's run did not record (an older fourfold's) had its default then
     saved = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved}
-    out = [f"{k} {here[k]!r} (was {saved[k]!r})" for k in CONTINUED if _value(k, saved[k]) != _value(k, here[k])]
+    def shown(k: str, v: Any) -> str:
+        return "the built-in corpus" if k == "data" and v is None else repr(v)
+
+    out = [f"{k} {shown(k, here[k])} (was {shown(k, saved[k])})" for k in CONTINUED
+           if _value(k, saved[k]) != _value(k, here[k])]
     held, was = (held_batches(t["eval_every"], t["eval_batches"]) for t in (here, saved))
     if held != was:  # the held-out data are not trained on: the training order differs
         out.append(f"{held} held-out batch(es) for --eval-every (was {was}: training reads other windows or "

@@ -257,8 +257,14 @@ def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str =
         if is_main and not path.is_file():
             from fourfold.files import atomic_path
 
+            asked = int(tokenizer.partition(":")[2])
             with atomic_path(path) as tmp:
-                train_bpe(read_texts(data, text_key)[0], int(tokenizer.partition(":")[2]), tmp)
+                got = train_bpe(read_texts(data, text_key)[0], asked, tmp).vocab_size
+            if got < asked:  # a small corpus has fewer merges to learn: the model's vocabulary is sized as given
+                print(f"fourfold train: note: {tokenizer} learned only {got} ids from this corpus (it has fewer "
+                      f"merges to make); the model keeps its --vocab-size, whose ids past {got - 1} are never "
+                      f"used. Pass --tokenizer bpe:{got} --vocab-size {got} to size it to what was learned.",
+                      file=sys.stderr, flush=True)
         if wait is not None:
             wait("train the tokenizer")
         return read(FileTokenizer(path, name=f"{tokenizer} ({path})"))
