@@ -117,6 +117,23 @@ def test_a_damaged_checkpoint_found_in_the_ranks_ends_the_run_in_one_line(tmp_pa
     assert f"--resume {run / 'checkpoints' / 'step-000001'}" in err, err
 
 
+def test_a_restart_passes_over_a_damaged_newest_checkpoint_to_the_one_before(tmp_path, capsys, monkeypatch):
+    from fourfold.checkpoint.store import starting_manifest
+
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "2", "--checkpoint-every", "1", "--no-trace", "--out", str(run)]) == 0
+    victim = run / "checkpoints" / "step-000002" / "rank-00000.pt"
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated: every attempt would fail on it again
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun's next attempt sees it
+    assert starting_manifest(None, run)["step"] == 1
+    err = capsys.readouterr().err
+    assert "note: restart 1 resumes from step-000001: the newer step-000002 cannot be read (rank-00000.pt holds " \
+           "100 bytes, its manifest " in err, err
+    assert train_mod.main([*SMALL, "--steps", "3", "--no-trace", "--out", str(run)]) == 0  # the attempt itself
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
 def _exit_code(argv: list[str]) -> int:
     """main()'s return value, or its SystemExit code (flags argparse refuses)."""
     try:

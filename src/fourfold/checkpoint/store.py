@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,11 +122,44 @@ def starting_manifest(resume: str | Path | None, out: str | Path) -> dict[str, A
     own progress; ``resume``'s may have been pruned since), else ``resume``'s (:class:`CheckpointError` if it is
     missing or damaged); None when there is neither (a run restarted before its first checkpoint starts over)."""
     if restart_count() > 0:
-        try:
-            return read_manifest(out)
-        except CheckpointError:
-            pass  # none written yet: --resume's, or from the start
+        root = Path(out) / "checkpoints"
+        complete = [p for _, p in reversed(_complete(root))]
+        for i, where in enumerate(complete):
+            try:
+                manifest = read_manifest(where)
+            except CheckpointError:
+                continue
+            damaged = _damaged(where, manifest["files"])
+            if damaged is None:
+                if i and os.environ.get("RANK", "0") == "0" and str(where) not in _NOTED:  # once, by rank 0
+                    _NOTED.add(str(where))
+                    print(f"fourfold train: note: restart {restart_count()} resumes from {where.name}: the newer "
+                          f"{', '.join(p.name for p in complete[:i])} cannot be read ({_damaged(complete[0], {})}).",
+                          file=sys.stderr, flush=True)
+                return manifest
+        # none written yet (or none intact): --resume's, or from the start
     return read_manifest(resume) if resume is not None else None
+
+
+_NOTED: set[str] = set()  # the checkpoints a restart note was printed for: once per process
+
+
+def _damaged(where: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """What makes a checkpoint unreadable at a glance (a file its manifest lists missing, or of another size; the
+    sha256 is checked as each file is read), or None. A restart passes over such a checkpoint to the one before,
+    rather than failing on it again at every attempt."""
+    if not files:
+        try:
+            files = read_manifest(where)["files"]
+        except CheckpointError as e:
+            return str(e)
+    for name, want in sorted(files.items()):
+        path = where / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} holds {path.stat().st_size} bytes, its manifest {want['bytes']}"
+    return None
 
 
 class CheckedFiles:
