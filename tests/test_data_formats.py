@@ -138,13 +138,18 @@ def test_a_tokenizer_json_encodes_text_and_a_bad_one_is_refused(tmp_path):
     (["--data", "{u16}", "--data-dtype", "int64"], "token ids must be below 16,777,216 (no tokenizer's "
      "vocabulary is larger), got 288,234,769,970,234,365 in {u16} read as --data-dtype int64. Pass the --data-dtype "
      "the file was written with"),  # uint16 ids read 4 at a time: not a vocabulary
+    # text read in the launcher too (small enough): refused once, before any rank starts
+    (["--data", "{empty}"], "corpus must hold at least one byte, got 0 bytes from 'empty.txt'"),
+    (["--data", "{keyless}"], 'data keyless.jsonl line 2 must be an object with a "text" string'),
 ])
 def test_data_that_does_not_fit_is_refused_before_start(tmp_path, capsys, flags, message):
     np.save(tmp_path / "ids.npy", np.arange(1000, dtype=np.int32))
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 6)
     np.arange(1, 1025, dtype=np.uint16).tofile(tmp_path / "u16.bin")  # as nanoGPT writes its ids
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "keyless.jsonl").write_text('{"text": "a"}\n{"content": "b"}\n')
     names = {"ids": tmp_path / "ids.npy", "missing": tmp_path / "nope.txt", "odd": tmp_path / "odd.bin",
-             "u16": tmp_path / "u16.bin"}
+             "u16": tmp_path / "u16.bin", "empty": tmp_path / "empty.txt", "keyless": tmp_path / "keyless.jsonl"}
     message = message.format(**names)
     argv = [f.format(**names) for f in flags] + [*TINY, "--out", str(tmp_path / "run"), "--nproc", "2"]
     try:

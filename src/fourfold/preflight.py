@@ -26,7 +26,7 @@ from fourfold.checkpoint.resume import (
     resume_from,
 )
 from fourfold.config import Config
-from fourfold.data import is_token_file, token_range, vocab_of
+from fourfold.data import is_token_file, read_texts, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, set_aside, written_by_a_run
 from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
@@ -90,6 +90,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if info.vocab_size is None and scan_data:  # a model of your own: its vocabulary is known once it is built
         info = _check_yours(cfg, info, mesh, stages, meta)
     check_data_vocab(cfg, info, scan=scan_data)
+    if scan_data:
+        check_text_data(cfg)
     if resume is not None:
         check_resume(cfg, resume)
     existing = [p.name for p in earlier_outputs(out)]
@@ -124,6 +126,26 @@ def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
                              f"got {high:,} in {t.data} read as --data-dtype {t.data_dtype}. Pass the --data-dtype "
                              "the file was written with (nanoGPT's .bin files: uint16).")
         check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+
+
+TEXT_CHECKED_BYTES = 64 * 2**20
+"""Text data up to this size is read once in the launcher, so that an empty file, a .jsonl line without the text
+key or bytes that are not UTF-8 are refused before any rank starts (larger data: by each rank as it reads)."""
+
+
+def check_text_data(cfg: Config) -> None:
+    """Read ``--data`` (text, a folder of it, JSON Lines) as the ranks will, when it is small enough, and refuse
+    what they would refuse: in one line, before launch, rather than once per rank after it."""
+    t = cfg.train
+    if t.data is None or is_token_file(t.data):
+        return
+    root = Path(t.data)
+    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+    if sum(p.stat().st_size for p in files) > TEXT_CHECKED_BYTES:
+        return
+    texts, _, name = read_texts(t.data, t.text_key)
+    if not any(texts):
+        raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
 
 
 def meta_model(cfg: Config) -> nn.Module | None:
