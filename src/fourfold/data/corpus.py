@@ -118,7 +118,14 @@ def is_token_file(path: str | os.PathLike[str]) -> bool:
 
 def read_texts(path: str | os.PathLike[str] | None, text_key: str = "text") -> tuple[list[str], bytes, str]:
     """The documents at ``path`` (a text file, a folder of them, or JSON Lines; None: the built-in corpus), the
-    bytes read, and a name."""
+    bytes read, and a name; refused when they hold no text at all."""
+    texts, raw, name = _read_texts(path, text_key)
+    if not any(texts):
+        raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
+    return texts, raw, name
+
+
+def _read_texts(path: str | os.PathLike[str] | None, text_key: str) -> tuple[list[str], bytes, str]:
     if path is None:
         builtin = load_corpus()
         raw = builtin.tokens.numpy().tobytes()
@@ -226,10 +233,8 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
     if isinstance(tokenizer, ByteTokenizer):
         if path is None:
             return load_corpus()
-        texts, raw, name = read_texts(path, text_key)
+        texts, raw, name = read_texts(path, text_key)  # not empty: read_texts refuses that
         data = "\n".join(texts).encode("utf-8")  # the files' bytes, a byte-order mark left out
-        if not data:
-            raise ValueError(f"corpus must hold at least one byte, got 0 bytes from {name!r}. Pass a non-empty file")
         return Corpus(as_uint8(data), name, hashlib.sha256(raw).hexdigest())  # the fingerprint of what was read
     texts, raw, name = read_texts(path, text_key)
     ids = [i for doc in tokenizer.encode_all([t + "\n" for t in texts]) for i in doc]
