@@ -51,7 +51,7 @@ from fourfold.model_checks import check_own_checkpointing, check_same_model, che
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
-from fourfold.parallel.data import DataParallel
+from fourfold.parallel.data import DataParallel, check_find_unused
 from fourfold.parallel.pipeline import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.blocks import (
     Chain,
@@ -177,11 +177,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if sequence_parallel and m.tp == 1:
         raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass tp >= 2, or drop "
                          "sequence_parallel.")
-    if find_unused_parameters and (zero or m.pp > 1):
-        raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={zero}, pp={m.pp}: "
-                         "ZeRO's optimiser steps flat shards, which cannot leave one parameter without a gradient, "
-                         "and a pipeline's stages are not covered yet. Drop zero/pp, or use every parameter in each "
-                         "step (or freeze those you do not: requires_grad=False).")
+    if find_unused_parameters:
+        check_find_unused(zero, m.pp)
     if m.dp > 1:  # the batch a BatchNorm normalises over is split: sync it, or say so
         batchnorm_for_data_parallel(model, sync_batchnorm, ranks.dp_group, timeout_s)
     for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):

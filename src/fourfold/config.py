@@ -33,6 +33,7 @@ from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.build import read_model_config
 from fourfold.models.gpt import GPTConfig
 from fourfold.parallel.checkpointing import parse_policy
+from fourfold.parallel.data import check_find_unused
 
 __all__ = ["LAB_ENV", "MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig", "lab_default"]
 
@@ -225,11 +226,8 @@ class TrainConfig:
             raise ValueError(f"compress {self.compress} replaces the all-reduce, which ZeRO does not use, got "
                              f"compress={self.compress!r} with zero={self.zero}. Drop one (--compress bf16 works with "
                              "--zero).")
-        if self.find_unused_parameters and (self.zero or self.pp > 1):
-            raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={self.zero}, "
-                             f"pp={self.pp}: ZeRO's optimiser steps flat shards, which cannot leave one parameter "
-                             "without a gradient, and a pipeline's stages are not covered yet. Drop --zero/--pp, or "
-                             "use every parameter in each step (or freeze those you do not: requires_grad=False).")
+        if self.find_unused_parameters:
+            check_find_unused(self.zero, self.pp)
         if self.compress != "none" and self.reduce_dtype != "auto" and not (
                 self.compress == "bf16" and self.reduce_dtype == "bfloat16"):
             raise ValueError(f"compress sets what crosses the wire, got compress={self.compress!r} with reduce_dtype="

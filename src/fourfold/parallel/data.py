@@ -42,9 +42,19 @@ from fourfold.comm.compress import Compressor
 from fourfold.comm.wait import bounded_wait, gather_objects
 from fourfold.observe.trace import Tracer
 
-__all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "sync_gradients"]
+__all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "check_find_unused", "sync_gradients"]
 
 FIRST_BUCKET_BYTES = 2**20
+
+
+def check_find_unused(zero: int, pp: int) -> None:
+    """``find_unused_parameters`` is plain data parallelism's: refused with ZeRO (its optimiser steps flat shards,
+    which cannot leave one parameter without a gradient) and with a pipeline (not covered yet)."""
+    if zero or pp > 1:
+        raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={zero}, pp={pp}: "
+                         "ZeRO's optimiser steps flat shards, which cannot leave one parameter without a gradient, "
+                         "and a pipeline's stages are not covered yet. Drop zero (--zero) or pp (--pp), or use every "
+                         "parameter in each step (or freeze those you do not: requires_grad=False).")
 
 
 def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
