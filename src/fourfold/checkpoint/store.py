@@ -122,21 +122,23 @@ def starting_manifest(resume: str | Path | None, out: str | Path) -> dict[str, A
     own progress; ``resume``'s may have been pruned since), else ``resume``'s (:class:`CheckpointError` if it is
     missing or damaged); None when there is neither (a run restarted before its first checkpoint starts over)."""
     if restart_count() > 0:
-        root = Path(out) / "checkpoints"
-        complete = [p for _, p in reversed(_complete(root))]
-        for i, where in enumerate(complete):
+        passed: list[tuple[Path, str]] = []  # newer checkpoints that cannot be read, and why
+        for _, where in reversed(_complete(Path(out) / "checkpoints")):
             try:
                 manifest = read_manifest(where)
-            except CheckpointError:
+            except CheckpointError as e:
+                passed.append((where, str(e)))
                 continue
             damaged = _damaged(where, manifest["files"])
-            if damaged is None:
-                if i and os.environ.get("RANK", "0") == "0" and str(where) not in _NOTED:  # once, by rank 0
-                    _NOTED.add(str(where))
-                    print(f"fourfold train: note: restart {restart_count()} resumes from {where.name}: the newer "
-                          f"{', '.join(p.name for p in complete[:i])} cannot be read ({_damaged(complete[0], {})}).",
-                          file=sys.stderr, flush=True)
-                return manifest
+            if damaged is not None:
+                passed.append((where, damaged))
+                continue
+            if passed and os.environ.get("RANK", "0") == "0" and str(where) not in _NOTED:  # once, by rank 0
+                _NOTED.add(str(where))
+                print(f"fourfold train: note: restart {restart_count()} resumes from {where.name}: the newer "
+                      f"{', '.join(p.name for p, _ in passed)} cannot be read ({passed[0][1]}).",
+                      file=sys.stderr, flush=True)
+            return manifest
         # none written yet (or none intact): --resume's, or from the start
     return read_manifest(resume) if resume is not None else None
 
@@ -148,11 +150,6 @@ def _damaged(where: Path, files: dict[str, dict[str, Any]]) -> str | None:
     """What makes a checkpoint unreadable at a glance (a file its manifest lists missing, or of another size; the
     sha256 is checked as each file is read), or None. A restart passes over such a checkpoint to the one before,
     rather than failing on it again at every attempt."""
-    if not files:
-        try:
-            files = read_manifest(where)["files"]
-        except CheckpointError as e:
-            return str(e)
     for name, want in sorted(files.items()):
         path = where / name
         if not path.is_file():
