@@ -33,15 +33,18 @@ def leaves(batch: Batch) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"[{i}]{path}", t
 
 
-def _map(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _map(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, list | tuple):
-        out = [_map(v, fn) for v in batch]
-        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)
-    return batch
+def _zip(batches: Sequence[Batch], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+    """``batches`` of one structure made one of it: each tensor ``fn`` of the tensors at its place in them all
+    (other leaves: the first batch's)."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return fn(list(batches))
+    if isinstance(first, Mapping):
+        return type(first)({k: _zip([b[k] for b in batches], fn) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, list | tuple):
+        out = [_zip([b[i] for b in batches], fn) for i in range(len(first))]
+        return type(first)(*out) if hasattr(first, "_fields") else type(first)(out)  # a NamedTuple, or not
+    return first
 
 
 def rows(batch: Batch, what: str = "inputs") -> int:
@@ -61,20 +64,12 @@ def chunk(batch: Batch, k: int) -> list[Batch]:
         return [batch]
     n = rows(batch) // k
 
-    def part(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda t: t[i * n:(i + 1) * n]
+    def part(i: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return lambda ts: ts[0][i * n:(i + 1) * n]
 
-    return [_map(batch, part(i)) for i in range(k)]
+    return [_zip([batch], part(i)) for i in range(k)]
 
 
 def cat(batches: Sequence[Batch]) -> Batch:
     """Batches of one structure joined along dim 0."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(batches))
-    if isinstance(first, Mapping):
-        return type(first)({k: cat([b[k] for b in batches]) for k in first})  # type: ignore[call-arg]
-    if isinstance(first, list | tuple):
-        out = [cat([b[i] for b in batches]) for i in range(len(first))]
-        return type(first)(*out) if hasattr(first, "_fields") else type(first)(out)
-    return first
+    return _zip(batches, torch.cat)
