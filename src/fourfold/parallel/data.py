@@ -298,10 +298,8 @@ class DataParallel(nn.Module):
         params = [p for b in self.buckets for p in b.params]
         held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
                             device=self.buckets[0].flat.device)  # where the backend reduces (NCCL: the GPU)
-        work = dist.all_reduce(held, group=self._comm.group, async_op=True)
-        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="all-reduce of which parameters have gradients",
-                     awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
-                     hint="A peer is dead, stuck, or skipped a backward.")
+        self._bounded(dist.all_reduce(held, group=self._comm.group, async_op=True),
+                      "all-reduce of which parameters have gradients")
         return {id(p) for p, n in zip(params, held.tolist(), strict=True) if n == 0}
 
     def _unpack(self, b: Bucket, unused: set[int] | frozenset[int] = frozenset()) -> None:
@@ -313,13 +311,16 @@ class DataParallel(nn.Module):
             if id(p) not in unused:
                 p.grad = self._where[id(p)][1]
 
+    def _bounded(self, work: Any, op: str) -> None:
+        """Wait for a collective over the group, bounded, naming ``op`` and the group's ranks."""
+        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op=op, awaited="the data-parallel group of",
+                     group_ranks=self._comm.global_ranks, hint="A peer is dead, stuck, or skipped a backward.")
+
     def _wait(self, b: Bucket) -> None:
         if isinstance(b.handle, Future):
             b.handle.result()  # the algorithm bounds its own waits and raises CommError naming the peer
         else:
-            bounded_wait(b.handle, self.timeout_s, rank=dist.get_rank(), op=f"native all-reduce of bucket {b.index}",
-                         awaited="the data-parallel group of", group_ranks=self._comm.global_ranks,
-                         hint="A peer is dead, stuck, or skipped a backward.")
+            self._bounded(b.handle, f"native all-reduce of bucket {b.index}")
         if b.wire is not None and b.wire is not b.flat:
             b.flat.copy_(b.wire)  # reduced in reduce_dtype, kept in the parameters' dtype
         b.wire = None
