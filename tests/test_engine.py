@@ -11,6 +11,10 @@ copies or ZeRO segments shows up there first.
 * ``four`` (4 ranks): tp=2 x pp=2 with and without sequence parallelism; dp=2 x pp=2 with the ring all-reduce
   (1f1b and zb); dp=2 x tp=2 + sequence parallelism, also with 2 micro-batches of gradient accumulation.
 
+Targets are padded (-100, nothing to predict) unequally: the replicas keep different counts, and in the first
+step a replica's first pipeline micro-batch keeps none. One process's loss is the mean over the kept targets of
+the whole batch; each layout must give it, not a mean of the replicas' and micro-batches' means.
+
 Reading a failure: labels are ``dp x tp x pp schedule``. Right losses but wrong weights only in
 ``embed.wte.weight`` / ``head.lm_head.weight`` point at the tied copies (summed across stages after the dp
 buckets); wrong weights only with dp > 1 under a pipeline point at the gated buckets (a stage's gradients
@@ -34,7 +38,24 @@ from helpers import TOL64, batches, max_error, one_process, optimizer, reference
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)  # 4 blocks, tied head
 MICRO = 2
-EVAL_BATCH = batches(CFG, steps=1, seed=99)[0]  # every layout evaluates its final weights on it
+
+
+def _padded(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches with their rows' ends padded (-100) by a different length each; step 0's rows 0 and 1 (dp
+    rank 0's first micro-batch) are all padding."""
+    out = []
+    for i, (x, y) in enumerate(steps):
+        y = y.clone()
+        for r in range(y.size(0)):
+            y[r, (3 * r + i) % y.size(1) + 1:] = -100
+        if i == 0:
+            y[:2] = -100
+        out.append((x, y))
+    return out
+
+
+STEPS = _padded(batches(CFG))
+EVAL_BATCH = _padded(batches(CFG, steps=1, seed=99))[0]  # every layout evaluates its final weights on it
 MAX_NORM = 0.7  # every layout clips its gradients by their global norm, as torch clips one process's
 
 
@@ -48,7 +69,7 @@ def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict
     opt = optimizer(engine.parameters())
     losses = []
     norms = []
-    for x, y in batches(CFG):
+    for x, y in STEPS:
         first = len(tracer.spans)
         loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))
         norms.append(engine.clip_grad_norm_(MAX_NORM))
@@ -92,7 +113,7 @@ def _spawn(name: str) -> list[list[dict]]:
 @functools.cache
 def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     norms: list[float] = []
-    losses, state = reference_run(CFG, batches(CFG), max_norm=MAX_NORM, norms=norms)
+    losses, state = reference_run(CFG, STEPS, max_norm=MAX_NORM, norms=norms)
     assert max(norms) > MAX_NORM, f"the reference never clipped (norms {norms}): the test would not test clipping"
     return losses, state, norms
 
@@ -153,12 +174,12 @@ def test_one_process_engine_is_plain_training():
     engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))  # no mesh: nothing applied
     opt = optimizer(engine.parameters())
     losses = []
-    for x, y in batches(CFG):
+    for x, y in STEPS:
         loss = engine.step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    want_losses, want = reference_run(CFG, batches(CFG))
+    want_losses, want = reference_run(CFG, STEPS)
     assert losses == want_losses  # bitwise: the same forward and backward
     assert max_error(engine.state_dict(), want)[1] == 0.0
 
@@ -170,7 +191,7 @@ def test_gradient_accumulation_is_the_whole_batchs_step_with_half_the_activation
         engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=k, tracer=tracer)
         opt = optimizer(engine.parameters())
         losses, saved = [], []
-        for x, y in batches(CFG):
+        for x, y in STEPS:
             loss = engine.step(x, y)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -205,7 +205,7 @@ def test_models_that_do_not_read_documents_are_refused():
     with pytest.raises(ValueError, match="keeps them apart"):
         engine.step(b.inputs, b.targets, documents=b.documents)
     engine = parallelize(build("tiny"), loss_fn=lambda z, y: F.cross_entropy(z.flatten(0, 1), y.flatten()))
-    with pytest.raises(ValueError, match="loss_fn of its own"):
+    with pytest.raises(ValueError, match="a loss_fn of your own"):
         engine.step(b.inputs, b.targets, documents=b.documents)
 
 

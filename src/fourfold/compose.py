@@ -103,9 +103,10 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     ``model``: TinyGPT, an ``nn.Sequential``, a Hugging Face GPT-2 / Llama causal LM (their plans and splits
     are fourfold's), or your own module with ``tp_plan`` (``{module path: style}``, wildcards allowed) and
     ``split`` (:class:`~fourfold.parallel.pipeline.blocks.Split`, checked on ``example`` against
-    ``model(example)`` before anything is cut). ``loss_fn(logits, targets)``: default the mean cross-entropy;
-    under tensor parallelism its vocabulary-parallel twin reads split logits, while a ``loss_fn`` of yours is
-    given them whole (gathered).
+    ``model(example)`` before anything is cut). ``loss_fn(logits, targets)``: default the cross-entropy over
+    the real targets (-100 skipped), divided by the global batch's count of them whatever the layout (see
+    :meth:`Engine.step`); under tensor parallelism its vocabulary-parallel twin reads split logits, while a
+    ``loss_fn`` of yours, a mean over its rows, is given them whole (gathered).
 
     ``sequence_parallel`` (tp > 1): the norms, residuals and dropout between the tensor-parallel regions run on
     each rank's T/tp tokens (Megatron's): TinyGPT's plan runs it itself, a Hugging Face family's blocks get it

@@ -118,18 +118,20 @@ class Engine:
         The loop branches here once: a pipeline runs its schedule's F/B/W over micro-batches; otherwise one
         forward and one backward. Gradients accumulate: zero them after the optimiser step.
 
+        With fourfold's own loss (no ``loss_fn`` given to :func:`~fourfold.parallelize`), the loss is the sum of
+        the real targets' losses (``-100``, :data:`~fourfold.loss.IGNORE_INDEX`, skipped) divided by
+        ``num_tokens``, the real targets of the whole global batch (counted here over dp when not given), so
+        data-parallel gradients are summed and micro-batches added, not averaged: any split of the tokens over
+        rows, micro-batches and ranks gives the one-process loss and gradient, padded targets included. A
+        ``loss_fn`` of the user's must be a mean over its rows; the replicas' and micro-batches' are averaged.
+
         Packed documents (:mod:`fourfold.data.packing`): ``documents`` (B, T) names each position's document
         (-1: padding, whose targets are -100). Attention stays inside documents and positions restart at each.
-        The loss is the sum of the real targets' losses divided by ``num_tokens``, the real targets of the whole
-        global batch (counted here over dp when not given), so data-parallel gradients are summed and pipeline
-        micro-batches added, not averaged: any split of the tokens over rows, micro-batches and ranks gives the
-        one-process gradient.
         """
         self.check_rows(inputs, targets)
         with self._split_logits(), self._drawing():
-            if documents is None:
-                return self._step(inputs, targets, self.loss_fn, None)
-            return self._step(inputs, targets, self._token_loss(inputs, targets, documents, num_tokens), documents)
+            loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
+            return self._step(inputs, targets, loss_fn, documents, tokens)
 
     def check_rows(self, inputs: Batch | None, targets: torch.Tensor | None) -> None:
         """Refuse, naming the ranks, a replica whose tp and pp ranks were given other rows than each other
@@ -153,18 +155,17 @@ class Engine:
         self.eval()
         try:
             with self._split_logits(), self._drawing():  # no dropout, but the streams' hooks still switch
-                loss_fn = self.loss_fn if documents is None else self._token_loss(inputs, targets, documents,
-                                                                                   num_tokens)
-                loss = self._evaluate(inputs, targets, loss_fn, documents)
+                loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
+                loss = self._evaluate(inputs, targets, loss_fn, documents, tokens)
         finally:
             self.train(was)
-        return self._reduce_loss(loss, None, 1 if documents is not None else self.mesh.dp)
+        return self._reduce_loss(loss, None, 1 if tokens else self.mesh.dp)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-                  documents: torch.Tensor | None) -> torch.Tensor:
+                  documents: torch.Tensor | None, tokens: bool) -> torch.Tensor:
         if self.pipeline is not None:
             with self.gathered():
-                value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=documents is None,
+                value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=not tokens,
                                                around=self._around(documents))
             return torch.tensor([value], dtype=torch.float64)
         parts = self._parts(inputs, targets, documents)  # as step() cuts them: every rank as many forwards
@@ -177,7 +178,7 @@ class Engine:
             for x, y, d in parts:
                 with document_layout(d), self._compute():
                     loss = loss_fn(output_tensor(forward(x)), y)
-                total += loss.to(torch.float64).reshape(1).cpu() / (len(parts) if d is None else 1)
+                total += loss.to(torch.float64).reshape(1).cpu() / (1 if tokens else len(parts))
         return total
 
     def _around(self, documents: torch.Tensor | None) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
@@ -193,35 +194,50 @@ class Engine:
 
         return around
 
-    def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor,
-                    num_tokens: int | None) -> LossFn:
-        if not self.reads_documents or self.sum_loss_fn is None:
-            why = ("it passes a loss_fn of its own (packing needs fourfold's, summed over real tokens)"
-                   if self.sum_loss_fn is None else "its attention does not read fourfold's document layout")
-            raise ValueError(f"packed documents need a model that keeps them apart, got {type(self.model).__name__}: "
-                             f"{why}. Use TinyGPT, GPT-2 or Llama, set fourfold_documents = True on a model whose "
-                             "attention calls fourfold.models.attention.causal_attention, or train without packing")
-        if documents.shape != inputs.shape or targets.shape != inputs.shape:
-            raise ValueError(f"documents and targets must have the inputs' shape {tuple(inputs.shape)}, got "
-                             f"{tuple(documents.shape)} and {tuple(targets.shape)}.")
-        count = num_tokens if num_tokens is not None else self._count_tokens(targets)
-        if count < 1:
-            raise ValueError(f"num_tokens must be >= 1 (the global batch's real targets), got {count}.")
+    def _loss(self, inputs: Batch, targets: torch.Tensor, documents: torch.Tensor | None,
+              num_tokens: int | None) -> tuple[LossFn, bool]:
+        """This step's loss and whether it is token-normalised (the global batch's already: summed over dp and
+        micro-batches) or a mean over rows (a loss_fn of the user's: averaged)."""
+        if self.sum_loss_fn is None:  # the user's loss_fn
+            if documents is not None or num_tokens is not None:
+                raise ValueError(f"packed documents and num_tokens need fourfold's own loss, summed over real "
+                                 f"tokens, got a loss_fn of your own for {type(self.model).__name__}. Drop loss_fn "
+                                 "(fourfold's is next-token cross-entropy, skipping -100 targets) or train without "
+                                 "packing")
+            return self.loss_fn, False
+        if documents is not None:
+            if not self.reads_documents:
+                raise ValueError(f"packed documents need a model that keeps them apart, got "
+                                 f"{type(self.model).__name__}: its attention does not read fourfold's document "
+                                 "layout. Use TinyGPT, GPT-2 or Llama, set fourfold_documents = True on a model whose "
+                                 "attention calls fourfold.models.attention.causal_attention, or train without packing")
+            shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+            if tuple(documents.shape) != shape or tuple(targets.shape) != shape:
+                raise ValueError(f"documents and targets must have the inputs' shape {shape}, got "
+                                 f"{tuple(documents.shape)} and {tuple(targets.shape)}.")
+        if num_tokens is not None:
+            if num_tokens < 1:
+                raise ValueError(f"num_tokens must be >= 1 (the global batch's real targets), got {num_tokens}.")
+            count: int | torch.Tensor = num_tokens
+        else:
+            count = self._count_tokens(targets)
         sum_loss = self.sum_loss_fn
 
         def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return sum_loss(logits, y) / count
 
-        return token_loss
+        return token_loss, True
 
-    def _count_tokens(self, targets: torch.Tensor) -> int:
-        """The real targets of the global batch: this rank's, summed over dp before any forward."""
-        n = (targets != IGNORE_INDEX).sum().reshape(1).to(torch.float64).to(self._device)
+    def _count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The real targets of the global batch (at least 1: a batch with none has loss 0, not one process's NaN):
+        this rank's, summed over dp before any forward. A tensor where the targets are, read by the loss without
+        a device sync."""
+        n = (targets != IGNORE_INDEX).sum().reshape(1).to(self._device)
         if self.ranks.dp_group is not None and self.mesh.dp > 1:
             work = dist.all_reduce(n, group=self.ranks.dp_group, async_op=True)
             bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="token count all-reduce",
                          awaited="the data-parallel group of", group_ranks=self._dp_ranks)
-        return int(n.item())
+        return n.clamp_min(1).reshape(())
 
     @contextlib.contextmanager
     def _split_logits(self) -> Iterator[None]:
@@ -240,26 +256,25 @@ class Engine:
         return self.streams.stepping() if self.streams is not None else contextlib.nullcontext()
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-              documents: torch.Tensor | None) -> Loss:
-        packed = documents is not None
+              documents: torch.Tensor | None, tokens: bool) -> Loss:
         if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
-            self.dp.grad_scale = 1.0 if packed else 1.0 / self.dp.size
+            self.dp.grad_scale = 1.0 if tokens else 1.0 / self.dp.size
         if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
-            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not packed,
+            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not tokens,
                                         around=self._around(documents))
             loss = torch.tensor([result.loss], dtype=torch.float64)
         else:
             result = None
-            loss, key = self._forward_backward(inputs, targets, loss_fn, documents)
+            loss, key = self._forward_backward(inputs, targets, loss_fn, documents, tokens)
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
-        out_loss = self._reduce_loss(loss, result, 1 if packed else self.mesh.dp)
+        out_loss = self._reduce_loss(loss, result, 1 if tokens else self.mesh.dp)
         out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
         return out_loss
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-                          documents: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+                          documents: torch.Tensor | None, tokens: bool) -> tuple[torch.Tensor, Any]:
         """No pipeline: one forward and backward, or with ``grad_accum`` k, k in turn over equal parts of the
         batch, each mean loss divided by k (a token-normalised one is the global batch's already), the
         gradients accumulating. dp synchronises them once, in the last backward (``no_sync`` before it); ZeRO-2
@@ -288,7 +303,7 @@ class Engine:
                         saved_bytes_once(self._activations, key, weights) as saved, self._compute():
                     out = self.dp(x) if self.dp is not None else self.model(x)
                     loss = loss_fn(output_tensor(out), y)  # a Hugging Face output: its .logits
-                    if k > 1 and d is None:
+                    if k > 1 and not tokens:
                         loss = loss / k
                 with self.tracer.span("compute", "backward", **which):
                     loss.backward()  # bucket all-reduces start inside the last, as gradients become ready

@@ -15,7 +15,7 @@ cut. Variants (``--variants``), FRAMEWORK-SCHEDULE:
 * ``fourfold-gpipe`` / ``fourfold-1f1b``: the engine users train with, ``parallelize(model, Mesh(pp=p),
   schedule=name, microbatches=m, boundaries=cut)`` stepped by ``engine.step(x, y)`` (inside:
   :func:`~fourfold.parallel.pipeline.build_pipeline` with ``make_schedule(name, pp, m)``); the loss is
-  ``lm_loss / m`` on the last stage.
+  ``lm_loss_sum / N`` on the last stage (N: the batch's targets, counted at the step's start).
 * ``torch-gpipe`` / ``torch-1f1b``: ``PipelineStage(stage, rank, pp, cpu)`` driven by ``ScheduleGPipe`` /
   ``Schedule1F1B(stage, m, loss_fn=lm_loss)`` (``scale_grads``: gradients / m), ``return_outputs=False``
   (fourfold keeps no outputs either).
