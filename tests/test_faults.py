@@ -63,6 +63,8 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_curve_is_un
     assert proc.returncode == 0, output
     run = json.loads((out / "run.json").read_text())
     assert run["restarts"] == 1 and run["resumed_from"]["step"] >= 5, run
+    said = f"fourfold train: restart 1 of 1: resuming from step {run['resumed_from']['step']} "
+    assert output.count(said) == 1, output  # once, by rank 0
     assert run["pipeline"] == ({"schedule": "1f1b", "microbatches": 2, "virtual": 1, "stages": 2}
                                if "--pp" in LAYOUTS[layout] else None), run  # the schedule that ran
     launch = run["config"]["launch"]  # the launcher's flags, though its ranks are started without them
@@ -107,6 +109,21 @@ def test_a_killed_rank_without_restarts_is_named_with_its_signal_in_the_last_lin
     assert last == f"fourfold: rank {victim} was killed by signal 9 (SIGKILL); the others were stopped with it.", \
         output
     assert "failed (exitcode" not in output, output  # torchrun's own line for it, which says less
+
+
+@pytest.mark.timeout(120)
+def test_a_run_stopped_by_sigterm_says_what_to_resume_from(tmp_path):
+    out = tmp_path / "stopped"
+    argv = [*SMALL, "--steps", "100000", "--no-trace", "--checkpoint-every", "2", *LAYOUTS["dp"], "--out", str(out)]
+    with launched(argv) as proc:
+        wait_for_rows(out, 5, proc)  # step 4's checkpoint is complete
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher: a scheduler's or a user's kill
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("fourfold: stopped by signal SIGTERM; the ranks were stopped with it; the newest "
+                           "complete checkpoint is step "), output
+    assert last.endswith(f"continue with the same flags and --resume {out}."), output
 
 
 @pytest.mark.timeout(120)

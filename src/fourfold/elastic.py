@@ -124,8 +124,10 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
     return [*args, "--module", "--", module, *argv]
 
 
-def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
-    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1."""
+def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
+                   stopped: Callable[[], str] | None = None) -> int:
+    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1 (128 +
+    the signal when one stopped the launcher; ``stopped()`` then says what is left, e.g. what to resume from)."""
     from torch.distributed import run as torchrun
 
     _register()
@@ -152,7 +154,8 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig) -> int:
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
-        print(f"fourfold: stopped by signal {e.sigval.name}; the ranks were stopped with it.", flush=True)
+        left = f"; {stopped()}" if stopped is not None else "."
+        print(f"fourfold: stopped by signal {e.sigval.name}; the ranks were stopped with it{left}", flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         reported = _reported_errors(verdict.parent, e.get_first_failure()[0])

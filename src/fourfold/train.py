@@ -202,6 +202,11 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
     if ctx.is_main and continuing:  # resumed in place from an older checkpoint: the newer ones are another branch
         _set_aside_newer(out, first - 1)
+    if ctx.is_main and restart_count() > 0:  # torchrun's agent restarted the ranks and says nothing of it
+        print(f"fourfold train: restart {restart_count()} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+              + (f"resuming from step {first - 1} ({resume['dir']})." if resume is not None else
+                 "no checkpoint was written before the failure: starting again from step 1."),
+              file=sys.stderr, flush=True)
     if ctx.is_main:
         run = {"config": cfg.record(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
                "pp": mesh.pp}, "corpus": source,
@@ -465,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ[_LOCK_HELD] = cfg.train.out
                 os.environ[_LAUNCH] = json.dumps(cfg.to_dict()["launch"])
                 # Workers need no launch flags (and torchrun's parser would trip over --nproc).
-                return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch)
+                return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch,
+                                      stopped=lambda: _interrupted_note(cfg))
         with lock:
             result = train(cfg)
     except ValueError as e:
