@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 from pathlib import Path
 
@@ -57,6 +59,13 @@ def _save_all(ctx, root: str) -> dict:
         _steps(engine, opt, dp_rank, dp, 0, SAVE_AT)
         save(Path(root) / f"{name}-f32", SAVE_AT, engine, opt, config={"layout": name})
         out[f"{name}-f32"] = _steps(engine, opt, dp_rank, dp, SAVE_AT, 3)[0], engine.state_dict()
+    if ctx.world_size == 2:  # two machines, each with an --out of its own: rank 0 sees only its own file
+        engine, opt, _, _ = _engine(ctx, "dp2")
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            for step in (1, 2):
+                save(Path(root) / f"apart-{ctx.rank}", step, engine, opt, config={"layout": "dp2"})
+        out[f"apart rank {ctx.rank}"] = said.getvalue(), str(Path(root) / f"apart-{ctx.rank}")
     return out
 
 
@@ -80,7 +89,8 @@ def _resume_all(ctx, root: str) -> dict:
 def _matrix(root: str) -> tuple[dict, dict]:
     saved, resumed = {}, {}
     for world in (1, 2, 4):
-        saved.update(run_ranks(functools.partial(_save_all, root=root), world, timeout_s=120)[0])
+        per_rank = run_ranks(functools.partial(_save_all, root=root), world, timeout_s=120)
+        saved.update({k: v for got in per_rank for k, v in got.items() if k.startswith("apart")}, **per_rank[0])
     for world in (1, 2, 4):
         resumed.update(run_ranks(functools.partial(_resume_all, root=root), world, timeout_s=180)[0])
     return saved, resumed
@@ -89,6 +99,19 @@ def _matrix(root: str) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     return _matrix(str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_of_machines_with_their_own_out_are_said_to_need_their_files_together(matrix):
+    saved, _ = matrix
+    said, root = saved["apart rank 0"]
+    assert said.count("warning: checkpoint step-000001 is not complete") == 1 and "(ranks 1)" in said, said
+    assert said.count("warning") == 1 and saved["apart rank 1"][0] == "", said  # once, by rank 0
+    # the manifest still lists every rank's file: brought together, the checkpoint is whole
+    newest = find_latest(root)
+    assert set(json.loads((newest / "manifest.json").read_text())["files"]) == {"rank-00000.pt", "rank-00001.pt"}
+    assert not (newest / "rank-00001.pt").exists() and (Path(saved["apart rank 1"][1]) / newest.name /
+                                                         "rank-00001.pt").is_file()
 
 
 @pytest.mark.timeout(600)

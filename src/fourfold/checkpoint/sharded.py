@@ -13,6 +13,7 @@ when the layout is the same; under another it starts afresh.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,9 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
             "meta": meta, "aliases": tied}
     everyone = _gather(mine, "checkpoint save: gather the piece tables")
     if rank == 0:
+        elsewhere = [r for r, got in enumerate(everyone) if not (where / got["file"]).is_file()]
+        if elsewhere:  # another machine wrote them into an --out of its own
+            _warn_elsewhere(where, elsewhere, world)
         located: dict[str, dict[str, Any]] = {}
         for got in everyone:
             for piece, m in got["meta"].items():
@@ -113,6 +117,25 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         prune(Path(root), keep)
     _gather(None, "checkpoint save: wait for every rank's files")  # a barrier: the checkpoint exists (manifest written) on return, on every rank
     return where
+
+
+_WARNED: set[str] = set()  # the checkpoint folders warned of: once per run
+
+
+def _warn_elsewhere(where: Path, ranks: list[int], world: int) -> None:
+    """Rank 0 does not see other ranks' files beside its own: each machine wrote to a folder of its own, and the
+    checkpoint resumes only once its files are brought together. Say so once, at the first checkpoint."""
+    if str(where.parent) in _WARNED:
+        return
+    _WARNED.add(str(where.parent))
+    some = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    print(f"fourfold: warning: checkpoint {where.name} is not complete in {where.parent}: {len(ranks)} of "
+          f"{world} ranks' files (ranks {some}) are not there; their machines wrote them to --out folders of their "
+          "own. A run over several machines resumes (--resume, --max-restarts) only from an --out that every "
+          "machine shares (NFS or a cluster filesystem): to resume from one of these checkpoints, copy every "
+          "machine's files of it into this folder first (its manifest lists them). Training goes on; model.pt at "
+          "the end is still written whole (rank 0 gathers it).",
+          file=sys.stderr, flush=True)
 
 
 def _collect(engine: Any, states: dict[str, dict[str, Any]], coord: Any, mesh: Any,
