@@ -117,6 +117,29 @@ def test_a_damaged_checkpoint_found_in_the_ranks_ends_the_run_in_one_line(tmp_pa
     assert f"--resume {run / 'checkpoints' / 'step-000001'}" in err, err
 
 
+@pytest.mark.timeout(180)
+def test_what_every_rank_refuses_is_said_once_by_the_launcher_without_the_ranks_echoes(tmp_path):
+    """Each rank refuses (too short a text for --seq-len), or one rank (its damaged file) and the other loses its
+    peer: one line for the run, not one per rank, and no 'a peer's connection broke' echo beneath it."""
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--nproc", "2", "--steps", "2", "--checkpoint-every", "2", "--no-trace",
+                           "--out", str(run)]) == 0
+    victim = run / "checkpoints" / "step-000002" / "rank-00001.pt"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"x")
+    (tmp_path / "short.txt").write_text("hi\n")
+    cases = {"damaged": (["--resume", str(run)], 1, "fourfold train: error: damaged: "),
+             "short": (["--data", str(tmp_path / "short.txt")], 2, "fourfold train: error: corpus must hold at least "
+                                                                   "seq_len+1=17 tokens, got 3")}
+    for name, (flags, code, said) in cases.items():
+        with launched([*SMALL, "--nproc", "2", "--steps", "3", "--no-trace", *flags,
+                       "--out", str(tmp_path / name)]) as proc:
+            output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == code, output
+        assert output.count(said) == 1 and output.count("fourfold train: error") == 1, output
+        assert "connection broke" not in output and "Traceback" not in output, output
+        assert output.strip().splitlines()[-1].endswith("; its error is printed above."), output
+
+
 def test_a_restart_passes_over_a_damaged_newest_checkpoint_to_the_one_before(tmp_path, capsys, monkeypatch):
     from fourfold.checkpoint.store import starting_manifest
 

@@ -126,8 +126,9 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
 
 def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
                    stopped: Callable[[], str] | None = None) -> int:
-    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1 (128 +
-    the signal when one stopped the launcher; ``stopped()`` then says what is left, e.g. what to resume from)."""
+    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1 (2 when
+    the first rank to fail exited 2, refusing its input; 128 + the signal when one stopped the launcher:
+    ``stopped()`` then says what is left, e.g. what to resume from)."""
     from torch.distributed import run as torchrun
 
     _register()
@@ -162,7 +163,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
         if reported:
             print(reported, file=sys.stderr, flush=True)
         print(f"fourfold: {_last_line(e, verdict)}", flush=True)
-        return 1
+        return 2 if e.get_first_failure()[1].exitcode == 2 else 1  # 2: input the ranks refused, as before launch
     except (DistError, RendezvousError) as e:  # the machines never met: the store timed out or refused
         print(_no_rendezvous(launch, str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr,
               flush=True)
@@ -174,15 +175,18 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     return 0
 
 
-_ERROR_PREFIX, _ERROR_SUFFIX = "error-rank", ".txt"  # error-rank3.txt: rank 3's traceback
+_REPORTS = ("error", "said", "echo")  # what a failed rank leaves: error-rank3.txt, said-rank3.txt, echo-rank3.txt
+"""``error``: a traceback; ``said``: the one line a refusal or a damaged file gets; ``echo``: a rank's line that
+it lost a peer (printed only when no rank left anything else: the peer's own report says more)."""
 
 
-def report_error(error: BaseException) -> bool:
-    """In a rank that fourfold's launcher started: leave ``error``'s traceback for the launcher, which prints each
-    different one once, naming the ranks that raised it (eight ranks failing alike in a model's forward would
-    print eight interleaved copies). False, and nothing written, in a rank started otherwise (the user's own
-    torchrun: no launcher of ours to print it), in an attempt the launcher will restart (``--max-restarts``: it
-    would never print that attempt's), or when the file cannot be written: then the rank prints it."""
+def report_error(error: BaseException, line: str | None = None, *, echo: bool = False) -> bool:
+    """In a rank that fourfold's launcher started: leave ``error``'s traceback (or ``line``, its one-line message;
+    ``echo``: a line saying that a peer failed) for the launcher, which prints each different one once, naming
+    the ranks of a traceback (eight ranks failing alike would print eight interleaved copies). False, and nothing
+    written, in a rank started otherwise (the user's own torchrun: no launcher of ours to print it), in an
+    attempt the launcher will restart (``--max-restarts``: it would never print that attempt's), or when the
+    file cannot be written: then the rank prints it."""
     import traceback
 
     verdict, rank = os.environ.get(VERDICT_ENV), os.environ.get("RANK")
@@ -191,29 +195,36 @@ def report_error(error: BaseException) -> bool:
     attempt, most = (int(os.environ.get(k, "0")) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
     if attempt < most:  # the launcher restarts the ranks and prints nothing of this attempt: say it here
         return False
+    kind = "echo" if echo else "said" if line is not None else "error"
+    text = line if line is not None else "".join(traceback.format_exception(error))
     try:
-        Path(verdict).with_name(f"{_ERROR_PREFIX}{int(rank)}{_ERROR_SUFFIX}").write_text(
-            "".join(traceback.format_exception(error)))
+        Path(verdict).with_name(f"{kind}-rank{int(rank)}.txt").write_text(text)
     except (OSError, ValueError):
         return False
     return True
 
 
 def _reported_errors(folder: Path, first: int) -> str:
-    """The tracebacks the failed ranks left (:func:`report_error`), each different one once under the ranks that
-    raised it, the first failure's first; "" when none left one."""
-    texts: dict[str, list[int]] = {}
-    for path in folder.glob(f"{_ERROR_PREFIX}*{_ERROR_SUFFIX}"):
-        rank = path.name.removeprefix(_ERROR_PREFIX).removesuffix(_ERROR_SUFFIX)
+    """What the failed ranks left (:func:`report_error`), each different text once, the first failure's first:
+    tracebacks under the ranks that raised them, then the one-line messages; a lost peer's echo only when no
+    rank left anything else. "" when none left anything."""
+    left: dict[str, dict[str, list[int]]] = {kind: {} for kind in _REPORTS}
+    for path in folder.glob("*-rank*.txt"):
+        kind, _, rank = path.name.removesuffix(".txt").partition("-rank")
         with contextlib.suppress(OSError):
-            if rank.isdigit():
-                texts.setdefault(path.read_text(errors="replace"), []).append(int(rank))
-    ordered = sorted(texts.items(), key=lambda tr: (first not in tr[1], min(tr[1])))
+            if kind in left and rank.isdigit():
+                left[kind].setdefault(path.read_text(errors="replace"), []).append(int(rank))
+    if left["error"] or left["said"]:
+        left["echo"] = {}
     blocks = []
-    for text, ranks in ordered:
-        ranks.sort()
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        blocks.append(f"fourfold: {who} raised{' (the same error)' if len(ranks) > 1 else ''}:\n{text.rstrip()}")
+    for kind in _REPORTS:
+        for text, ranks in sorted(left[kind].items(), key=lambda tr: (first not in tr[1], min(tr[1]))):
+            if kind != "error":
+                blocks.append(text.rstrip())
+                continue
+            ranks.sort()
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            blocks.append(f"fourfold: {who} raised{' (the same error)' if len(ranks) > 1 else ''}:\n{text.rstrip()}")
     return "\n".join(blocks)
 
 

@@ -447,6 +447,17 @@ def _uncaught(error: Exception, worker: bool) -> int:
     raise error
 
 
+def _said(line: str, error: Exception, worker: bool, code: int, echo: bool = False) -> int:
+    """A refusal's one line. A rank that fourfold's launcher started leaves it to the launcher, which prints each
+    different line once (every rank refusing the same data would print it once per rank), a lost peer's echo only
+    when no rank said more; otherwise it is printed here. ``code``: the exit status."""
+    from fourfold.elastic import report_error
+
+    if not (worker and report_error(error, line, echo=echo)):
+        print(line, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -477,16 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         if not _raised_by_fourfold(e):
             return _uncaught(e, worker)  # in your model, your data code or a library: the traceback says where
-        print(f"fourfold train: error: {e}", file=sys.stderr)
-        return 2
+        return _said(f"fourfold train: error: {e}", e, worker, 2)
     except CheckpointError as e:  # found by the rank that opened the file: the others stop with the job
-        print(f"fourfold train: error: {e}", file=sys.stderr)
-        return 1
+        return _said(f"fourfold train: error: {e}", e, worker, 1)
     except CommError as e:
         if not e.peer_gone:
             return _uncaught(e, worker)  # a timeout: the traceback shows where this rank waited
-        print(f"fourfold train: {e}", file=sys.stderr)  # another rank's failure, echoed: one line, not a traceback
-        return 1
+        return _said(f"fourfold train: {e}", e, worker, 1, echo=True)  # another rank's failure: one line
     except HangFound:
         return 1  # the rank that found the hang printed the one line; the launcher's last line names the rank
     except NonFiniteLoss as e:
