@@ -302,6 +302,7 @@ def _refusals(p: int) -> dict[str, str]:
         "T": lambda: parallelize_tinygpt(TinyGPT(GPTConfig(n_layer=1, seq_len=8)), None, sequence_parallel=True)(
             torch.zeros(1, 2 * p - 1, dtype=torch.long)),
         "targets": lambda: vocab_parallel_cross_entropy(torch.zeros(2, 3), torch.tensor([0, 3 * p]), None),
+        "ids": lambda: VocabParallelEmbedding(4 * p, 4, None)(torch.tensor([[0, 4 * p]])),  # one process raises too
         "plan_name": lambda: tensor_parallel(TiedModel(), {"fc9": "column"}, None),
         "plan_type": lambda: tensor_parallel(TiedModel(), {"emb": "column"}, None),
         "plan_style": lambda: tensor_parallel(TiedModel(), {"fc1": "diagonal"}, None),
@@ -391,6 +392,7 @@ REFUSALS = {
                "parallelism), or --seq-len {seq_up}",
     "T": "sequence length must be divisible by tp with sequence parallelism, got T={seq} and tp={p}",
     "targets": "targets must be token ids in [0, {vocab})",
+    "ids": "the embedding's ids must be in [0, {ids}), got ids in [0, {ids}]",
     "plan_name": "plan names a module the model does not have, got 'fc9'",
     "plan_type": "TypeError: plan style 'column' shards an nn.Linear (or a GPT-2 Conv1D), got 'emb': Embedding",
     "plan_style": "plan style for 'fc1' must be one of column, column:<parts>, row, vocab, head",
@@ -415,7 +417,7 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_bad_sizes_refused_by_name(tp, case):
     want = REFUSALS[case].format(p=tp, odd=2 * tp + 1, parts3=3 * (tp + 1), gqa=4 * (tp + 1), seq=2 * tp - 1,
-                                 vocab=3 * tp,
+                                 vocab=3 * tp, ids=4 * tp,
                                  heads={2: 4, 4: 4}[tp], seq_up=2 * tp)
     got = _layer_results(tp)["refusals"][case]
     assert want in got, f"tp={tp} {case}: want a message containing {want!r}, got {got!r}"
