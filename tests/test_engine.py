@@ -382,3 +382,51 @@ def test_a_model_taking_a_dict_of_tensors_trains_as_one_process_under_dp_and_tp(
             name, err = max_error(got[label]["state"], reference)
             assert err <= TOL64, (label, name, err)
         assert "a pipeline's inputs must be one tensor (its stages send tensors), got dict" in got["pp2"], got["pp2"]
+
+
+
+def _loss_edges(ctx) -> dict:
+    from fourfold.comm.wait import settle_pending
+
+    ranks = Mesh.for_world(2, dp=2).build(30)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, timeout_s=30)
+    x, y = (shard(t, ranks.coord.dp, 2) for t in STEPS[0])
+    dropped = engine.step(x, y)
+    work = dropped.work.work  # the dp all-reduce, in flight until read
+    del dropped  # never read: waited for as it goes
+    out = {"dropped": work.is_completed()}
+    kept = engine.evaluate(x, y)
+    settle_pending()  # what a clean exit runs before destroying the process group
+    out["kept"] = kept.work is None or kept.work.work is None
+    out["value"] = kept.item()
+    mine = int((y != -100).sum())  # this replica's count, not the global batch's: refused on the first step
+    try:
+        engine.step(x, y, num_tokens=mine)
+        out["local"] = "not refused"
+    except ValueError as e:
+        out["local"] = str(e)
+    engine.model.zero_grad(set_to_none=True)
+    out["none"] = engine.step(x, torch.full_like(y, -100), num_tokens=0).item()  # nothing to predict: loss 0
+    return out
+
+
+@functools.cache
+def _edges() -> list[dict]:
+    return run_ranks(_loss_edges, 2, timeout_s=100)
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_never_read_is_waited_for_before_the_group_goes():
+    """gloo aborts a process (SIGABRT, 'terminate called without an active exception') whose group is destroyed
+    under an all-reduce still running: the loss's, when a loop never reads it. Dropped, it is waited for at
+    once; kept, before launch.init's clean exit destroys the group."""
+    for got in _edges():
+        assert got["dropped"] and got["kept"] and math.isfinite(got["value"]), got
+
+
+@pytest.mark.timeout(120)
+def test_num_tokens_must_be_the_global_count_and_may_be_zero():
+    for got in _edges():
+        assert "num_tokens must be the whole global batch's count of real targets, the same on every rank, got " \
+               "counts from " in got["local"], got["local"]
+        assert got["none"] == 0.0, got

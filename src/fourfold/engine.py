@@ -21,9 +21,8 @@ from torch import nn
 
 from fourfold import gradnorm
 from fourfold.batch import Batch, chunk, leaves, rows
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import Pending, bounded_wait, group_ranks
 from fourfold.data.packing import document_layout
-from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.model_checks import check_same_rows
@@ -50,22 +49,27 @@ __all__ = ["Engine", "Loss", "LossFn", "bytes_by_axis"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
+@dataclass(eq=False)
 class Loss:
     """The step's loss: the mean over the global batch once :meth:`item` has waited for the dp all-reduce."""
 
     value: torch.Tensor  # float64, (1,): this dp rank's share (then the sum over dp ranks)
     dp: int  # what the sum is divided by: dp for the mean of the ranks' means; 1 for a token-normalised loss
-    work: Any = None
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    group_ranks: tuple[int, ...] = ()
+    work: Pending | None = None  # the all-reduce in flight (waited for once, here or when the Loss is dropped)
     pipeline: StepResult | None = None  # the pipeline's figures for this step (bubble, memory), if any
     activation_bytes: int = 0  # this rank's peak of activations saved for backward (a pipeline's: its peak)
 
+    @classmethod
+    def all_reduced(cls, value: torch.Tensor, divisor: int, group: dist.ProcessGroup | None, timeout_s: float,
+                    pipeline: StepResult | None = None) -> Loss:
+        """Start summing ``value`` (this rank's share) over ``group``; :meth:`item` waits for it."""
+        work = dist.all_reduce(value, group=group, async_op=True)
+        return cls(value, divisor, Pending(work, timeout_s, op="loss all-reduce", awaited="the data-parallel group of",
+                                           group_ranks=group_ranks(group)), pipeline)
+
     def item(self) -> float:
         if self.work is not None:
-            bounded_wait(self.work, self.timeout_s, rank=dist.get_rank(), op="loss all-reduce",
-                         awaited="the data-parallel group of", group_ranks=self.group_ranks)
+            self.work.wait()
             self.work = None
         return self.value.item() / self.dp
 
@@ -93,7 +97,7 @@ class Engine:
         self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
-        self._rows_checked = False
+        self._rows_checked = self._tokens_checked = False
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
         self.streams = streams  # several ranks: dropout's own streams (fourfold.parallel.rng); one: the caller's
@@ -216,9 +220,10 @@ class Engine:
                 raise ValueError(f"documents and targets must have the inputs' shape {shape}, got "
                                  f"{tuple(documents.shape)} and {tuple(targets.shape)}.")
         if num_tokens is not None:
-            if num_tokens < 1:
-                raise ValueError(f"num_tokens must be >= 1 (the global batch's real targets), got {num_tokens}.")
-            count: int | torch.Tensor = num_tokens
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens must be >= 0 (the global batch's real targets), got {num_tokens}.")
+            self._check_num_tokens(int(num_tokens))
+            count: int | torch.Tensor = max(int(num_tokens), 1)  # none: loss 0, as when counted here
         else:
             count = self._count_tokens(targets)
         sum_loss = self.sum_loss_fn
@@ -227,6 +232,23 @@ class Engine:
             return sum_loss(logits, y) / count
 
         return token_loss, True
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        """The first ``num_tokens`` given must be the same on every rank: the global batch's count (a rank's own
+        count would scale its gradients by the replicas' differing counts, silently). A collective, once."""
+        if self._tokens_checked or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        self._tokens_checked = True
+        both = torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=self._device)
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
+        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="num_tokens check all-reduce",
+                     awaited="every rank of", group_ranks=tuple(range(dist.get_world_size())))
+        most, least = int(both[0]), -int(both[1])
+        if most != least:
+            raise ValueError(f"num_tokens must be the whole global batch's count of real targets, the same on every "
+                             f"rank, got counts from {least} to {most} (this rank {num_tokens}). Sum each rank's "
+                             "count over the data-parallel replicas (dist.all_reduce), or leave num_tokens out: the "
+                             "engine counts them")
 
     def _count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
         """The real targets of the global batch (at least 1: a batch with none has loss 0, not one process's NaN):
@@ -339,11 +361,10 @@ class Engine:
         group = self.ranks.dp_group
         if self.mesh.dp == 1 or group is None:
             return Loss(loss, 1, pipeline=result)
-        value = loss.to(self._device)
         start = self.tracer.now_ns()
-        work = dist.all_reduce(value, group=group, async_op=True)  # waited for in Loss.item()
+        out = Loss.all_reduced(loss.to(self._device), divisor, group, self.timeout_s, result)  # waited: Loss.item
         self.tracer.record("comm", "loss_all_reduce", start, self.tracer.now_ns(), tensor_bytes=8)  # not counted
-        return Loss(value, divisor, work, self.timeout_s, self._dp_ranks, result)
+        return out
 
     # --------------------------------------------------------------------------------- the model's view
 

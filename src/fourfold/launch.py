@@ -75,18 +75,22 @@ class DistContext:
     def single_machine(self) -> bool:
         return self.local_world_size == self.world_size
 
-    def close(self) -> None:
-        """Stop the hang doctor and destroy the process group (idempotent)."""
+    def close(self, settle: bool = True) -> None:
+        """Stop the hang doctor and destroy the process group (idempotent); ``settle``: first wait for the
+        collectives still in flight (a loss never read), as a clean exit does (not after an error, when a peer may
+        never send them)."""
         if self.doctor is not None:
             self.doctor.stop()
         if self._owns_group and dist.is_initialized():
+            if settle:
+                wait.settle_pending()
             dist.destroy_process_group()
 
     def __enter__(self) -> DistContext:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(settle=kind is None)
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:

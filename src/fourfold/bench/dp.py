@@ -209,7 +209,6 @@ class _Replica:
 
 def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -> _Replica:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from fourfold.compose import parallelize
@@ -232,7 +231,7 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
             loss.backward()  # DDP reduces its buckets in here, as gradients become ready
         if v.kind == "ddp":  # the global mean loss, as the engine gives it: the same work on both sides
             value = loss.detach().to(torch.float64).reshape(1)
-            return Loss(value, ranks.mesh.dp, dist.all_reduce(value, async_op=True), timeout_s)  # waited in item()
+            return Loss.all_reduced(value, ranks.mesh.dp, None, timeout_s)  # waited in item()
         return None
 
     return _Replica(v, list(model.parameters()), run, torch.optim.SGD(model.parameters(), lr=lr), tracer)

@@ -111,7 +111,6 @@ class _Replica:
 
 def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) -> _Replica:
     import torch
-    import torch.distributed as dist
 
     from fourfold import parallelize
     from fourfold.engine import Loss
@@ -143,7 +142,7 @@ def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) 
         loss = lm_loss(wrapped(x), y)
         loss.backward()
         value = loss.detach().reshape(1).to(torch.float64)  # the global mean loss, as the engine reports it:
-        return Loss(value, ranks.mesh.dp, dist.all_reduce(value, async_op=True), ns.timeout)  # waited in item()
+        return Loss.all_reduced(value, ranks.mesh.dp, None, ns.timeout)  # waited in item()
 
     params = list(wrapped.parameters())
     return _Replica(name, step, torch.optim.AdamW(params, lr=ns.lr), params, [])

@@ -15,9 +15,11 @@ arrived is added to the error.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,8 +28,8 @@ import torch.distributed as dist
 
 from fourfold.comm.ledger import LEDGER, Direction
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "barrier", "bounded_wait", "default_timeout_s", "gather_objects", "group_ranks",
-           "set_default_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "barrier", "bounded_wait", "default_timeout_s", "gather_objects",
+           "group_ranks", "set_default_timeout", "settle_pending"]
 
 DEFAULT_TIMEOUT_S = 120.0
 """Seconds any collective or send/recv may wait before it fails (fourfold's default, gloo's is 30 min)."""
@@ -152,3 +154,37 @@ def barrier(op: str, group: dist.ProcessGroup | None = None) -> None:
     if len(ranks) > 1:
         bounded_wait(dist.barrier(group=group, async_op=True), default_timeout_s(), rank=dist.get_rank(), op=op,
                      awaited="line up with", group_ranks=ranks)
+
+
+class Pending:
+    """A collective started and waited for later, when its result is read (a step's loss all-reduce, read by
+    ``Loss.item`` after the optimiser step). Until then it is in flight; one never read is waited for when its
+    holder is dropped, or by :func:`settle_pending` before the process group is destroyed: gloo aborts the
+    process (``terminate called without an active exception``) when a group goes with work still running."""
+
+    def __init__(self, work: Any, timeout_s: float, *, op: str, awaited: str, group_ranks: Sequence[int]) -> None:
+        self.work, self.timeout_s, self.op, self.awaited, self.ranks = work, timeout_s, op, awaited, tuple(group_ranks)
+        if work is not None:
+            _PENDING.add(self)
+
+    def wait(self) -> None:
+        """Bounded (:func:`bounded_wait`); at most once."""
+        work, self.work = self.work, None
+        _PENDING.discard(self)
+        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op=self.op, awaited=self.awaited,
+                     group_ranks=self.ranks)
+
+    def __del__(self) -> None:
+        if self.work is not None:  # never read: still waited for, quietly (its error is the next collective's)
+            with contextlib.suppress(Exception):
+                self.wait()
+
+
+_PENDING: weakref.WeakSet[Pending] = weakref.WeakSet()
+
+
+def settle_pending() -> None:
+    """Wait for every :class:`Pending` collective not yet waited for (before the process group is destroyed)."""
+    for pending in list(_PENDING):
+        with contextlib.suppress(Exception):
+            pending.wait()
