@@ -430,3 +430,12 @@ def test_num_tokens_must_be_the_global_count_and_may_be_zero():
         assert "num_tokens must be the whole global batch's count of real targets, the same on every rank, got " \
                "counts from " in got["local"], got["local"]
         assert got["none"] == 0.0, got
+
+
+def test_a_family_model_given_a_dict_of_inputs_is_told_it_takes_ids():
+    """A Hugging Face habit, step({"input_ids": ..., "attention_mask": ...}): the family's models are called
+    model(ids), where the dict would reach input_ids and fail deep inside the forward."""
+    x, y = STEPS[0]
+    with pytest.raises(ValueError, match=r"TinyGPT is called model\(ids\): inputs must be one \(B, T\) tensor of "
+                                         r"token ids, got a dict with keys \['attention_mask', 'input_ids'\]"):
+        parallelize(TinyGPT(CFG, seed=0)).step({"input_ids": x, "attention_mask": torch.ones_like(x)}, y)

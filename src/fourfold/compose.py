@@ -275,7 +275,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
         reads = True
     return Engine(model, ranks, pipeline=pipe, dp=dp, loss_fn=loss_fn, layouts=layouts, partial_grads=partial,
                   tracer=tracer, timeout_s=timeout_s, split_heads=split_heads, sum_loss_fn=sum_loss_fn,
-                  reads_documents=reads, precision=precision, grad_accum=grad_accum, streams=streams)
+                  reads_documents=reads, precision=precision, grad_accum=grad_accum, streams=streams,
+                  takes_ids=family is not None)
 
 
 def _streams(ranks: RankMesh, seed: int | None) -> Streams:

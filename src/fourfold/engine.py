@@ -84,9 +84,10 @@ class Engine:
                  loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
                  tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
                  sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full",
-                 grad_accum: int = 1, streams: Streams | None = None) -> None:
+                 grad_accum: int = 1, streams: Streams | None = None, takes_ids: bool = False) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
+        self.takes_ids = takes_ids  # a model family's (TinyGPT, Hugging Face): forward(ids), one tensor
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
@@ -202,6 +203,11 @@ class Engine:
               num_tokens: int | None) -> tuple[LossFn, bool]:
         """This step's loss and whether it is token-normalised (the global batch's already: summed over dp and
         micro-batches) or a mean over rows (a loss_fn of the user's: averaged)."""
+        if self.takes_ids and not isinstance(inputs, torch.Tensor):
+            keys = f" with keys {sorted(inputs)}" if isinstance(inputs, dict) else ""
+            raise ValueError(f"{type(self.model).__name__} is called model(ids): inputs must be one (B, T) tensor of "
+                             f"token ids, got a {type(inputs).__name__}{keys}. Right padding needs no attention "
+                             "mask (its targets -100); left padding goes through documents= (docs/your-model.md)")
         if self.sum_loss_fn is None:  # the user's loss_fn
             if documents is not None or num_tokens is not None:
                 raise ValueError(f"packed documents and num_tokens need fourfold's own loss, summed over real "
