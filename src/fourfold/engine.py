@@ -21,7 +21,7 @@ from torch import nn
 
 from fourfold import gradnorm
 from fourfold.batch import Batch, chunk, leaves, rows
-from fourfold.comm.wait import Pending, bounded_wait, group_ranks
+from fourfold.comm.wait import Pending, all_reduce, group_ranks
 from fourfold.data.packing import document_layout
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
@@ -94,8 +94,6 @@ class Engine:
         self.precision = precision
         self.grad_accum = grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
         self.zero = dp.zero if isinstance(dp, ShardedDataParallel) else 0
-        group = ranks.dp_group
-        self._dp_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
         self._rows_checked = self._tokens_checked = False
@@ -245,10 +243,9 @@ class Engine:
         if self._tokens_checked or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         self._tokens_checked = True
-        both = torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=self._device)
-        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
-        bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="num_tokens check all-reduce",
-                     awaited="every rank of", group_ranks=tuple(range(dist.get_world_size())))
+        both = all_reduce(torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=self._device), None,
+                          self.timeout_s, op="num_tokens check all-reduce", awaited="every rank of",
+                          reduce_op=dist.ReduceOp.MAX)
         most, least = int(both[0]), -int(both[1])
         if most != least:
             raise ValueError(f"num_tokens must be the whole global batch's count of real targets, the same on every "
@@ -262,9 +259,8 @@ class Engine:
         a device sync."""
         n = (targets != IGNORE_INDEX).sum().reshape(1).to(self._device)
         if self.ranks.dp_group is not None and self.mesh.dp > 1:
-            work = dist.all_reduce(n, group=self.ranks.dp_group, async_op=True)
-            bounded_wait(work, self.timeout_s, rank=dist.get_rank(), op="token count all-reduce",
-                         awaited="the data-parallel group of", group_ranks=self._dp_ranks)
+            all_reduce(n, self.ranks.dp_group, self.timeout_s, op="token count all-reduce",
+                       awaited="the data-parallel group of")
         return n.clamp_min(1).reshape(())
 
     @contextlib.contextmanager

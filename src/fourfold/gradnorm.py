@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fourfold.comm.wait import bounded_wait
+from fourfold.comm.wait import all_reduce
 from fourfold.parallel.zero import ShardedDataParallel
 
 if TYPE_CHECKING:
@@ -91,9 +91,7 @@ def grad_norm(engine: Engine, norm_type: float = 2.0) -> float:
     if dist.is_initialized() and engine.mesh.world_size > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         start = engine.tracer.now_ns()
-        work = dist.all_reduce(total, op=op, async_op=True)
-        bounded_wait(work, engine.timeout_s, rank=dist.get_rank(), op="gradient norm all-reduce",
-                     awaited="every rank of", group_ranks=tuple(range(engine.mesh.world_size)))
+        all_reduce(total, None, engine.timeout_s, op="gradient norm all-reduce", awaited="every rank of", reduce_op=op)
         engine.tracer.record("comm", "grad_norm_all_reduce", start, engine.tracer.now_ns(), tensor_bytes=8)
     value = total.item()
     return value if math.isinf(norm_type) else value ** (1.0 / norm_type)

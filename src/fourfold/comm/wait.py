@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fourfold.comm.ledger import LEDGER, Direction
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "barrier", "bounded_wait", "default_timeout_s", "gather_objects",
+__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "all_reduce", "barrier", "bounded_wait", "default_timeout_s", "gather_objects",
            "group_ranks", "set_default_timeout", "settle_pending"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -146,6 +146,16 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str,
     finally:
         LEDGER.leave(entry)
     return everyone
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, *, op: str,
+               awaited: str = "the group of", reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``dist.all_reduce`` of ``t`` in place over ``group`` (None: every rank), waited for through the bounded,
+    named wait: ``op`` says what it reduces. Returns ``t``."""
+    work = dist.all_reduce(t, op=reduce_op, group=group, async_op=True)
+    bounded_wait(work, timeout_s, rank=dist.get_rank(), op=op, awaited=awaited, group_ranks=group_ranks(group),
+                 tensor=t)
+    return t
 
 
 def barrier(op: str, group: dist.ProcessGroup | None = None) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait, group_ranks
+from fourfold.comm.wait import all_reduce
 from fourfold.launch import DEFAULT_TIMEOUT_S
 
 __all__ = ["BATCHNORMS", "SyncBatchNorm", "batchnorm_for_data_parallel", "batchnorm_for_microbatches",
@@ -32,11 +32,7 @@ def batchnorm_layers(model: nn.Module) -> list[str]:
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, op: str) -> torch.Tensor:
-    t = t.contiguous()
-    work = dist.all_reduce(t, group=group, async_op=True)
-    bounded_wait(work, timeout_s, rank=dist.get_rank(), op=op, awaited="the data-parallel group of",
-                 group_ranks=group_ranks(group), tensor=t)
-    return t
+    return all_reduce(t.contiguous(), group, timeout_s, op=op, awaited="the data-parallel group of")
 
 
 class _SumOverGroup(torch.autograd.Function):
