@@ -56,6 +56,7 @@ def _padded(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.
 
 STEPS = _padded(batches(CFG))
 EVAL_BATCH = _padded(batches(CFG, steps=1, seed=99))[0]  # every layout evaluates its final weights on it
+PARTIAL = (5, 1)  # the held-out batch's last 5 rows (replicas 3 and 2) and last 1 (a replica has none), padded
 MAX_NORM = 0.7  # every layout clips its gradients by their global norm, as torch clips one process's
 
 
@@ -78,11 +79,14 @@ def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict
         losses.append(loss.item())
     x, y = EVAL_BATCH
     evaluated = engine.evaluate(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp)).item()
+    partial = [engine.evaluate(*(t[-n:].tensor_split(dp)[ranks.coord.dp] for t in EVAL_BATCH)).item()
+               for n in PARTIAL]  # a validation set's last batches: rows the micro-batches do not divide
     state = engine.state_dict()
     groups = {axis: ranks.group(axis) is not None for axis in ("dp", "tp", "pp")}
     return {"label": label, "losses": losses, "state": state if ctx.rank == 0 else None, "groups": groups,
             "bytes": bytes_by_axis(tracer.spans[first:]), "norms": norms,
-            "forwards": sum(s.name == "forward" for s in tracer.spans[first:]), "evaluated": evaluated}
+            "forwards": sum(s.name == "forward" for s in tracer.spans[first:]), "evaluated": evaluated,
+            "partial": partial}
 
 
 def _three_d(ctx) -> list[dict]:
@@ -119,8 +123,10 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 
 @functools.cache
-def _reference_eval() -> float:
-    return reference_eval(CFG, _reference()[1], EVAL_BATCH)
+def _reference_eval() -> tuple[float, list[float]]:
+    state = _reference()[1]
+    return (reference_eval(CFG, state, EVAL_BATCH),
+            [reference_eval(CFG, state, tuple(t[-n:] for t in EVAL_BATCH)) for n in PARTIAL])
 
 
 def _check(per_rank: list[list[dict]], index: int) -> None:
@@ -134,9 +140,12 @@ def _check(per_rank: list[list[dict]], index: int) -> None:
                                    f"{want_norms}"
     forwards = 2 if "accum2" in label else 1 if label.split()[0].endswith("x1") else 0  # pipelines: F spans
     assert forwards == 0 or per_rank[0][index]["forwards"] == forwards, (label, per_rank[0][index]["forwards"])
-    want_eval = _reference_eval()
+    want_eval, want_partial = _reference_eval()
     for r, layouts in enumerate(per_rank):  # evaluate(): the final weights' loss on a held-out batch, forward only
-        assert abs(layouts[index]["evaluated"] - want_eval) <= TOL64, (label, r, layouts[index]["evaluated"], want_eval)
+        got = layouts[index]
+        assert abs(got["evaluated"] - want_eval) <= TOL64, (label, r, got["evaluated"], want_eval)
+        assert max(abs(a - b) for a, b in zip(got["partial"], want_partial, strict=True)) <= TOL64, \
+            (label, r, "partial batches", got["partial"], want_partial)
     state = per_rank[0][index]["state"]
     assert list(state) == list(want), f"{label}: state names {list(state)} vs the model's {list(want)}"
     name, err = max_error(state, want)
@@ -232,6 +241,30 @@ def test_evaluate_is_the_eval_mode_loss_and_leaves_training_as_it_was():
     assert engine.model.training
     assert evaluated[-1] == reference_eval(cfg, engine.state_dict(), EVAL_BATCH)
     assert all(p.grad is None for p in engine.parameters())  # nothing accumulated for a backward
+
+
+def test_evaluate_pads_a_partial_batch_exactly_and_refuses_it_under_a_loss_fn_of_yours():
+    from fourfold.loss import lm_loss
+
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=3)
+    for n in (5, 1):  # 3 parts of a batch of 5 rows (1 padded), and of 1 (2 padded)
+        x, y = (t[-n:] for t in EVAL_BATCH)
+        assert abs(engine.evaluate(x, y).item() - reference_eval(CFG, engine.state_dict(), (x, y))) <= TOL64
+    mine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=3, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="got 5 rows; with a loss_fn of your own .* Pass a multiple of 3 rows"):
+        mine.evaluate(*(t[-5:] for t in EVAL_BATCH))
+
+
+def test_int32_targets_train_as_int64_and_others_are_refused_before_any_forward():
+    runs = []
+    for dtype in (torch.int64, torch.int32):  # numpy's and some tokenizers' ids come as int32
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))
+        runs.append([engine.step(x, y.to(dtype)).item() for x, y in STEPS[:2]])
+    assert runs[0] == runs[1]
+    x, y = STEPS[0]
+    for bad in (y.float(), y > 0):
+        with pytest.raises(TypeError, match=f"targets must be integer token ids .*got a {bad.dtype} tensor"):
+            engine.step(x, bad)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "cat", "chunk", "leaves", "rows"]
+__all__ = ["Batch", "cat", "chunk", "leaves", "pad", "rows"]
 
 Batch = Any
 """A tensor, or a dict / list / tuple whose leaves are tensors (other leaves pass through untouched)."""
@@ -73,3 +73,8 @@ def chunk(batch: Batch, k: int) -> list[Batch]:
 def cat(batches: Sequence[Batch]) -> Batch:
     """Batches of one structure joined along dim 0."""
     return _zip(batches, torch.cat)
+
+
+def pad(batch: Batch, extra: int, value: int | float = 0) -> Batch:
+    """``batch`` with ``extra`` more rows, every tensor's filled with ``value``."""
+    return _zip([batch], lambda ts: torch.cat([ts[0], ts[0].new_full((extra, *ts[0].shape[1:]), value)]))

@@ -161,7 +161,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     if precision == "bf16" and any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("precision='bf16' keeps float32 master weights, got a model with parameters of dtype "
                          f"{next(p.dtype for p in model.parameters() if p.dtype != torch.float32)}. Build the "
-                         "model in float32 (--dtype float32).")
+                         "model in float32 (fourfold train: --dtype float32).")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got {zero}.")
     if zero and allreduce not in ZERO_ALGORITHMS:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold import gradnorm
-from fourfold.batch import Batch, chunk, leaves, rows
+from fourfold.batch import Batch, chunk, leaves, pad, rows
 from fourfold.comm.wait import Pending, all_reduce, group_ranks
 from fourfold.data.packing import document_layout
 from fourfold.loss import IGNORE_INDEX
@@ -150,19 +150,43 @@ class Engine:
         """The loss of this rank's shard of a global batch without training on it: forward only, in eval mode
         (no dropout; BatchNorm reads its running statistics), no gradient, nothing changed. The same loss as
         ``model.eval()`` on one process, reduced like :meth:`step`'s; a collective like it (every rank calls
-        it). It holds no more than a training step: the forward runs in ``grad_accum`` parts as step's does,
-        and under ZeRO-3 each block is gathered and freed in turn (a pipeline's stages gathered once, as in a
-        step)."""
+        it). It holds no more than a training step: the forward runs in ``grad_accum`` parts (or the pipeline's
+        micro-batches) as step's does, and under ZeRO-3 each block is gathered and freed in turn (a pipeline's
+        stages gathered once, as in a step).
+
+        A validation set's last, partial batch needs no special care with fourfold's own loss: a shard whose
+        rows the parts do not divide (even none, or replicas of unequal rows) is padded with rows of targets
+        ``-100``, which add nothing to the loss nor to its count (in eval mode no row sees another)."""
         held = self.pipeline.stages[0] if self.pipeline is not None else self.model
         was = held.training
         self.eval()
         try:
             with self._split_logits(), self._drawing():  # no dropout, but the streams' hooks still switch
                 loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
+                inputs, targets, documents = self._whole_parts(inputs, targets, documents, tokens)
                 loss = self._evaluate(inputs, targets, loss_fn, documents, tokens)
         finally:
             self.train(was)
         return self._reduce_loss(loss, None, 1 if tokens else self.mesh.dp)
+
+    def _whole_parts(self, inputs: Batch, targets: torch.Tensor, documents: torch.Tensor | None, tokens: bool
+                     ) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+        """The batch padded to a multiple of the parts evaluate cuts it into (the pipeline's micro-batches, or
+        ``grad_accum``), with rows nothing is predicted from: targets ``-100``, inputs 0, documents -1 (padding).
+        A token-normalised loss is unchanged by them; a mean over rows (a loss_fn of the user's) would be, so
+        such a batch is refused, naming the fix."""
+        m = self.pipeline.schedule.microbatches if self.pipeline is not None else self.grad_accum
+        n = rows(inputs)
+        extra = -n % m if n else m
+        if not extra:
+            return inputs, targets, documents
+        if not tokens:
+            raise ValueError(f"evaluate cuts this rank's batch into {m} equal parts, as step does, got {n} rows; "
+                             "with a loss_fn of your own (a mean over rows) padding rows would change the mean. "
+                             f"Pass a multiple of {m} rows per rank, or drop loss_fn: fourfold's own loss pads a "
+                             "partial batch exactly")
+        return (pad(inputs, extra), pad(targets, extra, IGNORE_INDEX),
+                pad(documents, extra, -1) if documents is not None else None)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
                   documents: torch.Tensor | None, tokens: bool) -> torch.Tensor:
@@ -213,6 +237,10 @@ class Engine:
                                  "(fourfold's is next-token cross-entropy, skipping -100 targets) or train without "
                                  "packing")
             return self.loss_fn, False
+        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            raise TypeError(f"targets must be integer token ids (-100: none), got a {targets.dtype} tensor of shape "
+                            f"{tuple(targets.shape)}. Pass them as int64 or int32 (tokenizer ids as they come), or "
+                            "give parallelize a loss_fn of your own for other targets")
         if documents is not None:
             if not self.reads_documents:
                 raise ValueError(f"packed documents need a model that keeps them apart, got "
@@ -233,7 +261,7 @@ class Engine:
         sum_loss = self.sum_loss_fn
 
         def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return sum_loss(logits, y) / count
+            return sum_loss(logits, y.long()) / count  # int32 ids (numpy's, a tokenizer's) as int64
 
         return token_loss, True
 

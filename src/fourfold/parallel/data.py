@@ -53,7 +53,7 @@ def check_find_unused(zero: int, pp: int) -> None:
     if zero or pp > 1:
         raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={zero}, pp={pp}: "
                          "ZeRO's optimiser steps flat shards, which cannot leave one parameter without a gradient, "
-                         "and a pipeline's stages are not covered yet. Drop zero (--zero) or pp (--pp), or use every "
+                         "and a pipeline's stages are not covered yet. Drop zero or pp (fourfold train: --zero, --pp), or use every "
                          "parameter in each step (or freeze those you do not: requires_grad=False).")
 
 

@@ -165,7 +165,8 @@ def _scatter(hidden: torch.Tensor, group: Group, tracer: Tracer | None, site: st
     if hidden.dim() < 2 or hidden.size(1) % p:
         raise ValueError(f"sequence parallelism cuts the sequence into tp={p} shards, got hidden states of shape "
                          f"{tuple(hidden.shape)} (T={hidden.size(1) if hidden.dim() > 1 else '?'}). Pass sequences "
-                         f"whose length is a multiple of {p} (--seq-len), or drop --sequence-parallel")
+                         f"whose length is a multiple of {p} (fourfold train: --seq-len), or drop sequence parallelism "
+                         "(sequence_parallel=False; --sequence-parallel)")
     return split_to_tp(hidden, group, dim=1, tracer=tracer, site=site)
 
 
