@@ -23,8 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fourfold import Mesh
 from fourfold.comm import ALGORITHMS, CommError, Communicator, allreduce, ring
+from fourfold.comm.wait import gather_objects
 from fourfold.observe.trace import Tracer
+from fourfold.parallel.tensor.comm import all_reduce as tp_all_reduce
 from fourfold.testing import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -401,6 +404,45 @@ def test_a_silent_peer_is_a_comm_error_naming_algorithm_step_and_ranks(tmp_path)
     assert rank1 is None
 
 
+def _stuck_peer(ctx, flag):
+    """Rank 1 makes the groups, then stays alive calling nothing until rank 0 is done. Rank 0 calls a ring
+    all-reduce (its first call's length check), a tensor-parallel all-reduce, and an object gather (bounded only
+    by its group's own timeout) on a group made with no timeout given: that must be the run's (3 s), not torch's
+    30 minutes."""
+    group = Mesh.for_world(2, tp=2).build().duplicate("tp")  # new_group without a timeout
+    if ctx.rank == 1:
+        end = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.02)
+        return None
+    out = {}
+    try:
+        for name, call in (("check", lambda: allreduce(torch.ones(10), "ring", timeout_s=2)),
+                           ("tp", lambda: tp_all_reduce(torch.ones(4), group)),
+                           ("objects", lambda: gather_objects(1, group, op="the test's gather"))):
+            start = time.monotonic()
+            try:
+                call()
+                out[name] = None
+            except Exception as e:
+                out[name] = (type(e), str(e), time.monotonic() - start)
+        return out
+    finally:
+        open(flag, "w").close()
+
+
+@pytest.mark.timeout(90)
+def test_a_stuck_peer_is_named_in_every_wait_and_groups_keep_the_runs_timeout(tmp_path):
+    out, _ = run_ranks(_stuck_peer, 2, str(tmp_path / "done"), timeout_s=60, dist_timeout_s=3)
+    starts = {"check": "rank 0: ring all-reduce's check of lengths and dtypes:",
+              "tp": "rank 0: tensor-parallel all-reduce", "objects": "rank 0: the test's gather:"}
+    for name, start in starts.items():
+        assert out[name] is not None, f"{name}: completed without its peer"
+        kind, message, waited = out[name]
+        assert kind is CommError and message.startswith(start) and "[0, 1]" in message, (name, kind, message)
+        assert waited < 10, f"{name}: failed after {waited:.1f} s, with the run's timeout 3 s"
+
+
 def _mismatches(ctx):
     """Every rank must get a ValueError for each mismatch; afterwards the group still works."""
     algorithms = list(ALGORITHMS)
@@ -493,3 +535,21 @@ def _traced(ctx):
 def test_tracer_records_one_comm_span_per_call_with_the_counted_bytes():
     failures = [f for r in run_ranks(_traced, 3, timeout_s=45) for f in r]
     assert not failures, "\n".join(failures)
+
+
+def test_groups_time_out_with_the_run_and_nccls_watchdog_after_the_named_error(monkeypatch):
+    import datetime
+    import sys
+    from types import SimpleNamespace
+
+    from fourfold import launch
+    from fourfold.comm.wait import group_timeout
+
+    assert group_timeout(10, "gloo") == datetime.timedelta(seconds=10)
+    assert group_timeout(10, "nccl") == datetime.timedelta(seconds=42.5)  # the bounded wait's error first
+    closed = []
+    ctx = SimpleNamespace(close=lambda settle: closed.append(settle))
+    launch._close_at_exit(ctx)  # a clean exit waits for the losses still in flight
+    monkeypatch.setattr(sys, "last_value", ValueError("uncaught"), raising=False)
+    launch._close_at_exit(ctx)  # after an uncaught exception it does not: a peer may never send them
+    assert closed == [True, False]

@@ -41,10 +41,9 @@ from torch import nn
 
 from fourfold.batch import Batch, cat
 from fourfold.comm.compress import Compressor, make_compressor
-from fourfold.comm.wait import gather_objects
+from fourfold.comm.wait import default_timeout_s, gather_objects
 from fourfold.data.packing import capture_layout
 from fourfold.engine import Engine, LossFn
-from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss, lm_loss_sum
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.model_checks import check_own_checkpointing, check_same_model, check_whole_logits
@@ -93,7 +92,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
                 reduce_dtype: torch.dtype | None = None, compress: str | Compressor = "none",
                 balance: Balance = "params", grad_accum: int = 1,
                 boundaries: list[int | str] | None = None, seed: int | None = None, tracer: Tracer | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
+                timeout_s: float | None = None) -> Engine:
     """Apply tensor, then pipeline, then data parallelism to ``model`` along ``mesh``'s axes of size > 1.
 
     ``mesh``: this rank's :class:`RankMesh` (``Mesh(...).build()``), a :class:`Mesh` (built here: a
@@ -149,9 +148,13 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, *, tp_pla
     inside the tensor-parallel regions; both differ between pipeline stages and data-parallel replicas, and
     :meth:`Engine.step` draws from them only, leaving your own ``torch`` generator as it was. One process draws
     from your generator, as plain PyTorch does.
+
+    ``timeout_s``: how long any collective or send/recv of the engine may wait before it fails naming the rank it
+    waited for; None is the run's (``launch.init(timeout_s=...)``, ``fourfold train --timeout``, 120 s default).
     """
     from fourfold.models import family_of
 
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s  # launch.init's (--timeout)
     ranks = _rank_mesh(mesh, timeout_s)
     m = ranks.mesh
     tracer = tracer if tracer is not None else Tracer(ranks.rank, enabled=False)

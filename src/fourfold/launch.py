@@ -191,9 +191,9 @@ def init(
     if dist.is_initialized():
         raise RuntimeError("fourfold.launch.init() was called twice in one process: the default process group "
                            "already exists. Reuse the DistContext from the first call, or close() it first.")
-    timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = _default_store(rank, world_size, timeout_s)
+    timeout = wait.group_timeout(timeout_s, backend)  # NCCL's watchdog after the named errors (wait.group_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
     wait.set_default_timeout(timeout_s)
@@ -202,8 +202,14 @@ def init(
         doctor = Doctor(store, rank, world_size, hang_s=hang_s, attempt=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
                         verdict_path=os.environ.get(VERDICT_ENV)).start()
     ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s, doctor=doctor)
-    atexit.register(ctx.close)
+    atexit.register(_close_at_exit, ctx)
     return ctx
+
+
+def _close_at_exit(ctx: DistContext) -> None:
+    """A script's exit without ``with``: settle what is in flight only when it ends cleanly (an uncaught
+    exception has been printed by now, into ``sys.last_value``: a peer may never send that work)."""
+    ctx.close(settle=getattr(sys, "last_value", None) is None)
 
 
 def _default_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:

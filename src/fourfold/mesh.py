@@ -17,11 +17,12 @@ once the default group exists and returns this rank's :class:`RankMesh`.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch.distributed as dist
+
+from fourfold.comm.wait import group_timeout
 
 __all__ = ["AXES", "Axis", "Coord", "Mesh", "RankMesh"]
 
@@ -119,13 +120,16 @@ class Mesh:
 
         An axis of size 1 gets no group (None): nothing communicates along it, and creating one would cost a
         store round trip per rank for nothing. The engine applies no strategy along such an axis.
+
+        ``timeout_s``: the groups' own timeout; None is the run's (``launch.init(timeout_s=...)``, ``--timeout``),
+        not torch's 30 minutes, which would hold a rank's exit that long after a peer got stuck.
         """
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build() needs the default process group: call fourfold.launch.init() first.")
         world = dist.get_world_size()
         self.check_world(world)
         rank = dist.get_rank()
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        timeout = group_timeout(timeout_s)
         mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES)
         for axis in AXES:
             if getattr(self, axis) == 1:
@@ -162,10 +166,10 @@ class RankMesh:
         """A second process group of this rank's ``axis`` peers (None along an axis of size 1), for collectives
         issued from another thread than the main one's on the same ranks: each group keeps its own order, so two
         threads' collectives cannot meet in different orders on different ranks. Collective: every rank calls
-        it, in the same order (each creates every group along ``axis``)."""
+        it, in the same order (each creates every group along ``axis``). ``timeout_s`` as :meth:`Mesh.build`'s."""
         if getattr(self.mesh, axis) == 1:
             return None
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        timeout = group_timeout(timeout_s)
         mine = None
         for ranks in self.mesh.groups(axis):
             group = dist.new_group(ranks, timeout=timeout)

@@ -149,7 +149,7 @@ def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[s
     stack_file = open(_path(tmp, rank, "stack"), "w")  # noqa: SIM115 - open for the life of the process
     faulthandler.enable(stack_file, all_threads=True)  # Python stack on SIGSEGV / SIGABRT / ...
     faulthandler.register(signal.SIGUSR1, stack_file, all_threads=True)  # ... and when the parent asks
-    ctx = None
+    ctx, ok = None, False
     try:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch is imported already: the variable is late
         fn, args, kwargs = payload
@@ -161,6 +161,7 @@ def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[s
             message = pickle.dumps(("ok", result))
         except Exception as exc:
             raise TypeError(f"fn must return a picklable value, got {type(result).__name__}: {exc}") from exc
+        ok = True
     except BaseException as exc:  # noqa: B036 - SystemExit and KeyboardInterrupt are failures of the rank too
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -169,7 +170,7 @@ def _rank_main(rank: int, world_size: int, payload: tuple[Any, ...], env: dict[s
     sys.stderr.flush()
     conn.send_bytes(message)  # before closing the group: the cause reaches us before its peers' errors do
     if ctx is not None:
-        ctx.close()
+        ctx.close(settle=ok)  # after a failure nothing in flight is waited for: its peer may never send it
 
 
 def _exit_with_parent(alive: Connection) -> None:

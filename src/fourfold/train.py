@@ -144,18 +144,20 @@ def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
     """Train with ``cfg`` on the current process group (created from the environment if ``ctx`` is None)."""
     own = ctx is None
     ctx = ctx or launch.init(cfg.train.device, timeout_s=cfg.train.timeout, hang_s=cfg.train.hang_threshold)
+    finished = False
     try:
         result = _train(cfg, ctx)
         if own and ctx.world_size > 1:  # every rank done before any tears its connections down
             barrier("finish the run together")
+        finished = True
         return result
     except Exception as e:
         if ctx.doctor is not None and ctx.doctor.verdict_given():  # a consequence: the finder's line says why
             raise HangFound(f"rank {ctx.rank}: ended by the hang doctor ({type(e).__name__}: {e})") from e
         raise
     finally:
-        if own:
-            ctx.close()
+        if own:  # after an error, nothing in flight is waited for: its peer may never send it
+            ctx.close(settle=finished)
 
 
 def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm.ledger import Direction
-from fourfold.comm.wait import CommError, bounded_wait
+from fourfold.comm.wait import CommError, bounded_wait, collective
 
 __all__ = ["CommError", "CommStats", "Communicator", "Message", "Posted", "check_same"]
 
@@ -141,7 +141,7 @@ class Communicator:
             remaining = max(deadline - time.monotonic(), 0.001)
             assert work is not None  # None only for a rank outside the group, which exchange never targets
             where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
-            bounded_wait(work, remaining, rank=self.global_rank, op=where,
+            bounded_wait(work, remaining, reported_s=self.timeout_s, rank=self.global_rank, op=where,
                          awaited="send to" if direction == "send" else "recv from", peer=self.global_ranks[peer],
                          direction=direction)
         received = [t for _, t in recvs] + [r.tensor for r in posted]
@@ -174,7 +174,8 @@ def check_same(comm: Communicator, tensor: torch.Tensor, algorithm: str, names: 
     if tensor.device.type != "cpu":
         mine = mine.to(tensor.device)
     everyone = [torch.empty_like(mine) for _ in range(comm.size)]
-    dist.all_gather(everyone, mine, group=comm.group)
+    collective(dist.all_gather(everyone, mine, group=comm.group, async_op=True), comm.group,
+               op=f"{algorithm} all-reduce's check of lengths and dtypes", timeout_s=comm.timeout_s)
     rows = [tuple(int(v) for v in t.tolist()) for t in everyone]
     if len(set(rows)) > 1:
         dtypes = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODES.items()}

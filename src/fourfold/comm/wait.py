@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from fourfold.comm.ledger import LEDGER, Direction
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "all_reduce", "barrier", "bounded_wait", "default_timeout_s", "gather_objects",
-           "group_ranks", "set_default_timeout", "settle_pending"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "all_reduce", "barrier", "bounded_wait", "broadcast_object",
+           "collective", "default_timeout_s", "gather_objects", "group_ranks", "group_timeout", "set_default_timeout",
+           "settle_pending"]
 
 DEFAULT_TIMEOUT_S = 120.0
 """Seconds any collective or send/recv may wait before it fails (fourfold's default, gloo's is 30 min)."""
@@ -82,13 +83,14 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: str, peer: int | None = None,
                  group_ranks: Sequence[int] | None = None, hint: str = HINT,
                  tensor: torch.Tensor | None = None, direction: Direction | None = None,
-                 message: str | None = None) -> None:
+                 message: str | None = None, reported_s: float | None = None) -> None:
     """Wait for ``work`` (a ``dist.Work``) at most ``timeout_s`` seconds, or raise :class:`CommError` naming
     ``rank``, ``op`` and ``peer`` (or ``group_ranks`` for a collective). ``None`` work (nothing posted) returns.
     ``tensor`` (optional) gives the ledger the shape and dtype moved; ``direction`` (``"send"`` or ``"recv"``)
     says which end of a point-to-point transfer this rank is, so the hang doctor can tell the peer's matching
     send from a receive of its own; ``message`` names the message ("0F3") the same way at both ends, so it can
-    tell a send of another message too."""
+    tell a send of another message too. ``reported_s``: the timeout the error names when ``timeout_s`` is what
+    is left of it (the later waits of one exchange)."""
     if work is None:
         return
     entry = LEDGER.enter(op, awaited, peer=peer, group=group_ranks if peer is None else None, tensor=tensor,
@@ -105,7 +107,8 @@ def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: st
             how = "a peer's connection broke" if gone else "it failed"
             raise CommError(f"rank {rank}: {op}: {awaited}{who} failed after {waited:.1f} s: {how}. {hint} "
                             f"[{cause}]", peer_gone=gone) from e
-        raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {timeout_s:g} s. {hint} "
+        limit = reported_s if reported_s is not None else timeout_s
+        raise CommError(f"rank {rank}: {op}: {awaited}{who} did not complete within {limit:g} s. {hint} "
                         f"{_explain(entry)}[{cause}]") from e
     finally:
         LEDGER.leave(entry)
@@ -123,6 +126,22 @@ def _explain(entry: Any) -> str:
     except Exception:  # the store is gone too: the error stands without the doctor's account
         return ""
     return f"Hang doctor: {text} " if text else ""
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None = None, *, op: str) -> Any:
+    """``dist.broadcast_object_list`` of one object from global rank ``src`` under the ledger: ``src``'s ``obj``
+    on every rank of ``group``. Bounded by the process group's timeout, named like :func:`gather_objects`."""
+    ranks = group_ranks(group)
+    box = [obj]
+    entry = LEDGER.enter(op, f"receive an object from rank {src} in the group of", group=ranks)
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except RuntimeError as e:
+        raise CommError(f"rank {dist.get_rank()}: {op}: broadcast from rank {src} to the group of ranks "
+                        f"{list(ranks)} failed. {HINT} {_explain(entry)}[{_first_line(e)}]") from e
+    finally:
+        LEDGER.leave(entry)
+    return box[0]
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str, dst: int | None = None
@@ -148,14 +167,34 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str,
     return everyone
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, *, op: str,
+def collective(work: Any, group: dist.ProcessGroup | None, *, op: str, timeout_s: float | None = None,
+               awaited: str = "the group of", tensor: torch.Tensor | None = None) -> None:
+    """Wait for a collective started with ``async_op=True`` over ``group`` (None: every rank) through the
+    bounded, named wait: ``op`` says what it moves; ``timeout_s`` None is the run's (:func:`default_timeout_s`)."""
+    bounded_wait(work, default_timeout_s() if timeout_s is None else timeout_s, rank=dist.get_rank(), op=op,
+                 awaited=awaited, group_ranks=group_ranks(group), tensor=tensor)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None, *, op: str,
                awaited: str = "the group of", reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` of ``t`` in place over ``group`` (None: every rank), waited for through the bounded,
     named wait: ``op`` says what it reduces. Returns ``t``."""
-    work = dist.all_reduce(t, op=reduce_op, group=group, async_op=True)
-    bounded_wait(work, timeout_s, rank=dist.get_rank(), op=op, awaited=awaited, group_ranks=group_ranks(group),
-                 tensor=t)
+    collective(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, op=op, timeout_s=timeout_s,
+               awaited=awaited, tensor=t)
     return t
+
+
+def group_timeout(timeout_s: float | None = None, backend: str | None = None) -> datetime.timedelta:
+    """The timeout to create a process group with, for waits bounded at ``timeout_s`` (None: the run's).
+
+    gloo's is the same: its operation fails when the bounded wait does, and a group destroyed with work still
+    running waits for that work. NCCL's watchdog aborts the process when its timeout passes, counted from the
+    collective's launch, which is before the bounded wait begins: it is given a quarter more and 30 s, so the
+    named error (:class:`CommError`, the hang doctor's account) is raised first."""
+    seconds = default_timeout_s() if timeout_s is None else timeout_s
+    if (backend if backend is not None else dist.get_backend() if dist.is_initialized() else "gloo") == "nccl":
+        seconds = 1.25 * seconds + 30
+    return datetime.timedelta(seconds=seconds)
 
 
 def barrier(op: str, group: dist.ProcessGroup | None = None) -> None:

@@ -312,11 +312,10 @@ def gather_spans(tracer: Tracer, group: dist.ProcessGroup | None = None,
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {tracer.rank: list(tracer.spans)}
-    mine = (tracer.rank, list(tracer.spans))
-    is_dst = dist.get_rank() == dst
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if is_dst else None
-    dist.gather_object(mine, gathered, dst=dst, group=group)
-    if gathered is None:
+    from fourfold.comm.wait import gather_objects  # comm imports this module
+
+    gathered = gather_objects((tracer.rank, list(tracer.spans)), group, op="gather of the trace's spans", dst=dst)
+    if dist.get_rank() != dst:
         return None
     out: dict[int, list[Span]] = {}
     for rank, spans in gathered:

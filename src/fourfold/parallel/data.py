@@ -39,7 +39,7 @@ from torch import nn
 
 from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce, counted_span
 from fourfold.comm.compress import Compressor
-from fourfold.comm.wait import bounded_wait, gather_objects
+from fourfold.comm.wait import bounded_wait, collective, gather_objects
 from fourfold.observe.trace import Tracer
 
 __all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "check_find_unused", "sync_gradients"]
@@ -390,4 +390,6 @@ def _broadcast_state(module: nn.Module, comm: Communicator) -> None:
         return
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=comm.global_ranks[0], group=comm.group)
+            collective(dist.broadcast(t.data, src=comm.global_ranks[0], group=comm.group, async_op=True), comm.group,
+                       op="broadcast of the initial weights", awaited=f"rank {comm.global_ranks[0]} to the group of",
+                       timeout_s=comm.timeout_s, tensor=t)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait, gather_objects, group_ranks
+from fourfold.comm.wait import bounded_wait, broadcast_object, gather_objects, group_ranks
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.memory import parameter_storages, saved_bytes_once
@@ -522,12 +522,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
     every rank must cut the same). ``kwargs`` go to :class:`Pipeline` (``loss_fn``, ``tracer``, ``timeout_s``).
     """
     if boundaries is None and balance == "time":
-        chosen: list[Any] = [None]
-        if dist.get_rank(group) == 0:
-            chosen[0] = plan(model, schedule.stages, balance="time", example=example)[1:]
+        mine = plan(model, schedule.stages, balance="time", example=example)[1:] if dist.get_rank(group) == 0 else None
         src = dist.get_process_group_ranks(group)[0] if group is not None else 0
-        dist.broadcast_object_list(chosen, src=src, group=group)
-        boundaries = chosen[0]
+        boundaries = broadcast_object(mine, src, group, op="the stages' cut, timed on pp rank 0")
     held = schedule.held(dist.get_rank(group) if dist.is_initialized() else 0)
     stages = split_model(model, schedule.stages, balance=balance, boundaries=boundaries, example=example, held=held)
     return Pipeline(stages, schedule, group, **kwargs)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.comm.wait import collective
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor.comm import Group, all_reduce
 from fourfold.parallel.tensor.layers import (
@@ -219,7 +220,8 @@ def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout]
             pieces = [t.detach()]
             if layout.dim is not None and p > 1:
                 pieces = [torch.empty_like(t.detach()) for _ in range(p)]
-                dist.all_gather(pieces, t.detach().contiguous(), group=group)
+                collective(dist.all_gather(pieces, t.detach().contiguous(), group=group, async_op=True), group,
+                           op=f"gather of {key}'s tensor-parallel pieces", tensor=t)
             done[id(t)] = unshard(pieces, layout) if keep else None
     return {key: done[id(t)] for key, t in state.items()} if keep else {}  # type: ignore[misc]
 
