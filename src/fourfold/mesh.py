@@ -122,7 +122,8 @@ class Mesh:
         store round trip per rank for nothing. The engine applies no strategy along such an axis.
 
         ``timeout_s``: the groups' own timeout; None is the run's (``launch.init(timeout_s=...)``, ``--timeout``),
-        not torch's 30 minutes, which would hold a rank's exit that long after a peer got stuck.
+        not torch's 30 minutes, for which a collective bounded only by its group (an object gather) would wait
+        on a stuck peer.
         """
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build() needs the default process group: call fourfold.launch.init() first.")
