@@ -145,6 +145,37 @@ def test_same_layout_resume_is_bitwise_in_float32(matrix, name):
         assert torch.equal(got_state[key], w), f"{name} float32: {key} differs after the resumed step"
 
 
+def _slow_writer(ctx, root: str) -> float:
+    """Rank 0 (dp 0) takes 8 s over its file, past the run's 5-s timeout; rank 1 (another replica: nothing to
+    write) waits for it in the save's gathers, then both load it."""
+    import time
+
+    from fourfold.checkpoint import sharded
+
+    engine, opt, _, _ = _engine(ctx, "dp2")
+    if ctx.rank == 0:
+        checksum = sharded.sha256_file
+
+        def slow(path):
+            time.sleep(8)
+            return checksum(path)
+
+        sharded.sha256_file = slow
+    start = time.monotonic()
+    where = save(Path(root), 1, engine, opt, config={"layout": "dp2"})
+    waited = time.monotonic() - start
+    assert load(where, engine, opt)["step"] == 1
+    return waited
+
+
+@pytest.mark.timeout(120)
+def test_a_save_waits_for_a_writer_slower_than_the_runs_timeout(tmp_path):
+    """A large model on a slow filesystem writes for minutes; the ranks with nothing to write must wait for it
+    (sharded.IO_TIMEOUT_S), not fail after --timeout and lose the run at its checkpoint."""
+    waited = run_ranks(_slow_writer, 2, str(tmp_path), timeout_s=90, dist_timeout_s=5)
+    assert min(waited) >= 8, waited  # rank 1 waited out rank 0's 8 s
+
+
 # ------------------------------------------------------------------ one process: what a bad checkpoint does
 
 

@@ -30,7 +30,7 @@ from fourfold.checkpoint.store import (
     read_manifest,
     sha256_file,
 )
-from fourfold.comm.wait import gather_objects
+from fourfold.comm.wait import default_timeout_s, gather_objects, group_timeout
 from fourfold.files import atomic_path, write_text_atomic
 
 __all__ = ["load", "save"]
@@ -41,8 +41,30 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+IO_TIMEOUT_S = 30 * 60.0
+"""How long a save or a load waits for the slowest rank's files: the timeout of a group of their own. Ranks of
+replicas other than dp 0 write nothing and wait for dp 0's whole write and checksum, which on a large model and
+a slow filesystem takes minutes, far past ``--timeout`` (a dead rank still fails it at once)."""
+
+_IO_GROUPS: dict[Any, Any] = {}  # the world group -> its copy with IO_TIMEOUT_S, made at the first save or load
+
+
+def _io_group() -> dist.ProcessGroup:
+    """Every rank, with :data:`IO_TIMEOUT_S` (or the run's timeout, if longer); made on first use, which is a
+    collective (every rank saves and loads together)."""
+    world = dist.group.WORLD
+    if world not in _IO_GROUPS:
+        _IO_GROUPS.clear()  # a group of an earlier process group is gone with it
+        _IO_GROUPS[world] = dist.new_group(list(range(dist.get_world_size())),
+                                           timeout=group_timeout(max(IO_TIMEOUT_S, default_timeout_s())))
+    return _IO_GROUPS[world]
+
+
 def _gather(obj: Any, op: str) -> list[Any]:
-    return gather_objects(obj, op=op) if dist.is_initialized() else [obj]
+    """Every rank's ``obj``, waited for as long as the slowest rank's file I/O may take (:data:`IO_TIMEOUT_S`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    return gather_objects(obj, _io_group(), op=op)
 
 
 def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:
@@ -227,6 +249,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
             engine.streams.resume(None, manifest["step"])
         else:  # one process draws from torch's own generator, as plain PyTorch does
             torch.manual_seed(stream_seed(torch.initial_seed(), "step", manifest["step"]))
+    _gather(None, "checkpoint load: wait for every rank's reads")  # the next step's collectives start together
     return manifest
 
 
