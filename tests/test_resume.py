@@ -90,6 +90,26 @@ def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys,
     assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
 
 
+def test_a_resumed_run_trains_with_the_weight_decay_it_names(tmp_path, capsys):
+    """AdamW decays before its update: p <- p (1 - lr wd) - lr u. Resumed from one checkpoint with weight decay
+    0.1 and 0, step 2 differs by exactly lr * 0.1 * p1 (the update u is the same)."""
+    import torch
+
+    from fourfold.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "1", "--weight-decay", "0.1", "--no-trace", "--out", str(run)]) == 0
+    for wd in ("0.1", "0"):
+        assert train_mod.main([*SMALL, "--steps", "2", "--weight-decay", wd, "--no-trace", "--resume", str(run),
+                               "--out", str(tmp_path / wd)]) == 0
+    assert "weight_decay 0.0 (was 0.1)" in capsys.readouterr().err
+    p1, kept, dropped = (load_checkpoint(d / "model.pt")["model"] for d in (run, tmp_path / "0.1", tmp_path / "0"))
+    lr = 3e-3  # the default --lr, constant
+    for name, w in p1.items():
+        if name in kept and w.is_floating_point() and kept[name].shape == w.shape and "weight" in name:
+            torch.testing.assert_close(dropped[name] - kept[name], lr * 0.1 * w, rtol=0, atol=1e-12)
+
+
 def test_a_resumed_run_names_the_training_settings_it_changes(tmp_path, capsys):
     run = tmp_path / "run"
     assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(run)]) == 0

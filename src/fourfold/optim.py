@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fourfold.config import Config, TrainConfig
     from fourfold.engine import Engine
 
-__all__ = ["NonFiniteLoss", "learning_rate", "lr_at", "make_optimizer", "update"]
+__all__ = ["NonFiniteLoss", "keep_flags", "learning_rate", "lr_at", "make_optimizer", "update"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -27,7 +27,19 @@ class NonFiniteLoss(RuntimeError):
 
 
 def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr_at(cfg.train, 1), weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(params, lr=lr_at(cfg.train, 1), **_flags(cfg))
+
+
+def _flags(cfg: Config) -> dict[str, Any]:
+    """The optimiser's hyperparameters that flags set (the learning rate aside: :func:`update` sets it each step)."""
+    return {"weight_decay": cfg.train.weight_decay}
+
+
+def keep_flags(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
+    """After a checkpoint's optimiser is loaded (its param groups' values, as torch's ``load_state_dict`` puts
+    them back), this run's flags win: a resume with ``--weight-decay 0`` trains without it, as its note says."""
+    for group in optimizer.param_groups:
+        group.update(_flags(cfg))
 
 
 def lr_at(t: TrainConfig, step: int) -> float:

@@ -80,7 +80,7 @@ from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
-from fourfold.optim import NonFiniteLoss, lr_at, make_optimizer, update
+from fourfold.optim import NonFiniteLoss, keep_flags, lr_at, make_optimizer, update
 from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
@@ -202,6 +202,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
+        keep_flags(optimizer, cfg)  # the checkpoint's weight decay gives way to this run's --weight-decay
     if ctx.is_main and continuing:  # resumed in place from an older checkpoint: the newer ones are another branch
         _set_aside_newer(out, first - 1)
     if ctx.is_main and restart_count() > 0:  # torchrun's agent restarted the ranks and says nothing of it

@@ -261,7 +261,11 @@ def _load_optimizer(engine: Any, optimizer: torch.optim.Optimizer, manifest: dic
     if saved["class"] != type(optimizer).__name__:
         raise CheckpointError(f"{where}: optimizer must be {saved['class']} to resume this checkpoint, got "
                               f"{type(optimizer).__name__}.")
-    for group, values in zip(optimizer.param_groups, saved["param_groups"], strict=False):
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"{where}: the optimizer must have the checkpoint's {len(saved['param_groups'])} "
+                              f"param group(s) to resume it, got {len(optimizer.param_groups)}. Build it with the "
+                              "same groups (weight decay on and off, say) as the run that saved it.")
+    for group, values in zip(optimizer.param_groups, saved["param_groups"], strict=True):  # torch's rule: saved wins
         for k, v in values.items():
             if k in group and not isinstance(group[k], torch.Tensor):
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
