@@ -229,6 +229,30 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
 
 
+def test_a_checkpoint_is_on_the_disk_before_an_older_one_is_pruned(tmp_path, monkeypatch):
+    """Without a flush, a power loss after the prune could leave the new checkpoint's files empty and the old
+    ones gone. Every file and folder entry of step 2 is flushed before step 1 (keep=1) is deleted."""
+    import os
+    import shutil
+
+    events = []
+    fsync, rmtree = os.fsync, shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (events.append(("prune", str(path))),
+                                                                 rmtree(path, *a, **k))[1])
+    _one(tmp_path, step=1, keep=1)
+    events.clear()
+    _one(tmp_path, step=2, keep=1)
+    prune = events.index(("prune", str(tmp_path / "step-000001")))
+    flushed = {Path(p).name for kind, p in events[:prune] if kind == "fsync"}
+    tmp_names = {n for n in flushed if n.endswith(".tmp")}  # the files, flushed under their temporary names
+    assert any(n.startswith(".rank-00000.pt.") for n in tmp_names), events
+    assert any(n.startswith(".manifest.json.") for n in tmp_names), events
+    assert {"step-000002", tmp_path.name} <= flushed, events  # the files' entries, and the step folder's own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002"]
+
+
 _SAVER = """
 import sys, torch
 from fourfold import parallelize

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs",
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs", "fsync",
            "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "set_aside", "steady",
            "write_text_atomic", "written_by_a_run"]
 
@@ -45,18 +45,37 @@ def written_by_a_run(out: Path) -> bool:
     return isinstance(found, dict) and {"config", "mesh", "world_size"} <= set(found)
 
 
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush ``path`` (a file, or a directory: its entries) from the page cache to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed. The
     caller may make a directory there: it replaces ``path`` when that is absent or an empty directory (rename's
-    rule: anything in it stops the replacement), and is removed with its contents on failure."""
+    rule: anything in it stops the replacement), and is removed with its contents on failure.
+
+    ``durable`` (checkpoints, model.pt): the file is on the disk before it replaces ``path``, and the
+    replacement is too when this returns, so a power loss or a machine's crash after it cannot undo it (an
+    older checkpoint pruned next is not the only one left). A write error that only the flush reports (a full
+    NFS quota) fails the write here rather than passing unseen."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Not mkstemp: its 0600 mode would stick to the final file; a plain name gets the usual umask.
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        if durable:
+            for written in ([*(p for p in tmp.rglob("*") if p.is_file()), tmp] if tmp.is_dir() else [tmp]):
+                fsync(written)
         os.replace(tmp, target)
+        if durable:
+            fsync(target.parent)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -65,8 +84,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    with atomic_path(path) as tmp:
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, durable: bool = False) -> None:
+    with atomic_path(path, durable=durable) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 

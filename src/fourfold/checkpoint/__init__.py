@@ -38,7 +38,7 @@ def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, c
     """Save ``{"model", "config", "step"}`` atomically; tensors are moved to CPU first."""
     state = {k: v.detach().cpu() for k, v in model_state.items()}
     payload = {"model": state, "config": config, "step": step}
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable=True) as tmp:
         torch.save(payload, tmp)
     return Path(path)
 

@@ -31,7 +31,7 @@ from fourfold.checkpoint.store import (
     sha256_file,
 )
 from fourfold.comm.wait import default_timeout_s, gather_objects, group_timeout
-from fourfold.files import atomic_path, write_text_atomic
+from fourfold.files import atomic_path, fsync, write_text_atomic
 
 __all__ = ["load", "save"]
 
@@ -115,7 +115,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
     compressor = getattr(engine.dp, "compress", None)  # int8 / PowerSGD: this rank's errors fed back, its factors
     compress = {k: t.detach().to("cpu", copy=True) for k, t in compressor.state_dict().items()} if compressor else {}
     name = f"rank-{rank:05d}.pt"
-    with atomic_path(where / name) as tmp:
+    with atomic_path(where / name, durable=True) as tmp:  # on the disk before any older checkpoint is pruned
         torch.save({"tensors": tensors, "rng": rng, "compress": compress}, tmp)
     mine = {"file": name, "bytes": (where / name).stat().st_size, "sha256": sha256_file(where / name),
             "meta": meta, "aliases": tied}
@@ -135,7 +135,8 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
                     "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
                     "files": {g["file"]: {"bytes": g["bytes"], "sha256": g["sha256"]} for g in everyone},
                     "aliases": aliases, "pieces": located}
-        write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n")
+        write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n", durable=True)
+        fsync(where.parent)  # the step's folder itself, before the older ones go
         prune(Path(root), keep)
     _gather(None, "checkpoint save: wait for every rank's files")  # a barrier: the checkpoint exists (manifest written) on return, on every rank
     return where
