@@ -63,6 +63,8 @@ def test_resuming_in_place_from_an_older_checkpoint_sets_the_newer_ones_aside(tm
         "this run departs from them, so they are kept in checkpoints/.abandoned-" in err, err
     (aside,) = (out / "checkpoints").glob(".abandoned-*")
     assert (aside / "step-000004" / "manifest.json").read_text() == old  # kept whole, out of the way
+    assert [r["step"] for r in rows(aside)] == [1, 2, 3, 4]  # with the record of the branch it ends
+    assert json.loads((aside / "run.json").read_text())["config"]["train"]["steps"] == 4
     assert [r["step"] for r in rows(out)] == [1, 2, 3]
     # the next resume continues this run (its step 3), not the abandoned step 4
     assert train_mod.main([*argv, "--steps", "5", "--lr", "1e-3", "--resume", str(out)]) == 0

@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -295,10 +296,14 @@ def _set_aside_newer(out: Path, step: int) -> None:
     """Keep OUT's checkpoints past ``step``, which this run resumed in place from, out of the next resume's way."""
     aside = set_aside_newer(out / "checkpoints", step)
     if aside is not None:
-        print(f"fourfold train: note: resuming step {step} in {out}, whose checkpoints went on to "
-              f"{', '.join(sorted(p.name for p in aside.iterdir()))}: this run departs from them, so they are kept in "
-              f"{aside.relative_to(out)}/, where --resume does not look (its metrics past step {step} are this "
-              "run's).", file=sys.stderr, flush=True)
+        steps = ", ".join(sorted(p.name for p in aside.iterdir()))
+        for name in ("metrics.jsonl", "run.json"):  # the branch's own record, before this run cuts and rewrites them
+            if (out / name).is_file():
+                shutil.copy2(out / name, aside / name)
+        print(f"fourfold train: note: resuming step {step} in {out}, whose checkpoints went on to {steps}: this run "
+              f"departs from them, so they are kept in {aside.relative_to(out)}/ with the metrics.jsonl and run.json "
+              f"they went with, where --resume does not look (metrics.jsonl past step {step} is this run's).",
+              file=sys.stderr, flush=True)
 
 
 def _stop(metrics_file: Any, row: dict[str, Any], error: str, e: NonFiniteLoss) -> NoReturn:
