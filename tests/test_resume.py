@@ -177,6 +177,14 @@ def test_a_restart_passes_over_a_damaged_newest_checkpoint_to_the_one_before(tmp
            "100 bytes, its manifest " in err, err
     assert train_mod.main([*SMALL, "--steps", "3", "--no-trace", "--out", str(run)]) == 0  # the attempt itself
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+    # every checkpoint damaged (the other machines' files missing, say): refused, not started over past them
+    for victim in (run / "checkpoints").glob("step-*/rank-00000.pt"):
+        victim.write_bytes(b"")
+    from fourfold.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"restart 1: every checkpoint in .* fails its check \(step-000003, "
+                                              r"step-00000\d; .*so the run stops here rather than start over"):
+        starting_manifest(None, run)
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -120,7 +120,8 @@ def restart_count() -> int:
 def starting_manifest(resume: str | Path | None, out: str | Path) -> dict[str, Any] | None:
     """The manifest of the checkpoint a run starts from: after an automatic restart, ``out``'s newest (the run's
     own progress; ``resume``'s may have been pruned since), else ``resume``'s (:class:`CheckpointError` if it is
-    missing or damaged); None when there is neither (a run restarted before its first checkpoint starts over)."""
+    missing or damaged); None when there is neither (a run restarted before its first checkpoint starts over).
+    A restart whose checkpoints all fail their check is refused (:class:`CheckpointError`), not started over."""
     if restart_count() > 0:
         passed: list[tuple[Path, str]] = []  # newer checkpoints that cannot be read, and why
         for _, where in reversed(_complete(Path(out) / "checkpoints")):
@@ -139,7 +140,12 @@ def starting_manifest(resume: str | Path | None, out: str | Path) -> dict[str, A
                       f"{', '.join(p.name for p, _ in passed)} cannot be read ({passed[0][1]}).",
                       file=sys.stderr, flush=True)
             return manifest
-        # none written yet (or none intact): --resume's, or from the start
+        if passed:  # checkpoints were written, and none can be read: never start over silently past them
+            raise CheckpointError(f"restart {restart_count()}: every checkpoint in {Path(out) / 'checkpoints'} fails "
+                                  f"its check ({', '.join(p.name for p, _ in passed)}; the newest: {passed[0][1]}), "
+                                  "so the run stops here rather than start over. Restore the files (a run over "
+                                  "several machines needs an --out they share) and --resume it by hand")
+        # none written yet: --resume's, or from the start
     return read_manifest(resume) if resume is not None else None
 
 
