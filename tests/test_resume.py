@@ -92,6 +92,25 @@ def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys,
     assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
 
 
+def test_resuming_from_what_an_overwrite_run_would_delete_is_refused(tmp_path, capsys):
+    """An earlier run an --overwrite run set aside (OUT/.replaced-*/) and did not finish: resuming from it into
+    OUT with --overwrite would delete it when the run ends; refused before launch, naming it."""
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "2", "--no-trace", "--out", str(run)]) == 0
+    aside = run / ".replaced-20261125-000000-x"
+    aside.mkdir()
+    for p in list(run.iterdir()):
+        if p != aside and not p.name.startswith("."):
+            p.rename(aside / p.name)
+    capsys.readouterr()
+    assert _exit_code([*SMALL, "--steps", "3", "--no-trace", "--resume", str(aside), "--out", str(run),
+                       "--overwrite"]) == 2
+    assert f"lies in {aside}, which this --overwrite run in {run} moves aside" in capsys.readouterr().err
+    assert (aside / "checkpoints").is_dir()
+    assert train_mod.main([*SMALL, "--steps", "3", "--no-trace", "--resume", str(aside), "--out",
+                           str(tmp_path / "elsewhere")]) == 0  # into another --out: as the message says
+
+
 def test_a_resumed_run_trains_with_the_weight_decay_it_names(tmp_path, capsys):
     """AdamW decays before its update: p <- p (1 - lr wd) - lr u. Resumed from one checkpoint with weight decay
     0.1 and 0, step 2 differs by exactly lr * 0.1 * p1 (the update u is the same)."""

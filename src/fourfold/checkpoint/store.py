@@ -94,7 +94,8 @@ def find_latest(path: str | Path) -> Path:
         aside = [a for a in set_aside(out) if (a / "checkpoints").is_dir()]
         if aside:
             extra += (f"; {out / aside[-1].name}/checkpoints holds the checkpoints of an earlier run an --overwrite "
-                      f"run set aside and did not finish: resume from it, or move its files back into {out}")
+                      f"run set aside and did not finish: move its files back (mv {out / aside[-1].name}/* {out}/) "
+                      f"and --resume {out}, or resume from it into another --out")
         raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
                               "to write some.")
     return complete[-1][1]
