@@ -92,6 +92,24 @@ def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys,
     assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
 
 
+def _agree(ctx, dirs):
+    from fourfold.checkpoint.resume import same_on_every_rank
+
+    try:
+        same_on_every_rank({"dir": dirs[ctx.rank]}, "runs/a")
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_ranks_that_found_different_checkpoints_to_resume_are_refused_alike():
+    """--resume runs/a while runs/a still saves: each rank takes the newest it sees, and two steps' pieces would
+    be mixed with nothing to show it."""
+    assert run_ranks(_agree, 2, ["a/step-000002", "a/step-000002"], timeout_s=60) == [None, None]
+    said = run_ranks(_agree, 2, ["a/step-000002", "a/step-000003"], timeout_s=60)
+    assert said[0] == said[1] and "rank 0 a/step-000002, rank 1: a/step-000003. A run is still writing" in said[0]
+
+
 def test_resuming_from_what_an_overwrite_run_would_delete_is_refused(tmp_path, capsys):
     """An earlier run an --overwrite run set aside (OUT/.replaced-*/) and did not finish: resuming from it into
     OUT with --overwrite would delete it when the run ends; refused before launch, naming it."""

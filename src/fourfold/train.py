@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import CheckpointError, save_checkpoint
-from fourfold.checkpoint.resume import continues_run, restart_count, resume_from
+from fourfold.checkpoint.resume import continues_run, restart_count, resume_from, same_on_every_rank
 from fourfold.checkpoint.store import set_aside_newer
 from fourfold.cli.args import parse_args, without_section_flags
 from fourfold.comm.compress import PowerSGD
@@ -169,6 +169,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
     resume = resume_from(cfg)
+    same_on_every_rank(resume, t.resume)
     continuing = resume is not None and continues_run(cfg, resume)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -10,13 +10,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
+from fourfold.comm.wait import gather_objects
 from fourfold.config import Config, TrainConfig
 from fourfold.data.run import held_batches
 from fourfold.data.tokenizers import absolute_spec
 from fourfold.models.gpt import GPTConfig
 
-__all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
+__all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count", "same_on_every_rank",
            "resume_from", "take_checkpoint_model"]
 
 
@@ -72,6 +75,20 @@ def resume_from(cfg: Config) -> dict[str, Any] | None:
         return starting_manifest(cfg.train.resume, cfg.train.out)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
+
+
+def same_on_every_rank(manifest: dict[str, Any] | None, resume: str | None) -> None:
+    """Refuse, on every rank alike, a start from different checkpoints: each rank finds ``--resume DIR``'s newest
+    itself, and a run that is still writing DIR can hand two ranks two steps, whose pieces would be mixed
+    silently (their shapes agree). A collective (an object gather), once at the start."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    found = gather_objects(manifest["dir"] if manifest is not None else None, op="agree on the checkpoint to resume")
+    if len(set(found)) > 1:
+        shown = ", ".join(f"rank {r}: {d or 'none'}" for r, d in enumerate(found) if d != found[0])
+        raise ValueError(f"resume: the ranks found different checkpoints to start from in {resume}: rank 0 "
+                         f"{found[0] or 'none'}, {shown}. A run is still writing there; pass one checkpoint "
+                         "directory (--resume DIR/checkpoints/step-NNNNNN), or wait for it to finish.")
 
 
 def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
