@@ -56,6 +56,9 @@ def test_resuming_in_place_from_an_older_checkpoint_sets_the_newer_ones_aside(tm
     argv = [*SMALL, "--checkpoint-every", "1", "--keep", "3", "--out", str(out)]
     assert train_mod.main([*argv, "--steps", "4"]) == 0  # keeps step-2, -3 and -4
     old = (out / "checkpoints" / "step-000004" / "manifest.json").read_text()
+    unfinished = out / "checkpoints" / "step-000005"  # a save the disk filled up under: no manifest
+    unfinished.mkdir()
+    (unfinished / "rank-00000.pt").write_bytes(b"x" * 1000)
     capsys.readouterr()
     assert train_mod.main([*argv, "--steps", "3", "--lr", "1e-3", "--resume", str(out / "checkpoints" /
                                                                                   "step-000002")]) == 0
@@ -64,6 +67,7 @@ def test_resuming_in_place_from_an_older_checkpoint_sets_the_newer_ones_aside(tm
     (aside,) = (out / "checkpoints").glob(".abandoned-*")
     assert (aside / "step-000004" / "manifest.json").read_text() == old  # kept whole, out of the way
     assert [r["step"] for r in rows(aside)] == [1, 2, 3, 4]  # with the record of the branch it ends
+    assert not unfinished.exists() and not (aside / unfinished.name).exists()  # removed, not kept aside
     assert json.loads((aside / "run.json").read_text())["config"]["train"]["steps"] == 4
     assert [r["step"] for r in rows(out)] == [1, 2, 3]
     # the next resume continues this run (its step 3), not the abandoned step 4

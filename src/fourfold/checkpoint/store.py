@@ -54,12 +54,16 @@ def prune(root: Path, keep: int) -> None:
 
 
 def set_aside_newer(root: Path, step: int) -> Path | None:
-    """Move the checkpoints in ``root`` past ``step`` (complete or not) into ``root/.abandoned-<time>/``: a run
-    resumed in place from an older checkpoint departs from them, and left where they were the next ``--resume``
-    would take the newest of them, and ``prune`` would delete the one this run started from. Kept, not deleted;
-    None when there were none."""
+    """Move the checkpoints in ``root`` past ``step`` into ``root/.abandoned-<time>/``: a run resumed in place from
+    an older checkpoint departs from them, and left where they were the next ``--resume`` would take the newest of
+    them, and ``prune`` would delete the one this run started from. Kept, not deleted; None when there were none.
+    Incomplete ones (saves that never finished: a full disk) are removed, as :func:`prune` removes them: kept,
+    they would hold the space the next save needs, and every restart would fail again."""
     newer = [p for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and int(m.group(1)) > step] \
         if root.is_dir() else []
+    for p in [p for p in newer if not (p / MANIFEST).is_file()]:  # a save that never finished (a full disk):
+        shutil.rmtree(p, ignore_errors=True)  # not a checkpoint, and kept it would hold the space the next needs
+        newer.remove(p)
     if not newer:
         return None
     aside = Path(tempfile.mkdtemp(prefix=f".abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))
