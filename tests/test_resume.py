@@ -96,6 +96,19 @@ def test_bad_resume_input_is_refused_before_any_process_starts(tmp_path, capsys,
     assert time.perf_counter() - start < 5  # refused in the launcher: no rank was started
 
 
+def test_resuming_on_data_changed_at_the_same_path_is_said(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    run = tmp_path / "run"
+    assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--data", str(text), "--out", str(run)]) == 0
+    text.write_text("a different text altogether, read from the same path. " * 200)
+    capsys.readouterr()
+    assert train_mod.main([*SMALL, "--steps", "2", "--no-trace", "--data", str(text), "--resume", str(run), "--out",
+                           str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "note: resuming step 1 on data whose sha256" in err and "changed since" in err, err
+
+
 def _agree(ctx, dirs):
     from fourfold.checkpoint.resume import same_on_every_rank
 

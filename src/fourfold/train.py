@@ -205,6 +205,11 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
         keep_flags(optimizer, cfg)  # the checkpoint's weight decay gives way to this run's --weight-decay
+    was = resume["config"].get("corpus_sha256") if resume is not None else None
+    if ctx.is_main and was is not None and was != source.get("sha256"):  # the same path, other contents
+        print(f"fourfold train: note: resuming step {first - 1} on data whose sha256 {source.get('sha256')} is not "
+              f"the checkpoint's run's ({was}): {source.get('name')} changed since, so the batches from here are not "
+              "those that run would have read.", file=sys.stderr, flush=True)
     if ctx.is_main and continuing:  # resumed in place from an older checkpoint: the newer ones are another branch
         _set_aside_newer(out, first - 1)
     if ctx.is_main and restart_count() > 0:  # torchrun's agent restarted the ranks and says nothing of it
@@ -276,7 +281,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
             if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                checkpoint.save(out / "checkpoints", step, engine, optimizer, config=cfg.record(), keep=t.keep)
+                checkpoint.save(out / "checkpoints", step, engine, optimizer, keep=t.keep,
+                                config={**cfg.record(), "corpus_sha256": source.get("sha256")})
             bar.update(1)
             shown = {"tok_s": f"{row['tokens_per_s']:,.0f}"} if batch.documents is None else {
                 "real_tok_s": f"{row['real_tokens_per_s']:,.0f}", "pad": f"{row['padding_fraction']:.0%}"}
