@@ -46,6 +46,7 @@ def prune(root: Path, keep: int) -> None:
     complete = _complete(root)
     newest = complete[-1][0] if complete else -1
     for _, path in complete[:-keep] if keep > 0 else []:
+        (path / MANIFEST).unlink(missing_ok=True)  # first: a crash midway leaves no checkpoint, not half of one
         shutil.rmtree(path, ignore_errors=True)
     for path in root.iterdir():
         m = _STEP_DIR.fullmatch(path.name)
