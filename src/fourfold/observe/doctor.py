@@ -22,8 +22,9 @@ other ranks' beats and follows the chain of waits from this one (:func:`diagnose
 * a rank that is alive and computing is slow, not hung: one warning says so, and the wait goes on up to
   ``--timeout``, whose :class:`~fourfold.comm.wait.CommError` carries the doctor's account.
 
-On CUDA, NCCL's waits return once the work is queued, so the ledger shows the launch, not the completion; there
-torch's own NCCL watchdog and flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) see inside the GPU's queue.
+On CUDA the bounded wait blocks the host until the NCCL collective completes (``WorkNCCL::wait`` given a
+timeout does), so the ledger shows completions as on CPU; torch's own NCCL watchdog and flight recorder
+(``TORCH_NCCL_TRACE_BUFFER_SIZE``) see inside the GPU's queue beyond that.
 """
 
 from __future__ import annotations
