@@ -665,3 +665,40 @@ def test_an_unused_parameter_is_a_runtime_error_naming_it(refusals):
         assert r["unused"].startswith("RuntimeError"), f"rank {rank}: want a RuntimeError, got {r['unused']}"
         assert "aux.weight" in r["unused"] or "aux.bias" in r["unused"], (
             f"rank {rank}: the message must name the unused parameter (aux.weight / aux.bias): {r['unused']}")
+
+
+def _stuck_during_sync(ctx, flag):
+    """Rank 1 builds the engine, then stays alive calling nothing; rank 0's backward queues every bucket's ring
+    all-reduce on the communication thread. The first fails after the 2-s timeout; the rest must fail at once
+    with it, not wait 2 s each (the interpreter's exit waits for that queue)."""
+    import time
+
+    from fourfold import Mesh, parallelize
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    engine = parallelize(TinyGPT(cfg, seed=0), Mesh.for_world(2, dp=2).build(), allreduce="ring", bucket_mb=1e-4,
+                         loss_fn=lm_loss, timeout_s=2)
+    if ctx.rank == 1:
+        end = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.02)
+        return None
+    try:
+        x = torch.randint(0, 64, (2, 8))
+        try:
+            engine.step(x, x)
+            return "no error"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        start = time.monotonic()
+        engine.dp._executor.shutdown(wait=True)  # what the interpreter's exit does
+        return error, time.monotonic() - start, len(engine.dp.buckets)
+    finally:
+        open(flag, "w").close()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_bucket_fails_the_ones_queued_behind_it_at_once(tmp_path):
+    (error, drained, buckets), _ = run_ranks(_stuck_during_sync, 2, str(tmp_path / "done"), timeout_s=100)
+    assert error.startswith("CommError: rank 0:") and "ring" in error, error
+    assert buckets > 3 and drained < 2, (buckets, drained)  # not 2 s for each of the buckets queued behind it

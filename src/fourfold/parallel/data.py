@@ -147,6 +147,7 @@ class DataParallel(nn.Module):
         self._finished = True
         self._checked = False
         self._executor: ThreadPoolExecutor | None = None
+        self._comm_failed: BaseException | None = None  # the communication thread's first error
         if self.size > 1:
             for _, p in named:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -254,10 +255,21 @@ class DataParallel(nn.Module):
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn`` on the one communication thread: collectives go in the order issued, the same on every
-        rank."""
+        rank. Once one has failed, those queued behind it fail at once with its error: each would otherwise wait
+        out the timeout for a stuck peer, and the interpreter's exit waits for the thread's queue."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
-        return self._executor.submit(fn, *args, **kwargs)
+
+        def run() -> Any:
+            if self._comm_failed is not None:
+                raise self._comm_failed
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                self._comm_failed = e
+                raise
+
+        return self._executor.submit(run)
 
     def finish(self) -> None:
         """Wait for every bucket and write the averaged gradients into ``p.grad`` (idempotent)."""
