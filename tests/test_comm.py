@@ -547,6 +547,7 @@ def test_groups_time_out_with_the_run_and_nccls_watchdog_after_the_named_error(m
 
     assert group_timeout(10, "gloo") == datetime.timedelta(seconds=10)
     assert group_timeout(10, "nccl") == datetime.timedelta(seconds=42.5)  # the bounded wait's error first
+    assert group_timeout(10, "cpu:gloo,cuda:nccl") == datetime.timedelta(seconds=42.5)  # launch.init's on CUDA
     closed = []
     ctx = SimpleNamespace(close=lambda settle: closed.append(settle))
     launch._close_at_exit(ctx)  # a clean exit waits for the losses still in flight

@@ -177,7 +177,7 @@ class Engine:
         such a batch is refused, naming the fix."""
         m = self.pipeline.schedule.microbatches if self.pipeline is not None else self.grad_accum
         n = rows(inputs)
-        extra = -n % m if n else m
+        extra = -n % m if n or not tokens else m  # an empty shard: padded, or (a loss_fn of yours) as before
         if not extra:
             return inputs, targets, documents
         if not tokens:
@@ -475,7 +475,8 @@ class Engine:
     def _whole(self, state: dict[str, torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
         """``state`` made whole over tp, on the CPU; with ``keep`` False only the collectives (``{}``)."""
         if self.mesh.tp > 1:  # gather_full makes new tensors
-            return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group, keep=keep).items()}
+            return {k: v.cpu() for k, v in gather_full(state, self.layouts, self.ranks.tp_group, keep=keep,
+                                                       timeout_s=self.timeout_s).items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if keep else {}
 
     @functools.cached_property

@@ -7,6 +7,7 @@ file or the new one, never half of one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -46,10 +47,14 @@ def written_by_a_run(out: Path) -> bool:
 
 
 def fsync(path: str | os.PathLike[str]) -> None:
-    """Flush ``path`` (a file, or a directory: its entries) from the page cache to the disk."""
+    """Flush ``path`` (a file, or a directory: its entries) from the page cache to the disk. A filesystem that
+    cannot flush a directory (some FUSE, CIFS and NFS mounts answer EINVAL) is left to its own ordering."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (os.path.isdir(path) and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
     finally:
         os.close(fd)
 

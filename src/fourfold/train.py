@@ -42,6 +42,7 @@ from tqdm import tqdm
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import CheckpointError, save_checkpoint
 from fourfold.checkpoint.resume import continues_run, restart_count, resume_from, same_on_every_rank
+from fourfold.checkpoint.sharded import io_barrier, io_group
 from fourfold.checkpoint.store import set_aside_newer
 from fourfold.cli.args import parse_args, without_section_flags
 from fourfold.comm.compress import PowerSGD
@@ -166,6 +167,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     mesh = preflight(cfg, ctx.world_size, scan_data=False)  # every rank fails alike, never a hang
     barrier("check OUT before writing")  # nobody writes to OUT before every rank has checked it
     ranks = mesh.build(t.timeout)
+    if ctx.world_size > 1:
+        io_group()  # checkpoints' own group, made while every rank is here (a collective)
     tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
     resume = resume_from(cfg)
@@ -205,7 +208,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
         keep_flags(optimizer, cfg)  # the checkpoint's weight decay gives way to this run's --weight-decay
-    was = resume["config"].get("corpus_sha256") if resume is not None else None
+    same_path = resume is not None and resume["config"].get("train", {}).get("data") == t.data  # else noted already
+    was = resume["config"].get("corpus_sha256") if resume is not None and same_path else None
     if ctx.is_main and was is not None and was != source.get("sha256"):  # the same path, other contents
         print(f"fourfold train: note: resuming step {first - 1} on data whose sha256 {source.get('sha256')} is not "
               f"the checkpoint's run's ({was}): {source.get('name')} changed since, so the batches from here are not "
@@ -393,7 +397,7 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
     result.state = engine.state_dict(to=0)
     if ctx.is_main and cfg.train.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.record(), step=cfg.train.steps)
-    barrier("finish the run")
+    io_barrier("finish the run (rank 0 writes model.pt)")  # as long as a checkpoint's write may take
 
 
 def _interrupted_note(cfg: Config) -> str:

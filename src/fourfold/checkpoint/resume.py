@@ -86,9 +86,12 @@ def same_on_every_rank(manifest: dict[str, Any] | None, resume: str | None) -> N
     found = gather_objects(manifest["dir"] if manifest is not None else None, op="agree on the checkpoint to resume")
     if len(set(found)) > 1:
         shown = ", ".join(f"rank {r}: {d or 'none'}" for r, d in enumerate(found) if d != found[0])
-        raise ValueError(f"resume: the ranks found different checkpoints to start from in {resume}: rank 0 "
-                         f"{found[0] or 'none'}, {shown}. A run is still writing there; pass one checkpoint "
-                         "directory (--resume DIR/checkpoints/step-NNNNNN), or wait for it to finish.")
+        where = f" in {resume}" if resume else ""
+        raise ValueError(f"resume: the ranks found different checkpoints to start from{where}: rank 0 "
+                         f"{found[0] or 'none'}, {shown}. Either a run is still writing there (pass one checkpoint "
+                         "directory, --resume DIR/checkpoints/step-NNNNNN, or wait for it to finish), or the "
+                         "machines do not share that folder (an --out on each machine: every rank's files must be "
+                         "in one place to resume).")
 
 
 def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:

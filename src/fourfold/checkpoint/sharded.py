@@ -49,9 +49,10 @@ a slow filesystem takes minutes, far past ``--timeout`` (a dead rank still fails
 _IO_GROUPS: dict[Any, Any] = {}  # the world group -> its copy with IO_TIMEOUT_S, made at the first save or load
 
 
-def _io_group() -> dist.ProcessGroup:
-    """Every rank, with :data:`IO_TIMEOUT_S` (or the run's timeout, if longer); made on first use, which is a
-    collective (every rank saves and loads together)."""
+def io_group() -> dist.ProcessGroup:
+    """Every rank, with :data:`IO_TIMEOUT_S` (or the run's timeout, if longer). Made on first use, a collective:
+    ``fourfold train`` makes it at the start, where every rank arrives within ``--timeout``; from Python, the
+    first save or load does."""
     world = dist.group.WORLD
     if world not in _IO_GROUPS:
         _IO_GROUPS.clear()  # a group of an earlier process group is gone with it
@@ -64,7 +65,13 @@ def _gather(obj: Any, op: str) -> list[Any]:
     """Every rank's ``obj``, waited for as long as the slowest rank's file I/O may take (:data:`IO_TIMEOUT_S`)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    return gather_objects(obj, _io_group(), op=op)
+    return gather_objects(obj, io_group(), op=op)
+
+
+def io_barrier(op: str) -> None:
+    """Every rank waits for the others as long as a rank's file I/O may take (:data:`IO_TIMEOUT_S`): after
+    ``model.pt``, which rank 0 alone writes."""
+    _gather(None, op)
 
 
 def _global_shape(shape: torch.Size, layout: Any, count: int) -> list[int]:

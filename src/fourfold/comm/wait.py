@@ -20,7 +20,7 @@ import datetime
 import re
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -128,19 +128,29 @@ def _explain(entry: Any) -> str:
     return f"Hang doctor: {text} " if text else ""
 
 
-def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None = None, *, op: str) -> Any:
-    """``dist.broadcast_object_list`` of one object from global rank ``src`` under the ledger: ``src``'s ``obj``
-    on every rank of ``group``. Bounded by the process group's timeout, named like :func:`gather_objects`."""
-    ranks = group_ranks(group)
-    box = [obj]
-    entry = LEDGER.enter(op, f"receive an object from rank {src} in the group of", group=ranks)
+@contextlib.contextmanager
+def _object_collective(op: str, awaited: str, ranks: tuple[int, ...]) -> Iterator[None]:
+    """Around a blocking object collective (bounded by its group's own timeout): under the ledger, so the doctor
+    sees the wait, and its failure a :class:`CommError` naming this rank, ``op`` and the group."""
+    entry = LEDGER.enter(op, f"{awaited} the group of", group=ranks)
     try:
-        dist.broadcast_object_list(box, src=src, group=group)
+        yield
     except RuntimeError as e:
-        raise CommError(f"rank {dist.get_rank()}: {op}: broadcast from rank {src} to the group of ranks "
-                        f"{list(ranks)} failed. {HINT} {_explain(entry)}[{_first_line(e)}]") from e
+        cause = _first_line(e)
+        gone = _PEER_GONE.search(cause) is not None  # the echo of another rank's own error, as in bounded_wait
+        broke = ": a peer's connection broke" if gone else ""
+        raise CommError(f"rank {dist.get_rank()}: {op}: {awaited} the group of ranks {list(ranks)} failed{broke}. "
+                        f"{HINT} {_explain(entry)}[{cause}]", peer_gone=gone) from e
     finally:
         LEDGER.leave(entry)
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None = None, *, op: str) -> Any:
+    """``dist.broadcast_object_list`` of one object from global rank ``src``: ``src``'s ``obj`` on every rank of
+    ``group``. Bounded by the process group's timeout, named like :func:`gather_objects`."""
+    box = [obj]
+    with _object_collective(op, f"receive an object from rank {src} in", group_ranks(group)):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -151,19 +161,13 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, *, op: str,
     ``group``): only it receives them (``dist.gather_object``); the others get ``[]``."""
     ranks = group_ranks(group)
     everyone: list[Any] = [None] * len(ranks)
-    entry = LEDGER.enter(op, "gather objects from the group of", group=ranks)
-    try:
+    with _object_collective(op, "gather objects from", ranks):
         if dst is None:
             dist.all_gather_object(everyone, obj, group=group)
         else:
             mine = dist.get_rank() == dst
             dist.gather_object(obj, everyone if mine else None, dst=dst, group=group)
             everyone = everyone if mine else []
-    except RuntimeError as e:
-        raise CommError(f"rank {dist.get_rank()}: {op}: gather objects from the group of ranks {list(ranks)} "
-                        f"failed. {HINT} {_explain(entry)}[{_first_line(e)}]") from e
-    finally:
-        LEDGER.leave(entry)
     return everyone
 
 
@@ -192,7 +196,8 @@ def group_timeout(timeout_s: float | None = None, backend: str | None = None) ->
     collective's launch, which is before the bounded wait begins: it is given a quarter more and 30 s, so the
     named error (:class:`CommError`, the hang doctor's account) is raised first."""
     seconds = default_timeout_s() if timeout_s is None else timeout_s
-    if (backend if backend is not None else dist.get_backend() if dist.is_initialized() else "gloo") == "nccl":
+    backend = backend if backend is not None else str(dist.get_backend()) if dist.is_initialized() else "gloo"
+    if "nccl" in backend:  # "nccl", or launch.init's "cpu:gloo,cuda:nccl"
         seconds = 1.25 * seconds + 30
     return datetime.timedelta(seconds=seconds)
 

@@ -208,10 +208,11 @@ def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
 
 @torch.no_grad()
 def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], group: Group, *,
-                keep: bool = True) -> dict[str, torch.Tensor]:
+                keep: bool = True, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
     """Every entry of ``state`` (this rank's pieces, cut as ``layouts`` says; missing: replicated) made whole
     by an all-gather over ``group``: new tensors, never views of the pieces. A collective. ``keep=False``: take
-    part in the collectives only, keeping nothing (``{}``: a rank another one gathers for)."""
+    part in the collectives only, keeping nothing (``{}``: a rank another one gathers for). ``timeout_s``: each
+    all-gather's bound (None: the run's)."""
     p = dist.get_world_size(group)
     done: dict[int, torch.Tensor | None] = {}  # a tied tensor is gathered once, on every rank alike
     for key, t in state.items():
@@ -221,7 +222,7 @@ def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout]
             if layout.dim is not None and p > 1:
                 pieces = [torch.empty_like(t.detach()) for _ in range(p)]
                 collective(dist.all_gather(pieces, t.detach().contiguous(), group=group, async_op=True), group,
-                           op=f"gather of {key}'s tensor-parallel pieces", tensor=t)
+                           op=f"gather of {key}'s tensor-parallel pieces", timeout_s=timeout_s, tensor=t)
             done[id(t)] = unshard(pieces, layout) if keep else None
     return {key: done[id(t)] for key, t in state.items()} if keep else {}  # type: ignore[misc]
 
