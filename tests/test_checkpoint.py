@@ -253,6 +253,23 @@ def test_a_checkpoint_is_on_the_disk_before_an_older_one_is_pruned(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002"]
 
 
+def test_what_the_engine_does_not_hold_travels_in_config(tmp_path):
+    """README's own-loop block: a scheduler's state and the data's position, saved in config, come back in the
+    manifest that load returns (load takes the run's folder: its newest complete checkpoint)."""
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))
+    opt = optimizer(engine.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    _steps(engine, opt, 0, 1, 0, 2)
+    sched.step()
+    sched.step()
+    save(tmp_path / "checkpoints", 2, engine, opt, config={"scheduler": sched.state_dict(), "batches_read": 2})
+    fresh = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    manifest = load(tmp_path, engine, opt)
+    fresh.load_state_dict(manifest["config"]["scheduler"])
+    assert (manifest["step"], manifest["config"]["batches_read"], fresh.last_epoch) == (2, 2, 2)
+    assert fresh.get_last_lr() == sched.get_last_lr()
+
+
 def test_a_filesystem_that_cannot_flush_a_folder_still_saves(tmp_path, monkeypatch):
     import errno
     import os
