@@ -124,7 +124,8 @@ def test_ranks_that_found_different_checkpoints_to_resume_are_refused_alike():
     be mixed with nothing to show it."""
     assert run_ranks(_agree, 2, ["a/step-000002", "a/step-000002"], timeout_s=60) == [None, None]
     said = run_ranks(_agree, 2, ["a/step-000002", "a/step-000003"], timeout_s=60)
-    assert said[0] == said[1] and "rank 0 a/step-000002, rank 1: a/step-000003. Either a run is still writing" in said[0]
+    assert said[0] == said[1], said
+    assert "rank 0 a/step-000002, rank 1: a/step-000003. Either a run is still writing" in said[0], said
 
 
 def test_resuming_from_what_an_overwrite_run_would_delete_is_refused(tmp_path, capsys):

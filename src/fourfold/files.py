@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs", "fsync",
-           "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "set_aside", "steady",
+__all__ = ["LOCK_NAME", "OUTPUTS", "atomic_path", "check_writable", "drop_replaced", "drawn_row", "earlier_outputs",
+           "fsync", "median_row", "median_step", "move_aside", "open_metrics", "run_lock", "set_aside", "steady",
            "write_text_atomic", "written_by_a_run"]
 
 LOCK_NAME = ".fourfold.lock"

@@ -99,13 +99,13 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if existing and not t.overwrite and not continuing:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
                          "replace them, --resume to continue it, or another --out.")
-    source = Path(resume["dir"]).resolve() if resume is not None else None
-    moved = [p for p in [*earlier_outputs(out), *set_aside(out)] if source is not None and t.overwrite
-             and not continuing and source.is_relative_to(p.resolve())]  # what --overwrite moves, then deletes
-    if moved:
-        raise ValueError(f"resume: the checkpoint {resume['dir'] if resume else ''} lies in {moved[0]}, which this "
-                         f"--overwrite run in {out} moves aside (before it loads the checkpoint) and deletes when it "
-                         f"ends. Move the checkpoint out of {out} first, or pass another --out.")
+    if resume is not None and t.overwrite and not continuing:  # what --overwrite moves aside, then deletes
+        source = Path(resume["dir"]).resolve()
+        moved = [p for p in [*earlier_outputs(out), *set_aside(out)] if source.is_relative_to(p.resolve())]
+        if moved:
+            raise ValueError(f"resume: the checkpoint {resume['dir']} lies in {moved[0]}, which this --overwrite run "
+                             f"in {out} moves aside (before it loads the checkpoint) and deletes when it ends. Move "
+                             f"the checkpoint out of {out} first, or pass another --out.")
     if existing and t.overwrite and not continuing and not written_by_a_run(out):
         raise ValueError(f"out holds {', '.join(existing)} in {out} but no run.json a fourfold run wrote, so they may "
                          "be files of yours: --overwrite replaces only an earlier run's outputs. Pass another --out, "

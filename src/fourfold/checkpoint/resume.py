@@ -19,8 +19,8 @@ from fourfold.data.run import held_batches
 from fourfold.data.tokenizers import absolute_spec
 from fourfold.models.gpt import GPTConfig
 
-__all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count", "same_on_every_rank",
-           "resume_from", "take_checkpoint_model"]
+__all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
+           "resume_from", "same_on_every_rank", "take_checkpoint_model"]
 
 
 MODEL_KEYS = {"train": ("model", "model_config", "dtype"),

@@ -69,8 +69,8 @@ def _gather(obj: Any, op: str) -> list[Any]:
 
 
 def io_barrier(op: str) -> None:
-    """Every rank waits for the others as long as a rank's file I/O may take (:data:`IO_TIMEOUT_S`): after
-    ``model.pt``, which rank 0 alone writes."""
+    """Every rank waits for the others as long as a rank's file I/O may take (:data:`IO_TIMEOUT_S`): the end of
+    a save or a load, and of ``model.pt``, which rank 0 alone writes."""
     _gather(None, op)
 
 
@@ -145,7 +145,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         write_text_atomic(where / MANIFEST, json.dumps(manifest, indent=1, default=_jsonable) + "\n", durable=True)
         fsync(where.parent)  # the step's folder itself, before the older ones go
         prune(Path(root), keep)
-    _gather(None, "checkpoint save: wait for every rank's files")  # a barrier: the checkpoint exists (manifest written) on return, on every rank
+    io_barrier("checkpoint save: wait for every rank's files")  # on return the checkpoint exists, on every rank
     return where
 
 
@@ -257,7 +257,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
             engine.streams.resume(None, manifest["step"])
         else:  # one process draws from torch's own generator, as plain PyTorch does
             torch.manual_seed(stream_seed(torch.initial_seed(), "step", manifest["step"]))
-    _gather(None, "checkpoint load: wait for every rank's reads")  # the next step's collectives start together
+    io_barrier("checkpoint load: wait for every rank's reads")  # the next step's collectives start together
     return manifest
 
 

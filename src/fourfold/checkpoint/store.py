@@ -46,12 +46,17 @@ def prune(root: Path, keep: int) -> None:
     complete = _complete(root)
     newest = complete[-1][0] if complete else -1
     for _, path in complete[:-keep] if keep > 0 else []:
-        (path / MANIFEST).unlink(missing_ok=True)  # first: a crash midway leaves no checkpoint, not half of one
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     for path in root.iterdir():
         m = _STEP_DIR.fullmatch(path.name)
         if m and int(m.group(1)) < newest and not (path / MANIFEST).exists():
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder, its manifest first: a crash midway leaves no checkpoint, not half of one."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def set_aside_newer(root: Path, step: int) -> Path | None:
@@ -62,9 +67,10 @@ def set_aside_newer(root: Path, step: int) -> Path | None:
     they would hold the space the next save needs, and every restart would fail again."""
     newer = [p for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and int(m.group(1)) > step] \
         if root.is_dir() else []
-    for p in [p for p in newer if not (p / MANIFEST).is_file()]:  # a save that never finished (a full disk):
-        shutil.rmtree(p, ignore_errors=True)  # not a checkpoint, and kept it would hold the space the next needs
-        newer.remove(p)
+    unfinished = [p for p in newer if not (p / MANIFEST).is_file()]  # a save the disk filled up under, say
+    for p in unfinished:
+        _remove(p)
+    newer = [p for p in newer if p not in unfinished]
     if not newer:
         return None
     aside = Path(tempfile.mkdtemp(prefix=f".abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))

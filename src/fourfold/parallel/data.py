@@ -53,8 +53,9 @@ def check_find_unused(zero: int, pp: int) -> None:
     if zero or pp > 1:
         raise ValueError(f"find_unused_parameters works with plain data parallelism, got zero={zero}, pp={pp}: "
                          "ZeRO's optimiser steps flat shards, which cannot leave one parameter without a gradient, "
-                         "and a pipeline's stages are not covered yet. Drop zero or pp (fourfold train: --zero, --pp), or use every "
-                         "parameter in each step (or freeze those you do not: requires_grad=False).")
+                         "and a pipeline's stages are not covered yet. Drop zero or pp (fourfold train: --zero, "
+                         "--pp), or use every parameter in each step (or freeze those you do not: "
+                         "requires_grad=False).")
 
 
 def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,

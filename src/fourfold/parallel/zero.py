@@ -165,7 +165,8 @@ class ShardedDataParallel(DataParallel):
             raise ValueError(f"zero must be 1, 2 or 3 (0 is plain data parallelism), got {zero}.")
         if algorithm not in ZERO_ALGORITHMS:
             raise ValueError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm {' or '.join(ZERO_ALGORITHMS)}, "
-                             f"got {algorithm!r} (an all-reduce only). Pass algorithm='ring' or 'native' (fourfold train: --allreduce) with ZeRO.")
+                             f"got {algorithm!r} (an all-reduce only). Pass algorithm='ring' or 'native' "
+                             "(fourfold train: --allreduce) with ZeRO.")
         self.zero = zero
         self._units = list(units) if zero == 3 else []
         self._late = {id(p) for p in late}

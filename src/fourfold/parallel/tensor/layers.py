@@ -287,11 +287,11 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):  # as nn.Embedding
-            # refuses: no rank holds such a row, and the lookup would be zeros on every rank, silently
-            raise ValueError(f"the embedding's ids must be in [0, {self.num_embeddings}), got ids in "
-                             f"[{int(idx.min())}, {int(idx.max())}]. Check the tokenizer's vocabulary size against "
-                             "the model's (vocab_size)")
+        if idx.numel():  # as nn.Embedding refuses: no rank holds such a row, and the lookup would be zeros
+            low, high = torch.stack(torch.aminmax(idx)).tolist()  # on every rank, silently (one host sync)
+            if low < 0 or high >= self.num_embeddings:
+                raise ValueError(f"the embedding's ids must be in [0, {self.num_embeddings}), got ids in [{low}, "
+                                 f"{high}]. Check the tokenizer's vocabulary size against the model's (vocab_size)")
         outside = (idx < self.start) | (idx >= self.start + self.weight.shape[0])  # (B, T)
         local = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight,  # (B, T, C)
                             padding_idx=self._local_padding)
