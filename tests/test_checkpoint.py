@@ -229,6 +229,33 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
 
 
+def test_prune_removes_a_linked_checkpoint_as_a_link_and_keeps_one_it_cannot_remove(tmp_path, capsys, monkeypatch):
+    """A step folder that is a link to a checkpoint elsewhere: the prune removes the link, never the checkpoint
+    it points to. One whose manifest cannot be removed stays whole (not half deleted), and the save that pruned it
+    goes through."""
+    elsewhere, *_ = _one(tmp_path / "elsewhere", step=1)
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "step-000001").symlink_to(elsewhere, target_is_directory=True)
+    _one(root, step=2, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002"]
+    assert find_latest(tmp_path / "elsewhere") == elsewhere  # its manifest and files untouched
+    assert (elsewhere / "rank-00000.pt").is_file()
+
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):  # a folder made read-only (root ignores modes, so say it here)
+        if self == root / "step-000002" / "manifest.json":
+            raise PermissionError(13, "Permission denied")
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    _one(root, step=3, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000003"]
+    assert find_latest(root / "step-000002") == root / "step-000002"  # whole, still a checkpoint
+    assert "step-000002 could not be removed (Permission denied); it is kept" in capsys.readouterr().err
+
+
 def test_a_checkpoint_is_on_the_disk_before_an_older_one_is_pruned(tmp_path, monkeypatch):
     """Without a flush, a power loss after the prune could leave the new checkpoint's files empty and the old
     ones gone. Every file and folder entry of step 2 is flushed before step 1 (keep=1) is deleted."""

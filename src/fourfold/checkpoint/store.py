@@ -54,8 +54,22 @@ def prune(root: Path, keep: int) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint folder, its manifest first: a crash midway leaves no checkpoint, not half of one."""
-    (path / MANIFEST).unlink(missing_ok=True)
+    """Delete a checkpoint folder, its manifest first: a crash midway leaves no checkpoint, not half of one.
+
+    A link in its place goes as a link: what it points to (a checkpoint elsewhere) is not this run's to delete.
+    A folder whose manifest cannot be removed (made read-only, say) is kept whole, and said so, rather than
+    half deleted or failing the save that pruned it."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
+    if not path.is_dir():
+        return
+    try:
+        (path / MANIFEST).unlink(missing_ok=True)
+    except OSError as e:
+        print(f"fourfold: checkpoint {path} could not be removed ({e.strerror or e}); it is kept.",
+              file=sys.stderr, flush=True)
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 
