@@ -250,6 +250,9 @@ def test_evaluate_pads_a_partial_batch_exactly_and_refuses_it_under_a_loss_fn_of
     for n in (5, 1):  # 3 parts of a batch of 5 rows (1 padded), and of 1 (2 padded)
         x, y = (t[-n:] for t in EVAL_BATCH)
         assert abs(engine.evaluate(x, y).item() - reference_eval(CFG, engine.state_dict(), (x, y))) <= TOL64
+        kept = y.clamp_min(0)  # targets a uint8 can hold; the padding rows' -100 it cannot
+        for ids in (torch.int32, torch.uint8):
+            assert engine.evaluate(x, kept.to(ids)).item() == engine.evaluate(x, kept).item(), ids
     mine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=3, loss_fn=lm_loss)
     with pytest.raises(ValueError, match="got 5 rows; with a loss_fn of your own .* Pass a multiple of 3 rows"):
         mine.evaluate(*(t[-5:] for t in EVAL_BATCH))

@@ -185,7 +185,7 @@ class Engine:
                              "with a loss_fn of your own (a mean over rows) padding rows would change the mean. "
                              f"Pass a multiple of {m} rows per rank, or drop loss_fn: fourfold's own loss pads a "
                              "partial batch exactly")
-        return (pad(inputs, extra), pad(targets, extra, IGNORE_INDEX),
+        return (pad(inputs, extra), pad(targets.long(), extra, IGNORE_INDEX),  # uint8 ids cannot hold -100
                 pad(documents, extra, -1) if documents is not None else None)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
