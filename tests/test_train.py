@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -84,6 +86,19 @@ def test_an_overwrite_run_keeps_the_earlier_run_aside_until_it_finishes(tmp_path
     with pytest.raises(CheckpointError, match=rf"{aside[0].name}/checkpoints holds the checkpoints of an earlier run "
                                               "an --overwrite run set aside and did not finish"):
         find_latest(out)
+    # the hint's commands work as written, even with unfinished saves of the crashed run in OUT/checkpoints
+    had = (out / "checkpoints").exists()
+    (out / "checkpoints" / "step-000009").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"move its files back \((mv .*)\) and --resume") as e:
+        find_latest(out)
+    restore = re.search(r"move its files back \((mv .*)\) and --resume", str(e.value)).group(1)
+    tried = tmp_path / "tried"
+    shutil.copytree(out, tried, symlinks=True)
+    subprocess.run(restore.replace(str(out), str(tried)), shell=True, check=True)
+    assert (tried / "metrics.jsonl").read_text() == first and find_latest(tried).parent == tried / "checkpoints"
+    (out / "checkpoints" / "step-000009").rmdir()
+    if not had:
+        (out / "checkpoints").rmdir()
     # a run without --overwrite keeps it, and says so before it starts (OUT holds no run: the crashed one's files
     # gone, as when an --overwrite run fails before it writes any, on bad data say)
     for name in ("metrics.jsonl", "run.json"):

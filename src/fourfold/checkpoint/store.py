@@ -118,9 +118,11 @@ def find_latest(path: str | Path) -> Path:
         out = root.parent if root.name == "checkpoints" else root
         aside = [a for a in set_aside(out) if (a / "checkpoints").is_dir()]
         if aside:
+            # mv cannot put a folder over a non-empty one: this run's checkpoints/ (unfinished saves) goes first
+            clear = f"mv {root} {root}.unfinished; " if root.name == "checkpoints" and root.is_dir() else ""
             extra += (f"; {out / aside[-1].name}/checkpoints holds the checkpoints of an earlier run an --overwrite "
-                      f"run set aside and did not finish: move its files back (mv {out / aside[-1].name}/* {out}/) "
-                      f"and --resume {out}, or resume from it into another --out")
+                      f"run set aside and did not finish: move its files back ({clear}mv {out / aside[-1].name}/* "
+                      f"{out}/) and --resume {out}, or resume from it into another --out")
         raise CheckpointError(f"resume: no complete checkpoint in {root}{extra}. Train with --checkpoint-every N "
                               "to write some.")
     return complete[-1][1]
