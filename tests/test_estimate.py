@@ -37,6 +37,7 @@ LAYOUTS = [  # (label, dp, tp, pp, options)
     ("dp2 tp2 sp zero2", 2, 2, 1, {"sequence_parallel": True, "zero": 2}),
     ("dp2 pp2 gpipe", 2, 1, 2, {"schedule": "gpipe"}),
     ("dp2 pp2 1f1b", 2, 1, 2, {"schedule": "1f1b"}),
+    ("dp2 pp2 model", 2, 1, 2, {"strategy": "model"}),  # the whole shard at once, whatever microbatches says
     ("dp2 pp2 interleaved", 2, 1, 2, {"schedule": "interleaved"}),
     ("dp2 pp2 zb zero1", 2, 1, 2, {"schedule": "zb", "zero": 1}),
     ("tp2 pp2 1f1b", 1, 2, 2, {"schedule": "1f1b"}),
@@ -78,6 +79,7 @@ def _estimates() -> list[list]:
         every = 1 if options.get("activation_checkpointing") == "full" else 0
         out.append(estimate_memory(model, blocks, dp=dp, tp=tp, pp=pp, batch_size=BATCH,
                                    microbatches=MICRO if pp > 1 else 1, schedule=options.get("schedule", "1f1b"),
+                                   strategy=options.get("strategy", "pipeline"),
                                    zero=options.get("zero", 0), checkpoint_every=every, shards=shard_plan(model),
                                    sequence_parallel=options.get("sequence_parallel", False), probe=probe))
     return out
@@ -265,6 +267,7 @@ def test_each_machine_shares_its_own_memory_among_its_own_ranks():
     ({"pp": 2, "schedule": "interleaved", "virtual": 3, "microbatches": 4},
      {"schedule": "interleaved", "virtual": 3, "microbatches": 4}),
     ({"grad_accum": 4}, {"microbatches": 4, "pp": 1}),  # without a pipeline: accumulation's micro-batches
+    ({"pp": 2, "strategy": "model", "microbatches": 8}, {"strategy": "model", "microbatches": 1}),  # not 8
 ])
 def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
     """``layout_memory`` (what ``plan --memory`` prints and ``train`` checks first) builds the estimate's options

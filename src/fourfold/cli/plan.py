@@ -410,6 +410,7 @@ def _main(argv: list[str] | None = None) -> int:
     t = cfg.train
     available, where = per_rank_budget(cfg, world)
     layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
+        " model parallelism" if options["pp"] > 1 and t.strategy == "model" else
         f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else
         f" grad-accum {options['microbatches']}" if options["microbatches"] > 1 else "") + (
         f" zero={options['zero']}" if options["zero"] else "") + (

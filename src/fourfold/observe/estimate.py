@@ -344,7 +344,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
         return rows
     sched = pipeline_schedule(strategy, schedule, pp, microbatches, virtual)
     stage_units = cut_units([numel(u) for u in units], sched.stages)
-    micro = batch_size // dp // microbatches
+    micro = batch_size // dp // sched.microbatches  # model parallelism: one, whatever microbatches says
     act = {s: sum(per_sample[u] for u in stage_units[s]) * micro for s in range(sched.stages)}
     extra = {s: sum(kept_for_w[u] for u in stage_units[s]) * micro for s in range(sched.stages)}
     for r in range(pp):

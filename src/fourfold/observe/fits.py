@@ -64,9 +64,10 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
             check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
         raise  # the estimate's own failure
 
-    # "microbatches": the pipeline's, or without one gradient accumulation's (a rank holds one at a time)
-    options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size,
-               "microbatches": t.microbatches if mesh.pp > 1 else t.grad_accum,
+    # "microbatches": the pipeline's (model parallelism runs the whole shard as one), or without one gradient
+    # accumulation's (a rank holds one at a time)
+    micro = (1 if t.strategy == "model" else t.microbatches) if mesh.pp > 1 else t.grad_accum
+    options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size, "microbatches": micro,
                "schedule": t.schedule, "virtual": t.virtual,
                "strategy": t.strategy, "zero": t.zero if mesh.dp > 1 else 0,
                "checkpoint_every": parse_policy(t.activation_checkpointing), "shards": shards,
