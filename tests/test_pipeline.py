@@ -233,7 +233,11 @@ def test_spans_follow_the_schedule(name):
         header = HEADER_INTS * 8
         assert {s.recv_bytes for s in recvs} == {activation + header}, "payload + the header"
         assert sum(s.bytes for s in spans if s.name == "send") == MICRO * (activation + header)
-        assert any(s.name == "tied_grads" for s in spans), "the tied head's gradient exchange is traced"
+        tied = [s for s in spans if s.name == "tied_grads"]
+        assert tied, "the tied head's gradient exchange is traced"
+        # and the time blocked in it is a wait (the other stage's backward, mostly), as a receive's is
+        assert any(w.args.get("what") == "tied gradients" and tied[0].start_ns <= w.start_ns
+                   and w.end_ns == tied[0].end_ns for w in waits), (r, tied, waits[-3:])
         assert waits and all(s.end_ns >= s.start_ns for s in waits)
 
 

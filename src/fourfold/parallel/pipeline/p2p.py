@@ -340,12 +340,17 @@ class Links:
         for grad, peer, tag, awaited, message in sends:
             works.append((dist.isend(grad, peer, group=self.group, tag=tag), peer, "send", awaited, message))
             nbytes += grad.nbytes
+        waiting = time.perf_counter_ns()
         for work, peer, direction, awaited, message in works:
             self._wait(work, "tied gradients", direction, awaited, peer, message)
         if works:
+            t1 = time.perf_counter_ns()
             self.sent_bytes += nbytes
             self.messages += sum(1 for _, _, direction, _, _ in works if direction == "send")
-            self._record("comm", "tied_grads", t0, time.perf_counter_ns(), bytes=nbytes)
+            # mostly the peer's backward still running (the last stage waits for the first's): drawn as a wait,
+            # over the comm span, as a receive is
+            self._trace_wait(waiting, t1, None, None, "tied gradients")
+            self._record("comm", "tied_grads", t0, t1, bytes=nbytes)
         sum_tied_grads(stages, remote)
 
 
