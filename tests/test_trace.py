@@ -255,6 +255,24 @@ def test_timeline_writes_a_png(tmp_path, color_by) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
+def test_a_traced_pipeline_step_shades_b_and_w_as_the_schedules_picture_does(tmp_path, monkeypatch) -> None:
+    """F solid, B lighter and hatched, W lightest and dotted, in the micro-batch's colour (fourfold schedule
+    --png): without it an interleaved or pp4 timeline, too narrow to label, cannot tell F from B."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from fourfold.observe.visualize import _MICROBATCH_COLORS, OP_HATCH, OP_SHADE, mix, timeline
+
+    drawn = []
+    barh = Axes.broken_barh
+    monkeypatch.setattr(Axes, "broken_barh", lambda self, xranges, yrange, **kw: (
+        drawn.append((kw["facecolors"][0], kw.get("hatch"))), barh(self, xranges, yrange, **kw))[1])
+    spans = {0: [_span(0, "compute", 10 * i, 10 * i + 9, op, microbatch=1, args={"stage": 0}) for i, op in enumerate("FBW")]}
+    timeline(spans, tmp_path / "zb.png", color_by="microbatch")
+    green = _MICROBATCH_COLORS[1]
+    assert drawn == [(green if op == "F" else mix(green, OP_SHADE[op]), OP_HATCH[op]) for op in "FBW"], drawn
+
+
 def test_timeline_refuses_bad_input(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from fourfold.observe.visualize import timeline

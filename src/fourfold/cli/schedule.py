@@ -40,8 +40,6 @@ FORMULAS = {
     "interleaved": "(p-1)/(v*m+p-1)",
     "zb": "(p-1)(f+b-w)/(m(f+b+w)+(p-1)(f+b-w))",
 }
-SHADE = {"F": 0.0, "B": 0.45, "W": 0.65}  # how far each op's box is mixed towards white
-HATCH = {"F": None, "B": "////", "W": "...."}
 
 
 def report(schedule: Schedule, timeline: Timeline) -> str:
@@ -91,9 +89,13 @@ def _num(x: float) -> str:
 def draw(timelines: list[Timeline], path: str | Path) -> None:
     """One panel per schedule, stacked on a shared time axis; written atomically as a PNG."""
     from fourfold.files import atomic_path
-    from fourfold.observe.visualize import (  # one palette with traced timelines
+    from fourfold.observe.visualize import (  # one palette and shading with traced timelines
         _MICROBATCH_COLORS,
+        OP_HATCH,
+        OP_LEGEND,
+        OP_SHADE,
         _matplotlib,
+        mix,
     )
 
     Figure, FigureCanvasAgg = _matplotlib()  # first: its ImportError says how to install matplotlib
@@ -111,7 +113,7 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
             for a, start, stop in row:
                 rects, colors = boxes.setdefault(a.op, ([], []))
                 rects.append(Rectangle((start, r - 0.4), stop - start, 0.8))
-                colors.append(_mix(_MICROBATCH_COLORS[a.microbatch % len(_MICROBATCH_COLORS)], SHADE[a.op]))
+                colors.append(mix(_MICROBATCH_COLORS[a.microbatch % len(_MICROBATCH_COLORS)], OP_SHADE[a.op]))
                 label = f"{a.op}{a.microbatch}" if s.virtual == 1 else str(a)
                 if (stop - start) / end * 900 > 6.5 * len(label):  # about 900 px of axis: label if it fits
                     ax.text((start + stop) / 2, r, label, ha="center", va="center", fontsize=6.5,
@@ -119,7 +121,7 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
         hatched = sum(len(rects) for rects, _ in boxes.values()) <= 2000  # more: too thin to see, slow to draw
         for op, (rects, colors) in boxes.items():  # one collection per hatch: thousands of boxes draw at once
             ax.add_collection(PatchCollection(rects, facecolors=colors, edgecolor="white", linewidth=0.6,
-                                              hatch=HATCH[op] if hatched else None))
+                                              hatch=OP_HATCH[op] if hatched else None))
         ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
         ax.set_ylim(s.pp - 0.5, -0.5)  # rank 0 on top
         ax.set_xlim(0, end * 1.005)
@@ -137,19 +139,13 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
     m = max(t.schedule.microbatches for t in timelines)
     handles = [Patch(facecolor=_MICROBATCH_COLORS[i], label=f"micro-batch {i}")
                for i in range(min(m, len(_MICROBATCH_COLORS)))]
-    handles += [Patch(facecolor=_mix("#666666", SHADE[op]), hatch=HATCH[op], edgecolor="white", label=text)
-                for op, text in (("F", "F forward"), ("B", "B backward"), ("W", "W weight gradient"))
+    handles += [Patch(facecolor=mix("#666666", OP_SHADE[op]), hatch=OP_HATCH[op], edgecolor="white", label=text)
+                for op, text in OP_LEGEND
                 if any(a.op == op for t in timelines for row in t.schedule.ranks for a in row)]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 8), frameon=False,
                fontsize=8)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
-
-
-def _mix(color: str, white: float) -> tuple[float, float, float]:
-    """``color`` moved ``white`` of the way towards white: the lighter shade of the same micro-batch."""
-    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
-    return tuple(c + (1 - c) * white for c in rgb)  # type: ignore[return-value]
 
 
 MAX_ACTIONS = 12_000  # F, B and W actions of all ranks: above it the grid is unreadable and slow to draw

@@ -23,12 +23,18 @@ from typing import Any, Literal
 from fourfold.files import atomic_path
 from fourfold.observe.trace import KINDS, Span
 
-__all__ = ["KIND_COLORS", "draw_packing", "draw_step", "rank_labels", "timeline"]
+__all__ = ["KIND_COLORS", "OP_HATCH", "OP_LEGEND", "OP_SHADE", "draw_packing", "draw_step", "mix", "rank_labels",
+           "timeline"]
 
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
 # Micro-batch colours: tab10 without its orange and red (comm and wait here) and its grey (no micro-batch).
 _MICROBATCH_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#5254a3")
 _NO_MICROBATCH = "#B0B0B0"
+# A pipeline action's box: its micro-batch's colour, lighter and hatched for backward, lightest and dotted for the
+# weight gradient; the same in the schedule's simulated picture (fourfold schedule --png) and a traced run's.
+OP_SHADE = {"F": 0.0, "B": 0.45, "W": 0.65}  # how far each op's box is mixed towards white
+OP_HATCH = {"F": None, "B": "////", "W": "...."}
+OP_LEGEND = (("F", "F forward"), ("B", "B backward"), ("W", "W weight gradient"))
 # Within a rank's row: compute fills the band; comm sits in its lower part and wait in its upper part, drawn
 # over compute, so communication that overlaps computation shows as a strip across the compute box.
 _BAND = 0.8
@@ -95,31 +101,39 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
     legend: dict[str, list[str]] = {}  # colour -> labels sharing it
     held = {r: sorted({s.args["stage"] for s in spans_by_rank[r] if s.kind == "compute" and "stage" in s.args})
             for r in ranks}  # the pipeline stages each rank runs (interleaved: several)
+    ops: set[str] = set()  # pipeline actions drawn in their own shade (B, W)
     for row, rank in enumerate(ranks):
-        boxes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # one broken_barh call per colour
+        # one broken_barh call per colour and hatch
+        boxes: dict[tuple[str, Any, str | None], list[tuple[float, float]]] = {}
         several = len(held[rank]) > 1
         for s in spans_by_rank[rank]:
             x, w = s.start_ns / 1e6 - t0, (s.end_ns - s.start_ns) / 1e6
             color, label = (_compute_color(s, color_by) if s.kind == "compute"
                             else (KIND_COLORS[s.kind], s.kind))
-            boxes.setdefault((s.kind, color), []).append((x, w))
             if label not in legend.setdefault(color, []):
                 legend[color].append(label)
+            op = s.name if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None \
+                and s.name in OP_SHADE else None  # a pipeline action: F / B / W
+            if op is not None:
+                ops.add(op)
+            shade: Any = mix(color, OP_SHADE[op]) if op in ("B", "W") else color
+            boxes.setdefault((s.kind, shade, OP_HATCH[op] if op else None), []).append((x, w))
             if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None:
                 # schedule actions are named F / B / W: "F3" reads like the schedule printouts
                 text = f"{s.name}{s.microbatch}" if len(s.name) <= 2 else str(s.microbatch)
                 if several and "stage" in s.args:  # which of the rank's stages: "F3 s2"
                     text = f"{text} s{s.args['stage']}"
                 if w > 0.012 * span_ms * len(text):
-                    ax.text(x + w / 2, row, text, ha="center", va="center", fontsize=7, color="white", zorder=4)
-        for (kind, color), xw in boxes.items():
+                    ax.text(x + w / 2, row, text, ha="center", va="center", fontsize=7, zorder=4,
+                            color="black" if op in ("B", "W") else "white")
+        for (kind, color, hatch), xw in boxes.items():
             if kind == "compute":
                 y, h = row - _BAND / 2, _BAND
             elif kind == "comm":  # lower strip
                 y, h = row + _BAND / 2 - _STRIP, _STRIP
             else:  # wait: upper strip, so a wait on communication does not hide the communication itself
                 y, h = row - _BAND / 2, _STRIP
-            ax.broken_barh(xw, (y, h), facecolors=color, edgecolors="white", linewidth=0.4,
+            ax.broken_barh(xw, (y, h), facecolors=[color], edgecolors="white", linewidth=0.4, hatch=hatch,
                            zorder=2 if kind == "compute" else 3)
 
     names = [f"rank {r}" + (f"\n{_stages(labels[r], held[r])}" if labels and labels.get(r) else "") for r in ranks]
@@ -139,6 +153,11 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
         order = sorted(legend.items(), key=lambda item: _legend_rank(item[1][0]))
         handles = [Patch(facecolor=color) for color, _ in order]
         entries = [_join(kinds) for _, kinds in order]
+        if ops - {"F"}:  # the shades of backward and weight gradient, as the schedule's picture shows them
+            shades = [(op, text) for op, text in OP_LEGEND if op in ops]
+            handles += [Patch(facecolor=mix("#666666", OP_SHADE[op]), hatch=OP_HATCH[op], edgecolor="white")
+                        for op, _ in shades]
+            entries += [text for _, text in shades]
         fig.legend(handles, entries, loc="outside lower center", ncols=min(len(handles), 6), frameon=False,
                    fontsize=8)
     with atomic_path(path) as tmp:
@@ -161,6 +180,12 @@ def _label_key(labels: Mapping[int, str] | None, rank: int) -> tuple[int, ...]:
     """``"stage 1 dp 0 tp 1"`` -> (1, 0, 1, rank): numbers in label order, so stages group and sort."""
     words = (labels or {}).get(rank, "").split()
     return (*(int(w) for w in words[1::2] if w.isdigit()), rank)
+
+
+def mix(color: str, white: float) -> tuple[float, float, float]:
+    """``color`` (``#rrggbb``) moved ``white`` of the way towards white: a lighter shade of the same colour."""
+    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return tuple(c + (1 - c) * white for c in rgb)  # type: ignore[return-value]
 
 
 def _compute_color(s: Span, color_by: str) -> tuple[str, str]:
