@@ -228,12 +228,12 @@ def _pingpong(comm: Any, rank: int, peer: int) -> list[tuple[int, float]]:
     return out
 
 
-def _theory(name: str, numel: int, g: int) -> list[int] | None:
-    from fourfold.comm import hierarchical, master, naive, ring, tree
+def _theory(name: str, numel: int, g: int, node_size: int) -> list[int] | None:
+    """Each rank's bytes sent by theory (float32), for every point-to-point algorithm (not native)."""
+    from fourfold.comm import auto
+    from fourfold.comm.network import ALGORITHMS
 
-    fns = {"naive": naive.theory, "master": master.theory, "ring": ring.theory, "tree": tree.theory,
-           "hierarchical": hierarchical.theory}
-    return [fns[name](numel, g, r, 4)[0] for r in range(g)] if name in fns else None
+    return auto.sent_by_rank(name, numel, g, 4, node_size) if name in ALGORITHMS else None
 
 
 def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], model: Any, node_size: int,
@@ -246,7 +246,8 @@ def _row(name: str, nbytes: int, g: int, times: list[float], sent: list[int], mo
     return {"bytes": nbytes, "algorithm": name, "runs": runs, "median_s": median, "min_s": min(times),
             "times_s": times, "algbw_GBps": nbytes / median / 1e9,
             "busbw_GBps": nbytes / median / 1e9 * 2 * (g - 1) / g,
-            "sent_bytes_counted": None if name == "native" else sent, "sent_bytes_theory": _theory(runs, nbytes // 4, g),
+            "sent_bytes_counted": None if name == "native" else sent,
+            "sent_bytes_theory": _theory(runs, nbytes // 4, g, node_size),
             "predicted_s": auto.predict(model, runs, nbytes // 4, 4, g, node_size) if runs in ALGORITHMS else None}
 
 

@@ -66,8 +66,8 @@ from fourfold.comm.p2p import Communicator
 from fourfold.comm.wait import bounded_wait
 from fourfold.files import write_text_atomic
 
-__all__ = ["DEFAULT", "Cost", "CostModel", "allreduce", "attach", "candidates", "choose", "cost", "picks",
-           "default_path", "predict", "switch_points"]
+__all__ = ["DEFAULT", "Cost", "CostModel", "allreduce", "attach", "candidates", "choose", "cost", "default_path",
+           "picks", "predict", "sent_by_rank", "switch_points"]
 
 log = logging.getLogger("fourfold.comm")
 
@@ -168,14 +168,21 @@ class Cost(NamedTuple):
     reduced_bytes: int
 
 
-@lru_cache(maxsize=4096)
-def _max_sent(algorithm: str, numel: int, world_size: int, itemsize: int, node_size: int) -> int:
-    """The busiest rank's bytes sent, from the algorithm's own ``theory()``."""
+def sent_by_rank(algorithm: str, numel: int, world_size: int, itemsize: int, node_size: int | None = None
+                 ) -> list[int]:
+    """Each rank's bytes sent in ``algorithm`` (any of fourfold's point-to-point ones), from its own
+    ``theory()``: what the counted bytes must equal."""
     if algorithm == "hierarchical":
-        return max(hierarchical.theory(numel, world_size, r, itemsize, node_size)[0] for r in range(world_size))
+        return [hierarchical.theory(numel, world_size, r, itemsize, node_size)[0] for r in range(world_size)]
     fn = {"ring": ring.theory, "tree": tree.theory, "rabenseifner": rabenseifner.theory, "naive": naive.theory,
           "master": master.theory}[algorithm]
-    return max(fn(numel, world_size, r, itemsize)[0] for r in range(world_size))
+    return [fn(numel, world_size, r, itemsize)[0] for r in range(world_size)]
+
+
+@lru_cache(maxsize=4096)
+def _max_sent(algorithm: str, numel: int, world_size: int, itemsize: int, node_size: int) -> int:
+    """The busiest rank's bytes sent (:func:`sent_by_rank`)."""
+    return max(sent_by_rank(algorithm, numel, world_size, itemsize, node_size))
 
 
 def cost(algorithm: str, numel: int, itemsize: int, world_size: int, node_size: int | None = None) -> Cost:
