@@ -1,6 +1,6 @@
 """``fourfold demo``: a guided tour — one process, then data parallelism on two ranks — printed and drawn.
 
-    fourfold demo                       # about a minute on 2 CPU cores
+    fourfold demo                       # about 4 minutes on 2 CPU cores
     fourfold demo --steps 100 --out runs/quick
 
 1. TinyGPT trains on one process on the built-in corpus (the Python standard library's source, read byte by
@@ -33,7 +33,7 @@ import torch
 
 from fourfold.config import Config, TrainConfig
 from fourfold.data import ByteTokenizer
-from fourfold.files import median_row, steady
+from fourfold.files import drawn_row, median_row, steady
 from fourfold.models.build import DTYPES
 from fourfold.models.gpt import TinyGPT
 from fourfold.observe.trace import load_jsonl
@@ -88,9 +88,15 @@ def _summary(name: str, rows: list[dict], reference: list[dict], counted: bool =
     return f"  {name:<28} {ms:8.1f} {tps:10,.0f} {sent} {hid}   {diff:.1e}"
 
 
-def _draw(out: Path, ranks: int, name: str, title: str, step: int, color_by: str = "name") -> None:
+def _draw(out: Path, ranks: int, name: str, title: str, color_by: str = "name", steps: int | None = None) -> None:
+    """The run's typical step (:func:`~fourfold.files.drawn_row`, the one its table row reads; ``steps``: among
+    its first ones, as the row compares), drawn and named."""
     from fourfold.observe.visualize import draw_step
 
+    row = drawn_row(_rows(out)[:steps])
+    assert row is not None
+    step = row["step"]
+    title = f"{title}: step {step} (the median, {1e3 * row['step_time_s']:.0f} ms)"
     spans = {r: load_jsonl(out / f"trace-rank{r}.jsonl") for r in range(ranks)}
     if draw_step(spans, step, out.parent / name, title, color_by=color_by):
         print(f"  {title}: {out.parent / name}")
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     single = _rows(root / "single")
     print(f"\n  {'run':<28} {'ms/step':>8} {'tokens/s':>10} {'KB sent/step':>12} {'hidden':>7}   "
           "max |loss - one process|")
-    print(_summary("1 process", single[: args.dp_steps], single))
+    print(_summary(f"1 process, steps 1-{min(args.dp_steps, len(single))}", single[: args.dp_steps], single))
     for algorithm in ("native", "ring"):
         print(_summary(f"dp=2, {algorithm} all-reduce", _rows(root / f"dp2-{algorithm}"), single,
                        counted=algorithm != "native"))
@@ -154,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {name:<10} {pb['total'] / 2**20:6.2f} MB  (sharded "
               f"{pb['sharded'] / 2**20:.2f} MB, replicated {pb['replicated'] / 2**20:.2f} MB)")
     print(NOTES)
-    step = max(1, args.dp_steps - 1)
-    _draw(root / "single", 1, "timeline-single.png", f"one training step (step {step}), one process", step)
-    _draw(root / "dp2-ring", 2, "timeline-dp.png", f"one data-parallel step (step {step}), 2 ranks, ring", step)
+    _draw(root / "single", 1, "timeline-single.png", "one training step, one process", steps=args.dp_steps)
+    _draw(root / "dp2-ring", 2, "timeline-dp.png", "one data-parallel step, 2 ranks, ring")
     if _pipelines(root, flags) != 0 or _packing(root, flags, args.pack_steps) != 0 or _memory(root) != 0:
         return 1
     print("\n  open any trace.json in https://ui.perfetto.dev to explore every span")
@@ -189,7 +194,7 @@ def _pipelines(root: Path, flags: list[str]) -> int:
     print(f"\n  {'run':<58} {'ms/step':>8} {'bubble':>7} {'theory':>7} {'activations per rank':>22}")
     for name, (_, text) in PIPELINES.items():
         rows = _rows(root / f"pp2-{name}")
-        typical = median_row(rows)
+        typical = drawn_row(rows)  # the step its picture shows
         assert typical is not None
         ms, bubble = 1e3 * typical["step_time_s"], statistics.mean(typical["bubble_by_rank"])
         m = 1 if name == "model" else 8
@@ -201,10 +206,9 @@ def _pipelines(root: Path, flags: list[str]) -> int:
     print("  the measured figure also holds each message's latency and time waiting for a core (the theory")
     print("  counts neither: `fourfold schedule --comm X` adds it). activations: the most bytes saved for")
     print("  backward held at once; 1F1B keeps about p micro-batches alive where GPipe keeps all m.")
-    last = max(r["step"] for r in _rows(root / "pp2-1f1b"))
     for name in PIPELINES:
         _draw(root / f"pp2-{name}", 2, f"timeline-pp-{name}.png", f"one pipeline step, {PIPELINES[name][1]}",
-              last, color_by="microbatch")
+              color_by="microbatch")
     return 0
 
 
@@ -228,12 +232,13 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
             return 1
     rows = {pack: _rows(root / f"pack-{pack}") for pack in ("pad", "bfd")}
     typical = {pack: median_row(r) or {} for pack, r in rows.items()}
-    print(f"\n  {'run':<34} {'ms/step':>8} {'real tokens/s':>14} {'padding':>8}   max |loss - padded|")
+    print(f"\n  {'run':<34} {'ms/step':>8} {'real tokens/s':>14} {'padding, mean of steps':>23}   "
+          "max |loss - padded|")
     for pack, text in (("pad", "padded to the step's longest"), ("bfd", "packed, best-fit decreasing")):
         ms, real = 1e3 * typical[pack]["step_time_s"], typical[pack]["real_tokens_per_s"]
         pad = statistics.mean(r["padding_fraction"] for r in steady(rows[pack]))
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows[pack], rows["pad"], strict=True))
-        print(f"  {text:<34} {ms:8.1f} {real:14,.0f} {pad:8.1%}   {diff:.1e}")
+        print(f"  {text:<34} {ms:8.1f} {real:14,.0f} {pad:23.1%}   {diff:.1e}")
     speedup = typical["bfd"]["real_tokens_per_s"] / typical["pad"]["real_tokens_per_s"]
     bound = 1 / (1 - statistics.mean(r["padding_fraction"] for r in steady(rows["pad"])))
     above = (" (above it here: the padded step's bigger attention matrices also cost memory traffic)"
