@@ -32,6 +32,7 @@ import statistics
 import sys
 import sysconfig
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -83,6 +84,7 @@ from fourfold.observe.memory import held_bytes, process_peak
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.optim import NonFiniteLoss, keep_flags, lr_at, make_optimizer, update
+from fourfold.parallel.schedule import theory_bubble
 from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
@@ -105,6 +107,7 @@ class TrainResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # the final weights, on rank 0 only
     snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step, rank 0
     traced: bool = True  # --no-trace: no spans, so no bytes counted either
+    pipeline: dict[str, Any] | None = None  # the schedule run and the stages' cut (run.json's "pipeline")
 
     def summary(self) -> str:
         m = self.mesh
@@ -129,7 +132,8 @@ class TrainResult:
         held = f", held-out loss {evals[-1]:.4f}" if evals else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
-                f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}{self.outputs()}")
+                f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
+                f"{pipeline_line(self.pipeline, row)}{self.outputs()}")
 
     def outputs(self) -> str:
         """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
@@ -203,7 +207,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         with filling as weights:
             engine.load_state_dict(weights)
     optimizer = make_optimizer(cfg, engine.parameters())
-    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace)
+    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace,
+                         pipeline=_pipeline_run(engine))
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
@@ -226,7 +231,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
                "pp": mesh.pp}, "corpus": source,
                "num_parameters": result.num_parameters, "torch": torch.__version__, "backend": ctx.backend,
                "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
-               "pipeline": _pipeline_run(engine),
+               "pipeline": result.pipeline,
                "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
                "restarts": restart_count()}
         write_text_atomic(out / "run.json", json.dumps(run, indent=2) + "\n")
@@ -348,7 +353,42 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
     if engine.pipeline is None:
         return None
     s = engine.pipeline.schedule
-    return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages}
+    return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages,
+            "cut": [list(names) for names in engine.pipeline.cut]}
+
+
+def pipeline_line(pipeline: dict[str, Any] | None, row: dict[str, Any]) -> str:
+    """The summary's line for a pipeline run: what each stage holds, and the median step's bubble per rank
+    beside the schedule's theory (equal stages, free messages), so an uneven cut or slow messages show."""
+    if pipeline is None or "bubble_by_rank" not in row:
+        return ""
+    s, pp = pipeline, len(row["bubble_by_rank"])
+    theory = theory_bubble(s["schedule"], pp, s["microbatches"], s["virtual"])
+    cut = " | ".join(f"{k}: {block_range(names)}" for k, names in enumerate(s.get("cut", [])))
+    bubbles = " / ".join(f"{b:.0%}" for b in row["bubble_by_rank"])
+    return (f"pipeline {s['schedule']}, {s['microbatches']} micro-batch{'es' * (s['microbatches'] != 1)}, stages "
+            f"{cut}\nbubble per pp rank {bubbles} (theory with equal stages and free messages "
+            f"{theory:.0%}; see timeline.png)\n")
+
+
+def block_range(names: Sequence[str]) -> str:
+    """``["blocks.0", "blocks.1", "blocks.2", "head"]`` -> ``"blocks.0-2, head"``: a stage's blocks, runs of
+    one container's numbered children joined."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None  # (prefix, first, last)
+    for name in [*names, ""]:
+        prefix, _, index = name.rpartition(".")
+        if run is not None and prefix == run[0] and index.isdigit() and int(index) == run[2] + 1:
+            run = (run[0], run[1], int(index))
+            continue
+        if run is not None:
+            out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else ""))
+            run = None
+        if prefix and index.isdigit():
+            run = (prefix, int(index), int(index))
+        elif name:
+            out.append(name)
+    return ", ".join(out) or "(the whole model)"
 
 
 

@@ -157,6 +157,9 @@ class Pipeline:
                              f"{schedule.stages} ({schedule.name}: stage s on pp rank s % {schedule.pp}), got "
                              f"stages {sorted(st.index for st in stages)}. Pass every stage of the split.")
         self.stages: list[Stage] = mine
+        names = {st.index: st.names for st in stages}  # every stage's blocks, where the whole split was passed
+        self.cut: tuple[tuple[str, ...], ...] = tuple(names[k] for k in range(schedule.stages)) \
+            if len(names) == schedule.stages else ()
         self._stage = {st.index: st for st in mine}
         self.actions = schedule.ranks[self.pp_rank]
         first = next((p for st in mine for p in st.parameters()), None)
