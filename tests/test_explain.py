@@ -36,6 +36,15 @@ def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
     assert "rank 0 -> rank 1: segment 2 = a2" in text
     # after the reduce-scatter each rank owns one complete segment, which it sends first in the all-gather
     assert "rank 0 -> rank 1: segment 0 = a0+b0+c0" in text
+    assert "12 segment-sized pieces moved, each 1/3 of the tensor (4 sent by every rank)" in text  # 2(G-1)/G
+
+
+@pytest.mark.timeout(120)
+def test_explain_master_shows_the_root_sending_what_the_others_send_twice_over(tmp_path):
+    """The single master's lesson is its asymmetry: the root sends (G-1) whole tensors, each other rank one. An
+    average per rank (4 pieces at G = 3) would match no rank."""
+    text = _explain(tmp_path, "master", 3)
+    assert "sent by rank 0: 6, 1: 3, 2: 3; the busiest rank sends 6" in text, text[-400:]
 
 
 @pytest.mark.timeout(120)
@@ -52,6 +61,9 @@ def test_explain_refuses_native_and_bad_world(capsys):
     with pytest.raises(SystemExit):
         main(["native", "--world", "2"])
     assert "native's steps are inside the backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["rign", "--world", "2"])
+    assert "got 'rign'. Did you mean 'ring'?" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ring", "--world", "1"])
     assert "--world must be in 2..16, got 1" in capsys.readouterr().err

@@ -65,7 +65,8 @@ def test_for_world_fills_dp():
 def test_wrong_product_names_every_value_and_a_fix():
     with pytest.raises(ValueError, match=r"got 2\*2\*2=8 vs world size 4\. Pass --dp 1 or launch 8"):
         Mesh(dp=2, tp=2, pp=2).check_world(4)
-    with pytest.raises(ValueError, match=r"divisible by tp\*pp, got world_size=6, tp\*pp=2\*2=4"):
+    with pytest.raises(ValueError, match=r"divisible by tp\*pp, got world_size=6, tp\*pp=2\*2=4\. Launch a "
+                       r"multiple of 4 processes \(fourfold train --nproc 4\)"):
         Mesh.for_world(6, tp=2, pp=2)
     with pytest.raises(ValueError, match=r"dp\*tp\*pp must equal the world size, got 3\*1\*1=3 vs world size 4"):
         Mesh.for_world(4, dp=3)

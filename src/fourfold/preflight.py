@@ -349,6 +349,7 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
     why: dict[str, str] = {}
     if mesh.pp == 1:
         why.update(dict.fromkeys(PIPELINE_FLAGS, "pp=1: no pipeline"))
+        why["microbatches"] = "pp=1: no pipeline; --grad-accum N cuts each step into N micro-batches without one"
     elif t.strategy == "model":  # strategy model at pp=1 is refused by preflight
         why.update(dict.fromkeys(PIPELINE_FLAGS, "--strategy model runs one micro-batch"))
     elif t.schedule != "interleaved":

@@ -17,6 +17,7 @@ Prints the steps as text and writes a PNG (``--out``, default ``runs/explain-ALG
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -151,9 +152,12 @@ def _report(algorithm: str, g: int, gathered: list[Any], chose: tuple[str, str] 
             print(f"  rank {m.src} -> rank {m.dst}: {where} = {what}")
         _print_state(states, i + 1, g)
     pieces = sum(len(m.segments) for m in messages)
+    by_rank = [sum(len(m.segments) for m in messages if m.src == r) for r in range(g)]
+    each = (f"{by_rank[0]} sent by every rank" if len(set(by_rank)) == 1 else  # the ring's balance, or not
+            "sent by rank " + ", ".join(f"{r}: {n}" for r, n in enumerate(by_rank)) +
+            f"; the busiest rank sends {max(by_rank)}, which is what bounds its time")
     print(f"\n{len(messages)} messages in {len(steps)} step{'s' if len(steps) != 1 else ''}; {pieces} "
-          "segment-sized pieces moved "
-          f"({pieces / g:.2f} per rank, each 1/{g} of the tensor).")
+          f"segment-sized pieces moved, each 1/{g} of the tensor ({each}).")
     out = Path(os.environ.get("FOURFOLD_EXPLAIN_OUT", f"runs/explain-{algorithm}-{g}.png"))
     try:
         _draw(algorithm, g, messages, states, steps, out)
@@ -246,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.comm import ALGORITHMS
 
     if args.algorithm not in ALGORITHMS or args.algorithm == "native":
-        choices = ", ".join(a for a in ALGORITHMS if a != "native")
-        parser.error(f"algorithm must be one of {choices} (native's steps are inside the backend), "
-                     f"got {args.algorithm!r}.")
+        names = [a for a in ALGORITHMS if a != "native"]
+        near = difflib.get_close_matches(args.algorithm, names, n=1)
+        parser.error(f"algorithm must be one of {', '.join(names)} (native's steps are inside the backend), "
+                     f"got {args.algorithm!r}." + (f" Did you mean {near[0]!r}?" if near else ""))
     if not 2 <= args.world <= len(LETTERS):
         parser.error(f"--world must be in 2..{len(LETTERS)}, got {args.world}.")
     if args.out:
