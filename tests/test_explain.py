@@ -16,11 +16,11 @@ def test_masks_label_names_the_contributing_ranks():
     assert masks_label(0b1111) == "a+b+c+d"
 
 
-def _explain(tmp_path, algorithm: str, world: int) -> str:
+def _explain(tmp_path, algorithm: str, world: int, *flags: str) -> str:
     """``fourfold explain ALGORITHM --world G`` in its own process: its text, once its picture is drawn."""
     png = tmp_path / f"{algorithm}.png"
     out = subprocess.run([sys.executable, "-m", "fourfold", "explain", algorithm, "--world", str(world), "--out",
-                          str(png)], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+                          str(png), *flags], capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert png.stat().st_size > 10_000
     return out.stdout
@@ -37,6 +37,23 @@ def test_explain_ring_prints_share_reduce_then_share_only_and_draws(tmp_path):
     # after the reduce-scatter each rank owns one complete segment, which it sends first in the all-gather
     assert "rank 0 -> rank 1: segment 0 = a0+b0+c0" in text
     assert "12 segment-sized pieces moved, each 1/3 of the tensor (4 sent by every rank)" in text  # 2(G-1)/G
+
+
+@pytest.mark.timeout(120)
+def test_explain_hierarchical_shows_nodes_where_asked_and_says_one_node_is_a_ring(tmp_path, capsys):
+    text = _explain(tmp_path, "hierarchical", 4, "--ranks-per-node", "2")
+    phases = ["intra-node reduce-scatter", "inter-node reduce-scatter", "inter-node all-gather",
+              "intra-node all-gather"]
+    assert [f"step {i} ({p}):" in text for i, p in enumerate(phases)] == [True] * 4, text
+    assert "rank 0 -> rank 2: segment 1 = a1+b1" in text  # across nodes: rank 0 of node 0 to rank 0 of node 1
+    from fourfold.cli.explain import main
+
+    with pytest.raises(SystemExit):
+        main(["ring", "--ranks-per-node", "2"])
+    assert "--ranks-per-node is hierarchical's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["hierarchical", "--world", "4", "--ranks-per-node", "3"])
+    assert "Pass one of 1, 2, 4" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@
     fourfold explain tree --world 5          # recursive doubling, with the fold for a non-power of two
     fourfold explain naive --world 3
     fourfold explain rabenseifner --world 8  # recursive halving, then recursive doubling: the ring's bytes, 6 steps
+    fourfold explain hierarchical --world 4 --ranks-per-node 2   # ring in each node, across nodes, in each again
 
 G ranks are started through torchrun's launcher and run the algorithm for real on a tiny integer tensor in
 which rank r holds the value 2**r everywhere. Since every contribution is a distinct bit, any element's value
@@ -52,7 +53,7 @@ def _segment_of(offset: int, numel: int, bounds: list[tuple[int, int]]) -> tuple
     return tuple(j for j, (o, n) in enumerate(bounds) if n and o < offset + max(numel, 1) and offset < o + n)
 
 
-def _run_worker(algorithm: str, per_segment: int) -> int:
+def _run_worker(algorithm: str, per_segment: int, node_size: int | None = None) -> int:
     import torch.distributed as dist
 
     from fourfold import comm, launch
@@ -88,7 +89,12 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
                                  labels=labels)
 
         rec = Recorder(None, timeout_s=60)
-        comm.allreduce(flat, algorithm, comm=rec)
+        if node_size is not None:  # nodes of node_size ranks, though every rank is on this machine
+            from fourfold.comm import hierarchical
+
+            hierarchical.allreduce(rec, flat, node_size=node_size)
+        else:
+            comm.allreduce(flat, algorithm, comm=rec)
         states.append([int(flat[o]) for o, _ in bounds])
         expected = (1 << g) - 1
         if not bool((flat == expected).all()):
@@ -97,7 +103,7 @@ def _run_worker(algorithm: str, per_segment: int) -> int:
         dist.gather_object((sent, states, keys), gathered if ctx.rank == 0 else None, dst=0)
         if ctx.rank == 0:
             chose = next(iter(auto.picks(rec).values()), None) if algorithm == "auto" else None
-            _report(algorithm, g, gathered, chose)
+            _report(algorithm, g, gathered, chose, node_size)
     return 0
 
 
@@ -131,7 +137,8 @@ def _aligned(gathered: list[Any]) -> tuple[list[Sent], list[list[list[int]]]]:
     return sorted(messages, key=lambda m: (m.exchange, m.src)), states
 
 
-def _report(algorithm: str, g: int, gathered: list[Any], chose: tuple[str, str] | None = None) -> None:
+def _report(algorithm: str, g: int, gathered: list[Any], chose: tuple[str, str] | None = None,
+            node_size: int | None = None) -> None:
     messages, states = _aligned(gathered)  # states[rank][i] = per-segment masks before exchange i
     steps = sorted({m.exchange for m in messages})
     k = min(2, g - 1)  # the legend's example segment: one that exists
@@ -160,7 +167,7 @@ def _report(algorithm: str, g: int, gathered: list[Any], chose: tuple[str, str] 
           f"segment-sized pieces moved, each 1/{g} of the tensor ({each}).")
     out = Path(os.environ.get("FOURFOLD_EXPLAIN_OUT", f"runs/explain-{algorithm}-{g}.png"))
     try:
-        _draw(algorithm, g, messages, states, steps, out)
+        _draw(algorithm, g, messages, states, steps, out, node_size)
         print(f"picture: {out}")
     except ImportError as e:
         print(f"(no picture: {e})")
@@ -183,7 +190,7 @@ def _print_state(states: list[list[list[int]]], i: int, g: int) -> None:
 
 
 def _draw(algorithm: str, g: int, messages: list[Sent], states: list[list[list[int]]], steps: list[int],
-          out: Path) -> None:
+          out: Path, node_size: int | None = None) -> None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -216,7 +223,8 @@ def _draw(algorithm: str, g: int, messages: list[Sent], states: list[list[list[i
         label = "end" if step is None else f"step {step}\n{batch[0].phase if batch else ''}"
         ax.text(-0.4, -y + 0.5, label, ha="right", va="center", fontsize=7.5)
     for r in range(g):
-        ax.text(r * (g + 1) + g / 2, 1.3, f"rank {r} ({LETTERS[r]})", ha="center", fontsize=9)
+        node = f", node {r // node_size}" if node_size else ""
+        ax.text(r * (g + 1) + g / 2, 1.3, f"rank {r} ({LETTERS[r]}){node}", ha="center", fontsize=9)
     ax.set_xlim(-3.4, g * (g + 1))
     ax.set_ylim(-len(rows) + 0.8, 1.7)
     ax.axis("off")
@@ -244,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=4, help="ranks (2..16, default 4)")
     parser.add_argument("--out", default=None, help="PNG path (default runs/explain-ALGORITHM-G.png)")
     parser.add_argument("--per-segment", type=int, default=1, help="elements per segment (default 1)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="hierarchical only: ranks per node (default: all on one node, where it is a ring)")
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # a worker started below
-        return _run_worker(args.algorithm, args.per_segment)
+        return _run_worker(args.algorithm, args.per_segment, args.ranks_per_node)
     from fourfold.comm import ALGORITHMS
 
     if args.algorithm not in ALGORITHMS or args.algorithm == "native":
@@ -256,11 +266,24 @@ def main(argv: list[str] | None = None) -> int:
                      f"got {args.algorithm!r}." + (f" Did you mean {near[0]!r}?" if near else ""))
     if not 2 <= args.world <= len(LETTERS):
         parser.error(f"--world must be in 2..{len(LETTERS)}, got {args.world}.")
+    if args.ranks_per_node is not None:
+        if args.algorithm != "hierarchical":
+            parser.error(f"--ranks-per-node is hierarchical's (its rings inside and across nodes), got algorithm "
+                         f"{args.algorithm!r}. Drop it, or explain hierarchical.")
+        fits = [d for d in range(1, args.world + 1) if args.world % d == 0]
+        if args.ranks_per_node not in fits:
+            parser.error(f"--ranks-per-node must divide --world into whole nodes, got {args.ranks_per_node} for "
+                         f"--world {args.world}. Pass one of {', '.join(map(str, fits))}.")
+    elif args.algorithm == "hierarchical":
+        print(f"hierarchical on one node of {args.world} ranks is the ring; pass --ranks-per-node "
+              f"(e.g. {next((d for d in range(2, args.world) if args.world % d == 0), 1)}) to see nodes")
     if args.out:
         os.environ["FOURFOLD_EXPLAIN_OUT"] = args.out
     from fourfold.elastic import launch_workers
 
     worker_argv = [args.algorithm, "--per-segment", str(args.per_segment)]
+    if args.ranks_per_node is not None:
+        worker_argv += ["--ranks-per-node", str(args.ranks_per_node)]
     return launch_workers("fourfold.cli.explain", worker_argv, LaunchConfig(nproc=args.world))
 
 
