@@ -21,6 +21,7 @@ import torch
 
 from fourfold import train as train_mod
 from fourfold.checkpoint import CheckpointError, find_latest, load_checkpoint
+from fourfold.mesh import Mesh
 from helpers import process_tree
 
 SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
@@ -477,6 +478,23 @@ def test_a_pipeline_runs_summary_names_each_stages_blocks_and_the_bubble_beside_
         "bubble per pp rank 93% / 41% / 48% / 88% (theory with equal stages and free messages 27%; see "
         "timeline.png)\n")
     assert pipeline_line(None, {}) == "" and pipeline_line(run, {}) == ""  # no pipeline; no step measured
+
+
+def test_the_summary_shows_every_ranks_bytes_where_ranks_send_unequally():
+    """--allreduce master at G = 4: the root sends (G-1)N, every other rank N. 'rank 0 sent' alone hides the
+    asymmetry that is the master's lesson; a ring's ranks send alike and get no extra line."""
+    from fourfold.train import TrainResult, ranks_sent
+
+    assert ranks_sent([3 * 1024, 1024, 1024, 1024]) == "rank 0 3.0 KB, ranks 1-3 1.0 KB"
+    assert ranks_sent([1024, 2048, 1024]) == "rank 0 1.0 KB, rank 1 2.0 KB, rank 2 1.0 KB"
+    rows = [{"step": k, "step_time_s": 0.1, "tokens_per_s": 1.0, "bytes_by_axis": {"dp": 3072, "tp": 0, "pp": 0}}
+            for k in (1, 2, 3)]
+    master = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows, sent_step=2,
+                         sent_by_rank={r: {"dp": 3072 if r == 0 else 1024, "tp": 0, "pp": 0} for r in range(4)})
+    assert "each rank sent in step 2: dp rank 0 3.0 KB, ranks 1-3 1.0 KB\n" in master.summary()
+    ring = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows, sent_step=2,
+                       sent_by_rank={r: {"dp": 1536, "tp": 0, "pp": 0} for r in range(4)})
+    assert "each rank sent" not in ring.summary()
 
 
 def test_flags_the_layout_does_not_read_are_named_before_launch():

@@ -108,6 +108,8 @@ class TrainResult:
     snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step, rank 0
     traced: bool = True  # --no-trace: no spans, so no bytes counted either
     pipeline: dict[str, Any] | None = None  # the schedule run and the stages' cut (run.json's "pipeline")
+    sent_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # rank 0: every rank's bytes per axis
+    sent_step: int = 0  # ... in this step (the one timeline.png draws)
 
     def summary(self) -> str:
         m = self.mesh
@@ -127,6 +129,11 @@ class TrainResult:
         if not self.traced:
             axes = ["not counted (--no-trace)"] if axes else []
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
+        uneven = [f"{axis} {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
+                  for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1 and self.traced
+                  and len({b[axis] for b in self.sent_by_rank.values()}) > 1]
+        if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
+            sent += f"each rank sent in step {self.sent_step}: {'; '.join(uneven)}\n"
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
         evals = [r["eval_loss"] for r in self.metrics if "eval_loss" in r]
         held = f", held-out loss {evals[-1]:.4f}" if evals else ""
@@ -357,6 +364,18 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
             "cut": [list(names) for names in engine.pipeline.cut]}
 
 
+def ranks_sent(sent: Sequence[int]) -> str:
+    """``[1422336, 485376, 485376, 485376]`` -> ``"rank 0 1,389.0 KB, ranks 1-3 474.0 KB"``: each rank's bytes,
+    runs of ranks that sent alike joined."""
+    out, start = [], 0
+    for r in range(1, len(sent) + 1):
+        if r == len(sent) or sent[r] != sent[start]:
+            who = f"rank {start}" if r - 1 == start else f"ranks {start}-{r - 1}"
+            out.append(f"{who} {sent[start] / 1024:,.1f} KB")
+            start = r
+    return ", ".join(out)
+
+
 def pipeline_line(pipeline: dict[str, Any] | None, row: dict[str, Any]) -> str:
     """The summary's line for a pipeline run: what each stage holds, and the median step's bubble per rank
     beside the schedule's theory (equal stages, free messages), so an uneven cut or slow messages show."""
@@ -430,6 +449,8 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
             labels = rank_labels(engine.mesh)
             write_chrome_trace(out / "trace.json", spans, groups=labels)
             shown = median_step(result.metrics) or cfg.train.steps
+            result.sent_by_rank = {r: bytes_by_axis([s for s in mine if s.step == shown]) for r, mine in spans.items()}
+            result.sent_step = shown
             draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
                       labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp) onto rank 0
