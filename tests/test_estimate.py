@@ -284,6 +284,26 @@ def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
         assert rows[0].activations > estimate({**options, "schedule": "1f1b"})[0].activations
 
 
+def test_model_parallelism_is_never_told_to_take_more_micro_batches():
+    """--strategy model runs one micro-batch whatever --microbatches says: a suggestion naming it would not fit
+    any better (and the run would call the flag unused)."""
+    from fourfold.observe.estimate import suggest
+
+    tried = []
+
+    def estimate(options):
+        tried.append(options)
+        return [type("Row", (), {"total": 10 if options.get("batch_size") == 4 else 100})()]
+
+    options = {"dp": 1, "tp": 1, "pp": 2, "batch_size": 16, "microbatches": 1, "strategy": "model",
+               "checkpoint_every": 1}
+    assert suggest(estimate, 50, options).startswith("--batch-size 4")
+    assert all(t["microbatches"] == 1 for t in tried), tried
+    tried.clear()
+    suggest(estimate, 50, {**options, "strategy": "pipeline"})  # a pipeline's micro-batches are tried
+    assert any(t["microbatches"] > 1 for t in tried), tried
+
+
 def test_sequence_parallelism_is_the_cheapest_change_under_tp_where_it_fits():
     """Under tp, sequence parallelism splits what a block saves outside attention and the MLP (its norms and
     residuals), which tp alone keeps whole: where that is the difference, it is the change suggested, before

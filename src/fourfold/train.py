@@ -59,6 +59,7 @@ from fourfold.data.run import make_loader
 from fourfold.engine import Engine, bytes_by_axis
 from fourfold.files import (
     OUTPUTS,
+    drawn_row,
     drop_replaced,
     median_row,
     median_step,
@@ -129,9 +130,9 @@ class TrainResult:
         if not self.traced:
             axes = ["not counted (--no-trace)"] if axes else []
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
-        uneven = [f"{axis} {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
+        uneven = [f"{axis}: {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
                   for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1 and self.traced
-                  and len({b[axis] for b in self.sent_by_rank.values()}) > 1]
+                  and _unequal([b[axis] for b in self.sent_by_rank.values()])]
         if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
             sent += f"each rank sent in step {self.sent_step}: {'; '.join(uneven)}\n"
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
@@ -140,7 +141,7 @@ class TrainResult:
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
-                f"{pipeline_line(self.pipeline, row)}{self.outputs()}")
+                f"{pipeline_line(self.pipeline, drawn_row(self.metrics) or row)}{self.outputs()}")
 
     def outputs(self) -> str:
         """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
@@ -364,6 +365,12 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
             "cut": [list(names) for names in engine.pipeline.cut]}
 
 
+def _unequal(sent: Sequence[int]) -> bool:
+    """Ranks that send differently enough to say: more than 1 % apart (a ring's ranks differ by a few bytes where
+    the bucket does not divide by the ranks, which is no asymmetry worth a line)."""
+    return bool(sent) and max(sent) - min(sent) > 0.01 * max(sent)
+
+
 def ranks_sent(sent: Sequence[int]) -> str:
     """``[1422336, 485376, 485376, 485376]`` -> ``"rank 0 1,389.0 KB, ranks 1-3 474.0 KB"``: each rank's bytes,
     runs of ranks that sent alike joined."""
@@ -383,7 +390,8 @@ def pipeline_line(pipeline: dict[str, Any] | None, row: dict[str, Any]) -> str:
         return ""
     s, pp = pipeline, len(row["bubble_by_rank"])
     theory = theory_bubble(s["schedule"], pp, s["microbatches"], s["virtual"])
-    cut = " | ".join(f"{k}: {block_range(names)}" for k, names in enumerate(s.get("cut", [])))
+    cut = " | ".join(f"{k}: {block_range(names)}" for k, names in enumerate(s.get("cut", []))) or \
+        f"{s['stages']} (their blocks not known)"
     bubbles = " / ".join(f"{b:.0%}" for b in row["bubble_by_rank"])
     return (f"pipeline {s['schedule']}, {s['microbatches']} micro-batch{'es' * (s['microbatches'] != 1)}, stages "
             f"{cut}\nbubble per pp rank {bubbles} (theory with equal stages and free messages "

@@ -275,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--ranks-per-node must divide --world into whole nodes, got {args.ranks_per_node} for "
                          f"--world {args.world}. Pass one of {', '.join(map(str, fits))}.")
     elif args.algorithm == "hierarchical":
-        print(f"hierarchical on one node of {args.world} ranks is the ring; pass --ranks-per-node "
-              f"(e.g. {next((d for d in range(2, args.world) if args.world % d == 0), 1)}) to see nodes")
+        split = next((d for d in range(2, args.world) if args.world % d == 0), None)
+        print(f"hierarchical on one node of {args.world} ranks is the ring; "
+              + (f"pass --ranks-per-node (e.g. {split}) to see nodes" if split else
+                 "a --world with a divisor (4, 6, 8) and --ranks-per-node show nodes"))
     if args.out:
         os.environ["FOURFOLD_EXPLAIN_OUT"] = args.out
     from fourfold.elastic import launch_workers

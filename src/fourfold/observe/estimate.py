@@ -404,7 +404,8 @@ def suggest(estimate: Any, available: int, options: dict[str, Any], *, sequence_
     m = options.get("microbatches", 1)  # without a pipeline: gradient accumulation's
     per = options["batch_size"] // options.get("dp", 1)
     flag = "--microbatches" if options.get("pp", 1) > 1 else "--grad-accum"
-    tries += [(f"{flag} {k}", {"microbatches": k}) for k in (2 * m, 4 * m) if per % k == 0]
+    if not (options.get("pp", 1) > 1 and options.get("strategy") == "model"):  # model parallelism runs one
+        tries += [(f"{flag} {k}", {"microbatches": k}) for k in (2 * m, 4 * m) if per % k == 0]
     b = options["batch_size"]
     tries += [(f"--batch-size {b // k}", {"batch_size": b // k}) for k in (2, 4)
               if b // k >= options.get("dp", 1) and (b // k) % options.get("dp", 1) == 0]
