@@ -466,7 +466,7 @@ def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
 def test_a_pipeline_runs_summary_names_each_stages_blocks_and_the_bubble_beside_its_theory():
     """A learner's pp4 run of a 2-layer model idles 93 % on rank 0 against a theory of 27 %: the summary says
     why (rank 0 holds only the embedding)."""
-    from fourfold.train import block_range, pipeline_line
+    from fourfold.observe.summary import block_range, pipeline_line
 
     assert block_range(["blocks.0", "blocks.1", "blocks.2", "head"]) == "blocks.0-2, head"
     assert block_range(["model.embed_tokens", "model.layers.0"]) == "model.embed_tokens, model.layers.0"
@@ -483,7 +483,8 @@ def test_a_pipeline_runs_summary_names_each_stages_blocks_and_the_bubble_beside_
 def test_the_summary_shows_every_ranks_bytes_where_ranks_send_unequally():
     """--allreduce master at G = 4: the root sends (G-1)N, every other rank N. 'rank 0 sent' alone hides the
     asymmetry that is the master's lesson; a ring's ranks send alike and get no extra line."""
-    from fourfold.train import TrainResult, ranks_sent
+    from fourfold.observe.summary import ranks_sent
+    from fourfold.train import TrainResult
 
     assert ranks_sent([3 * 1024, 1024, 1024, 1024]) == "rank 0 3.0 KB, ranks 1-3 1.0 KB"
     assert ranks_sent([1024, 2048, 1024]) == "rank 0 1.0 KB, rank 1 2.0 KB, rank 2 1.0 KB"

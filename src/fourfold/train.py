@@ -32,7 +32,6 @@ import statistics
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -82,10 +81,10 @@ from fourfold.models.build import (
 from fourfold.observe.chrome_trace import write_chrome_trace
 from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
+from fourfold.observe.summary import pipeline_line, ranks_sent, unequal
 from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
 from fourfold.optim import NonFiniteLoss, keep_flags, lr_at, make_optimizer, update
-from fourfold.parallel.schedule import theory_bubble
 from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
@@ -132,7 +131,7 @@ class TrainResult:
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
         uneven = [f"{axis}: {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
                   for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1 and self.traced
-                  and _unequal([b[axis] for b in self.sent_by_rank.values()])]
+                  and unequal([b[axis] for b in self.sent_by_rank.values()])]
         if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
             sent += f"each rank sent in step {self.sent_step}: {'; '.join(uneven)}\n"
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
@@ -363,61 +362,6 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
     s = engine.pipeline.schedule
     return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages,
             "cut": [list(names) for names in engine.pipeline.cut]}
-
-
-def _unequal(sent: Sequence[int]) -> bool:
-    """Ranks that send differently enough to say: more than 1 % apart (a ring's ranks differ by a few bytes where
-    the bucket does not divide by the ranks, which is no asymmetry worth a line)."""
-    return bool(sent) and max(sent) - min(sent) > 0.01 * max(sent)
-
-
-def ranks_sent(sent: Sequence[int]) -> str:
-    """``[1422336, 485376, 485376, 485376]`` -> ``"rank 0 1,389.0 KB, ranks 1-3 474.0 KB"``: each rank's bytes,
-    runs of ranks that sent alike joined."""
-    out, start = [], 0
-    for r in range(1, len(sent) + 1):
-        if r == len(sent) or sent[r] != sent[start]:
-            who = f"rank {start}" if r - 1 == start else f"ranks {start}-{r - 1}"
-            out.append(f"{who} {sent[start] / 1024:,.1f} KB")
-            start = r
-    return ", ".join(out)
-
-
-def pipeline_line(pipeline: dict[str, Any] | None, row: dict[str, Any]) -> str:
-    """The summary's line for a pipeline run: what each stage holds, and the median step's bubble per rank
-    beside the schedule's theory (equal stages, free messages), so an uneven cut or slow messages show."""
-    if pipeline is None or "bubble_by_rank" not in row:
-        return ""
-    s, pp = pipeline, len(row["bubble_by_rank"])
-    theory = theory_bubble(s["schedule"], pp, s["microbatches"], s["virtual"])
-    cut = " | ".join(f"{k}: {block_range(names)}" for k, names in enumerate(s.get("cut", []))) or \
-        f"{s['stages']} (their blocks not known)"
-    bubbles = " / ".join(f"{b:.0%}" for b in row["bubble_by_rank"])
-    return (f"pipeline {s['schedule']}, {s['microbatches']} micro-batch{'es' * (s['microbatches'] != 1)}, stages "
-            f"{cut}\nbubble per pp rank {bubbles} (theory with equal stages and free messages "
-            f"{theory:.0%}; see timeline.png)\n")
-
-
-def block_range(names: Sequence[str]) -> str:
-    """``["blocks.0", "blocks.1", "blocks.2", "head"]`` -> ``"blocks.0-2, head"``: a stage's blocks, runs of
-    one container's numbered children joined."""
-    out: list[str] = []
-    run: tuple[str, int, int] | None = None  # (prefix, first, last)
-    for name in [*names, ""]:
-        prefix, _, index = name.rpartition(".")
-        if run is not None and prefix == run[0] and index.isdigit() and int(index) == run[2] + 1:
-            run = (run[0], run[1], int(index))
-            continue
-        if run is not None:
-            out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else ""))
-            run = None
-        if prefix and index.isdigit():
-            run = (prefix, int(index), int(index))
-        elif name:
-            out.append(name)
-    return ", ".join(out) or "(the whole model)"
-
-
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:
