@@ -490,14 +490,14 @@ def test_the_summary_shows_every_ranks_bytes_where_ranks_send_unequally():
     assert ranks_sent([1024, 2048, 1024]) == "rank 0 1.0 KB, rank 1 2.0 KB, rank 2 1.0 KB"
     rows = [{"step": k, "step_time_s": 0.1, "tokens_per_s": 1.0, "bytes_by_axis": {"dp": 3072, "tp": 0, "pp": 0}}
             for k in (1, 2, 3)]
-    master = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows, sent_step=2,
+    master = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows,  # draws step 2
                          sent_by_rank={r: {"dp": 3072 if r == 0 else 1024, "tp": 0, "pp": 0} for r in range(4)})
     assert "each rank sent in step 2: dp: rank 0 3.0 KB, ranks 1-3 1.0 KB\n" in master.summary()
-    ring = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows, sent_step=2,
+    ring = TrainResult(0, Mesh(dp=4), losses=[2.0, 1.0, 0.5], metrics=rows,
                        sent_by_rank={r: {"dp": 1536, "tp": 0, "pp": 0} for r in range(4)})
     assert "each rank sent" not in ring.summary()
     # a ring whose bucket does not divide by 3 ranks: a few bytes apart, which is no asymmetry
-    ring3 = TrainResult(0, Mesh(dp=3), losses=[2.0, 1.0, 0.5], metrics=rows, sent_step=2,
+    ring3 = TrainResult(0, Mesh(dp=3), losses=[2.0, 1.0, 0.5], metrics=rows,
                         sent_by_rank=dict(enumerate({"dp": n, "tp": 0, "pp": 0} for n in (4449620, 4449624, 4449620))))
     assert "each rank sent" not in ring3.summary()
 

@@ -62,8 +62,8 @@ class Mesh:
             if tp < 1 or pp < 1 or world_size % (tp * pp):
                 raise ValueError(
                     f"world size must be divisible by tp*pp, got world_size={world_size}, tp*pp={tp}*{pp}"
-                    f"={tp * pp}. Launch a multiple of {tp * pp} processes (fourfold train --nproc {tp * pp}) or change tp/pp "
-                    "(--tp/--pp).")
+                    f"={tp * pp}. Launch a multiple of {tp * pp} processes (fourfold train --nproc {tp * pp}) or "
+                    "change tp/pp (--tp/--pp).")
             dp = world_size // (tp * pp)
         mesh = cls(dp=dp, tp=tp, pp=pp)
         mesh.check_world(world_size)

@@ -108,13 +108,14 @@ class TrainResult:
     snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step, rank 0
     traced: bool = True  # --no-trace: no spans, so no bytes counted either
     pipeline: dict[str, Any] | None = None  # the schedule run and the stages' cut (run.json's "pipeline")
-    sent_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # rank 0: every rank's bytes per axis
-    sent_step: int = 0  # ... in this step (the one timeline.png draws)
+    sent_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # rank 0: each rank's bytes per axis
+    # in the drawn step (files.drawn_row: the one timeline.png shows)
 
     def summary(self) -> str:
         m = self.mesh
         row = median_row(self.metrics)  # the typical step (after the first, which warms up): one step's figures
-        assert row is not None
+        drawn = drawn_row(self.metrics)  # the step timeline.png draws (not the last, whose trace holds the end)
+        assert row is not None and drawn is not None
         speed = f"median {row['tokens_per_s']:,.0f} tokens/s"
         if "documents" in row:  # packed: what was learned from, and what padding cost
             speed = (f"median {row['real_tokens_per_s']:,.0f} real tokens/s of {row['tokens_per_s']:,.0f} "
@@ -133,14 +134,14 @@ class TrainResult:
                   for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1 and self.traced
                   and unequal([b[axis] for b in self.sent_by_rank.values()])]
         if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
-            sent += f"each rank sent in step {self.sent_step}: {'; '.join(uneven)}\n"
+            sent += f"each rank sent in step {drawn['step']}: {'; '.join(uneven)}\n"
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
         evals = [r["eval_loss"] for r in self.metrics if "eval_loss" in r]
         held = f", held-out loss {evals[-1]:.4f}" if evals else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
-                f"{pipeline_line(self.pipeline, drawn_row(self.metrics) or row)}{self.outputs()}")
+                f"{pipeline_line(self.pipeline, drawn)}{self.outputs()}")
 
     def outputs(self) -> str:
         """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
@@ -402,7 +403,6 @@ def _write_outputs(cfg: Config, ctx: launch.DistContext, engine: Engine, tracer:
             write_chrome_trace(out / "trace.json", spans, groups=labels)
             shown = median_step(result.metrics) or cfg.train.steps
             result.sent_by_rank = {r: bytes_by_axis([s for s in mine if s.step == shown]) for r, mine in spans.items()}
-            result.sent_step = shown
             draw_step(spans, shown, out / "timeline.png", f"step {shown} (the median step) on every rank",
                       labels=labels, color_by="microbatch" if engine.mesh.pp > 1 else "name")  # a row per rank
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp) onto rank 0

@@ -139,8 +139,8 @@ def draw(timelines: list[Timeline], path: str | Path) -> None:
     m = max(t.schedule.microbatches for t in timelines)
     handles = [Patch(facecolor=_MICROBATCH_COLORS[i], label=f"micro-batch {i}")
                for i in range(min(m, len(_MICROBATCH_COLORS)))]
-    handles += [Patch(facecolor=mix("#666666", OP_SHADE[op]), hatch=OP_HATCH[op], edgecolor="white", label=text)
-                for op, text in OP_LEGEND
+    handles += [Patch(facecolor=mix("#666666", OP_SHADE[op]), hatch=OP_HATCH[op], edgecolor="white",
+                      label=text) for op, text in OP_LEGEND
                 if any(a.op == op for t in timelines for row in t.schedule.ranks for a in row)]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 8), frameon=False,
                fontsize=8)

@@ -112,13 +112,13 @@ def timeline(spans_by_rank: Mapping[int, Sequence[Span]], path: str | os.PathLik
                             else (KIND_COLORS[s.kind], s.kind))
             if label not in legend.setdefault(color, []):
                 legend[color].append(label)
-            op = s.name if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None \
-                and s.name in OP_SHADE else None  # a pipeline action: F / B / W
+            numbered = color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None
+            op = s.name if numbered and s.name in OP_SHADE else None  # a pipeline action: F / B / W
             if op is not None:
                 ops.add(op)
             shade: Any = mix(color, OP_SHADE[op]) if op in ("B", "W") else color
             boxes.setdefault((s.kind, shade, OP_HATCH[op] if op else None), []).append((x, w))
-            if color_by == "microbatch" and s.kind == "compute" and s.microbatch is not None:
+            if numbered:
                 # schedule actions are named F / B / W: "F3" reads like the schedule printouts
                 text = f"{s.name}{s.microbatch}" if len(s.name) <= 2 else str(s.microbatch)
                 if several and "stage" in s.args:  # which of the rank's stages: "F3 s2"
