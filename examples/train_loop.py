@@ -21,7 +21,7 @@ from my_model import build
 
 from fourfold import Mesh, launch, parallelize
 from fourfold.data import BatchLoader, load_corpus
-from fourfold.optim import learning_rate
+from fourfold.run.optim import learning_rate
 
 
 def main() -> None:

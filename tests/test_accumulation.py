@@ -16,13 +16,13 @@ import sys
 import pytest
 
 from fourfold.config import Config, TrainConfig
-from fourfold.preflight import preflight
+from fourfold.run.preflight import preflight
 
 
 def test_grad_accum_with_a_pipeline_is_refused_naming_microbatches():
     with pytest.raises(ValueError, match="Pass --microbatches 8 instead of --grad-accum"):
         TrainConfig(pp=2, grad_accum=2, microbatches=4)
-    with pytest.raises(ValueError, match="grad_accum must be >= 1"):
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
         TrainConfig(grad_accum=0)
 
 
@@ -35,7 +35,7 @@ def test_a_shard_that_does_not_cut_into_the_micro_batches_is_refused_before_laun
 def test_the_memory_estimate_holds_one_micro_batch_and_suggests_accumulation():
     from fourfold.models import GPTConfig, TinyGPT
     from fourfold.models import shard_plan as plan_of
-    from fourfold.observe.estimate import estimate_memory, probe_activations, suggest
+    from fourfold.plan.estimate import estimate_memory, probe_activations, suggest
 
     model = TinyGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32), seed=0)
     blocks = list(model.blocks)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fourfold.cli.args import load, parse_args
 from fourfold.config import Config
+from fourfold.run.args import load, parse_args
 
 
 def test_defaults():
@@ -143,8 +143,7 @@ def test_torchrun_never_reads_the_commands_flags():
     refused every interleaved run with --nproc > 1. The command's flags come after "--"."""
     from torch.distributed import run as torchrun
 
-    from fourfold.config import LaunchConfig
-    from fourfold.elastic import torchrun_args
+    from fourfold.torchrun import LaunchConfig, torchrun_args
 
     flags = ["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--nproc", "2"]
     args = torchrun.parse_args(torchrun_args("fourfold.train", flags, LaunchConfig(nproc=2)))

@@ -162,7 +162,7 @@ def test_data_that_does_not_fit_is_refused_before_start(tmp_path, capsys, flags,
 
 
 def _dp2(ctx, argv: list[str]) -> list[float]:
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
     from fourfold.train import train
 
     return train(parse_args(argv), ctx).losses

@@ -1,4 +1,4 @@
-"""The hang doctor's reasoning (:func:`fourfold.observe.doctor.diagnose`) on hand-made heartbeats, and its account
+"""The hang doctor's reasoning (:func:`fourfold.comm.doctor.diagnose`) on hand-made heartbeats, and its account
 inside a timed-out wait's error on real ranks. (A stopped rank in a launched run, per layout: test_faults.py.)
 
 Reading a failure: a wrong culprit means the chain of waits was followed wrongly (a rank that arrived in the same
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fourfold.comm.doctor import diagnose
 from fourfold.comm.ledger import Ledger, describe
 from fourfold.comm.wait import CommError, bounded_wait
-from fourfold.observe.doctor import diagnose
 from fourfold.testing import run_ranks
 
 NOW = 1000.0
@@ -148,7 +148,7 @@ def test_a_silent_but_running_process_is_starved_not_stopped():
     import subprocess
     import sys
 
-    from fourfold.observe.doctor import running
+    from fourfold.comm.doctor import running
 
     assert running(os.getpid()) and not running(None) and not running(2**22 + 12345)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -168,7 +168,7 @@ def test_a_silent_but_running_process_is_starved_not_stopped():
 def test_the_heartbeat_outlives_a_failed_store_call_and_stops_when_the_store_is_gone(monkeypatch):
     import json
 
-    from fourfold.observe import doctor as doctor_mod
+    from fourfold.comm import doctor as doctor_mod
 
     monkeypatch.setattr(doctor_mod, "INTERVAL_S", 0.01)
     d = doctor_mod.Doctor(dist.HashStore(), 0, 2, hang_s=0).start()

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from fourfold import Mesh, Split, parallelize
-from fourfold.engine import bytes_by_axis
+from fourfold.engine.step import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer
 from fourfold.testing import run_ranks
@@ -295,10 +295,8 @@ def test_bad_layouts_are_refused_with_the_fix():
         parallelize(TinyGPT(CFG, seed=0), "dp=2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"find_unused_parameters works with plain data parallelism, got zero=1"):
         parallelize(TinyGPT(CFG, seed=0), Mesh(), zero=1, find_unused_parameters=True)
-    from fourfold.cli.args import parse_args
-    from fourfold.train import engine_options
-
-    assert engine_options(parse_args(["--nproc", "2", "--find-unused-parameters"]))["find_unused_parameters"]
+    from fourfold.run.args import parse_args
+    assert parse_args(["--nproc", "2", "--find-unused-parameters"]).train.layout.find_unused_parameters
     with pytest.raises(SystemExit):  # before launch, from the flags (or TOML) alike
         parse_args(["--nproc", "4", "--pp", "2", "--find-unused-parameters"])
     from fourfold.models import tensor_plan

@@ -1,4 +1,4 @@
-"""Memory known before launch (:mod:`fourfold.observe.estimate`, ``fourfold plan --memory``, the check every
+"""Memory known before launch (:mod:`fourfold.plan.estimate`, ``fourfold plan --memory``, the check every
 ``fourfold train`` runs first) against what the ranks then measure: parameters, gradients and optimiser state
 within 5 %, peak activations within 15 %, per pipeline rank, for each layout below (one 4-rank spawn).
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from fourfold import Mesh, parallelize
-from fourfold.compose import model_blocks
+from fourfold.engine.parallelize import model_blocks
 from fourfold.models import GPTConfig, TinyGPT, shard_plan
-from fourfold.observe.estimate import estimate_memory, probe_activations
 from fourfold.observe.memory import held_bytes
+from fourfold.plan.estimate import estimate_memory, probe_activations
 from fourfold.testing import run_ranks
 from fourfold.units import parse_bytes
 from helpers import batches, optimizer, shard
@@ -150,8 +150,8 @@ def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path):
 def test_verify_is_refused_before_launch_where_its_whole_model_copies_would_not_fit():
     """--verify K keeps K whole-model copies on rank 0 during the run, then trains the whole model in one process:
     either overflowing is refused before launch (a rank 0 killed mid-run loses the run), naming the sizes."""
-    from fourfold.cli.args import parse_args
     from fourfold.cli.plan import check_memory
+    from fourfold.run.args import parse_args
 
     def check(limit: str) -> str:
         cfg = parse_args(["--nproc", "8", "--tp", "2", "--pp", "2", "--verify", "3", "--memory-limit", limit])
@@ -177,8 +177,8 @@ def test_an_estimate_that_cannot_run_the_model_is_one_line_in_plan_and_skipped_b
     """A model the probe cannot run (transformers calling .item() on a meta tensor, for one): plan --memory says
     so in one line, exit 2, and train's check says it skipped, rather than a traceback or a refusal."""
     from fourfold.cli import plan
-    from fourfold.cli.args import parse_args
-    from fourfold.observe import estimate
+    from fourfold.plan import estimate
+    from fourfold.run.args import parse_args
 
     def fails(*args, **kwargs):
         raise RuntimeError("cannot read a meta tensor's value")
@@ -232,7 +232,7 @@ def test_format_bytes_never_writes_e_notation():
 
 def test_tinygpt_shards_describe_the_real_plan():
     """The estimate's description of TinyGPT's plan divides exactly the parameters the real plan shards."""
-    from fourfold.observe.estimate import _shard_divisors
+    from fourfold.plan.estimate import _shard_divisors
 
     model = TinyGPT(CFG, seed=0)
     divided = {n for n, p in model.named_parameters() if id(p) in _shard_divisors(model, shard_plan(model), 2)}
@@ -253,8 +253,8 @@ def test_draw_memory_draws_stacked_bars(tmp_path):
 
 
 def test_each_machine_shares_its_own_memory_among_its_own_ranks():
-    from fourfold.cli.args import parse_args
-    from fourfold.observe.fits import per_rank_budget as _available
+    from fourfold.run.args import parse_args
+    from fourfold.run.fits import per_rank_budget as _available
 
     one = parse_args(["--nproc", "4"])
     assert _available(one, 4)[1] == "the machine's available memory / 4 rank(s)"
@@ -287,7 +287,7 @@ def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
 def test_model_parallelism_is_never_told_to_take_more_micro_batches():
     """--strategy model runs one micro-batch whatever --microbatches says: a suggestion naming it would not fit
     any better (and the run would call the flag unused)."""
-    from fourfold.observe.estimate import suggest
+    from fourfold.plan.estimate import suggest
 
     tried = []
 
@@ -308,8 +308,8 @@ def test_sequence_parallelism_is_the_cheapest_change_under_tp_where_it_fits():
     """Under tp, sequence parallelism splits what a block saves outside attention and the MLP (its norms and
     residuals), which tp alone keeps whole: where that is the difference, it is the change suggested, before
     activation checkpointing's extra forward; a model of your own, which cannot run it, is never told to."""
-    from fourfold.cli.args import parse_args
-    from fourfold.observe.fits import layout_memory, overflow
+    from fourfold.run.args import parse_args
+    from fourfold.run.fits import layout_memory, overflow
 
     def largest(*flags: str) -> int:
         rows = layout_memory(parse_args(["--nproc", "2", "--tp", "2", *flags]), 2).rows
@@ -340,8 +340,8 @@ def test_sequence_parallelism_is_suggested_by_the_model_built_not_by_its_name(mo
     """A factory returning a family's model runs sequence parallelism (it was never suggested for one: the check
     went by the --model name); a model of your own does not."""
     pytest.importorskip("transformers")
-    from fourfold.cli.args import parse_args
-    from fourfold.observe.fits import layout_memory
+    from fourfold.run.args import parse_args
+    from fourfold.run.fits import layout_memory
 
     extra = ["--model-config", "examples/my_model.json"] if "my_model" in model else []
     cfg = parse_args(["--nproc", "2", "--tp", "2", "--model", model, *extra, "--seq-len", "32"])

@@ -254,10 +254,10 @@ def test_unfilled_parameters_use_memory_only_where_written_and_keep_ties_and_bui
 
 def test_a_hugging_face_model_unfilled_keeps_its_rotary_frequencies_and_fills_from_stored_weights(tmp_path):
     pytest.importorskip("transformers")
-    from fourfold.cli.args import parse_args
     from fourfold.models.build import build_unfilled
     from fourfold.models.hf import build_hf
     from fourfold.models.weights import StoredWeights
+    from fourfold.run.args import parse_args
 
     llama = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}

@@ -1,4 +1,4 @@
-"""The optimiser step every loop takes (:mod:`fourfold.optim`): the learning rate of each step, clipping by the
+"""The optimiser step every loop takes (:mod:`fourfold.run.optim`): the learning rate of each step, clipping by the
 global gradient norm, and a non-finite norm stopping the run before the weights are touched.
 
 The norm itself is checked against one process in every layout by ``test_engine`` and ``test_zero``; here the
@@ -18,7 +18,7 @@ import torch
 from fourfold import parallelize
 from fourfold.config import TrainConfig
 from fourfold.models import GPTConfig, TinyGPT
-from fourfold.optim import NonFiniteLoss, lr_at, update
+from fourfold.run.optim import NonFiniteLoss, lr_at, update
 from helpers import batches, optimizer
 
 
@@ -50,7 +50,7 @@ def test_bad_schedules_and_norms_are_refused_with_the_fix(options, match):
 def test_min_lr_without_a_decay_is_named_unread():
     from fourfold.config import Config
     from fourfold.mesh import Mesh
-    from fourfold.preflight import unused_flags
+    from fourfold.run.preflight import unused_flags
 
     got = unused_flags(Config(train=TrainConfig(min_lr=1e-4)), Mesh())
     assert got == ["--min-lr 0.0001 (only --lr-decay linear or cosine reads it)"]
@@ -90,8 +90,8 @@ def test_clipping_and_the_schedule_through_a_pipeline_run_verify_on_one_process(
 
 
 def test_a_resume_names_a_changed_schedule_and_the_decays_new_end():
-    from fourfold.checkpoint.resume import changed_settings
     from fourfold.config import Config
+    from fourfold.run.resume import changed_settings
 
     was = Config(train=TrainConfig(steps=10, lr_decay="cosine", max_grad_norm=1.0))
     manifest = {"config": was.to_dict()}
@@ -138,7 +138,7 @@ def test_a_run_stopped_by_its_gradient_norm_says_so_in_metrics_and_exits_1(tmp_p
 
 
 def test_the_schedule_function_refuses_what_it_does_not_know():
-    from fourfold.optim import learning_rate
+    from fourfold.run.optim import learning_rate
 
     assert learning_rate(3, lr=1.0, steps=10, warmup_steps=4) == 0.75
     for bad in ({"decay": "constant"}, {"warmup_steps": -1}, {"steps": 0}):
@@ -147,7 +147,7 @@ def test_the_schedule_function_refuses_what_it_does_not_know():
 
 
 def test_bf16_reduced_gradients_are_judged_as_compressed_by_verify():
-    from fourfold.verify import judged_as
+    from fourfold.run.verify import judged_as
 
     assert judged_as(TrainConfig(reduce_dtype="bfloat16")) == judged_as(TrainConfig(compress="bf16")) == (
         "compressed", "bf16")

@@ -303,8 +303,8 @@ def test_cli_packs_json_lines_under_dp_and_pp_and_verifies_against_one_process(t
 
 
 def test_cli_refuses_packing_without_document_boundaries(tmp_path, capsys):
-    from fourfold.cli.args import parse_args
-    from fourfold.preflight import preflight
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import preflight
 
     ids = tmp_path / "ids.npy"
     import numpy as np

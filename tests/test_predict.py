@@ -1,4 +1,4 @@
-"""The simulator (fourfold.observe.predict) and the planner (fourfold plan --gpus/--nproc): the pieces checked
+"""The simulator (fourfold.plan.predict) and the planner (fourfold plan --gpus/--nproc): the pieces checked
 against the formulas they stand on; the predictions against real runs live in `fourfold bench predict`
 (docs/simulator.md), not in timed tests."""
 
@@ -13,11 +13,11 @@ from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.models import shard_plan
 from fourfold.models.gpt import GPTConfig, TinyGPT
-from fourfold.observe.calibrate import action_overhead, calibrate
-from fourfold.observe.costs import UnitCosts, flop_units, measure_units
-from fourfold.observe.estimate import estimate_memory
-from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, predict
 from fourfold.parallel.schedule import theory_bubble
+from fourfold.plan.calibrate import action_overhead, calibrate
+from fourfold.plan.costs import UnitCosts, flop_units, measure_units
+from fourfold.plan.estimate import estimate_memory
+from fourfold.plan.predict import Candidate, Links, Measured, ModelProfile, predict
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32)
 TINY = CostModel(1e-12, 1e-18, 0.0)  # links that cost (almost) nothing
@@ -43,7 +43,7 @@ def profile(costs: UnitCosts | None = None) -> ModelProfile:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_bubble_is_the_textbook_one_with_equal_stages_and_free_links(schedule):
     links = Links(TINY, TINY, ranks_per_node=8)
-    p = predict(profile(), Layout(pp=2, schedule=schedule, microbatches=4), links, batch_size=8)
+    p = predict(profile(), Candidate(pp=2, schedule=schedule, microbatches=4), links, batch_size=8)
     assert p.bubble == pytest.approx(theory_bubble(schedule, 2, 4), abs=1e-6)
     # 2 samples per micro-batch, 2 blocks per stage: F 4 ms, B 8 ms; (m + p - 1)(F + B)
     assert p.step_s == pytest.approx(5 * 12e-3, rel=1e-6)
@@ -53,7 +53,7 @@ def test_pipeline_bubble_is_the_textbook_one_with_equal_stages_and_free_links(sc
 def test_one_rank_is_forward_plus_backward_plus_optimiser():
     costs = block_costs(CONFIG.n_layer, opt=1e-9)
     prof = profile(costs)
-    p = predict(prof, Layout(), Links(TINY, TINY, ranks_per_node=1), batch_size=4)
+    p = predict(prof, Candidate(), Links(TINY, TINY, ranks_per_node=1), batch_size=4)
     elements = sum(q.numel() for q in prof.model.parameters())
     assert p.step_s == pytest.approx(4 * 4 * 3e-3 + elements * 1e-9, rel=1e-9)
     assert p.bubble == 0 and p.dp_comm_s == 0 and p.tp_comm_s == 0
@@ -63,15 +63,15 @@ def test_data_parallel_sync_is_the_ring_cost_of_the_gradients_and_exposed_withou
     prof = profile()
     elements = sum(q.numel() for q in prof.model.parameters())
     ring = allreduce_time(LINK, "ring", elements, 4, 2)
-    shared = predict(prof, Layout(dp=2), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
+    shared = predict(prof, Candidate(dp=2), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
     assert shared.dp_comm_s == pytest.approx(ring, rel=1e-9)
     assert shared.dp_exposed_s == pytest.approx(ring, rel=1e-9)  # 2 ranks on 2 cores: nothing free to overlap
     bucket = 1 << 16  # several buckets: a device each hides all but the last behind backward
-    devices = predict(prof, Layout(dp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8, bucket_bytes=bucket)
+    devices = predict(prof, Candidate(dp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8, bucket_bytes=bucket)
     last = elements * 4 % bucket or bucket
     assert devices.dp_exposed_s == pytest.approx(allreduce_time(LINK, "ring", last // 4, 4, 2), rel=1e-9)
     assert devices.dp_exposed_s < shared.dp_exposed_s
-    zero3 = predict(prof, Layout(dp=2, zero=3), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
+    zero3 = predict(prof, Candidate(dp=2, zero=3), Links(LINK, LINK, ranks_per_node=2, cores=2), batch_size=8)
     assert zero3.dp_comm_s == pytest.approx(1.5 * ring, rel=1e-9)
 
 
@@ -79,26 +79,26 @@ def test_data_parallel_across_nodes_shares_each_nodes_link_among_its_tp_groups()
     prof = profile()
     elements = sum(q.numel() for q in prof.model.parameters())
     slow = CostModel(50e-6, 8e-9, 0.0)
-    one_node = predict(prof, Layout(dp=2, tp=2), Links(TINY, slow, ranks_per_node=4), batch_size=8).dp_comm_s
+    one_node = predict(prof, Candidate(dp=2, tp=2), Links(TINY, slow, ranks_per_node=4), batch_size=8).dp_comm_s
     assert one_node < 1e-6  # the dp ring inside a node: its free link
-    split = predict(prof, Layout(dp=2, tp=2), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
-    alone = predict(prof, Layout(dp=2), Links(TINY, slow, ranks_per_node=1), batch_size=8).dp_comm_s
+    split = predict(prof, Candidate(dp=2, tp=2), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
+    alone = predict(prof, Candidate(dp=2), Links(TINY, slow, ranks_per_node=1), batch_size=8).dp_comm_s
     # each tp rank's half of the gradients crosses the one link its node's 2 tp groups share: 2 x the bandwidth
     # term of half the bytes, i.e. the full bytes' term, plus the same number of alpha steps
     half = sum(q.numel() for q in prof.model.parameters()) // 2  # tp shards most of them; bounds, not equality
     assert split > allreduce_time(slow, "ring", half, 4, 2) * 1.5
     assert alone == pytest.approx(allreduce_time(slow, "ring", elements, 4, 2), rel=1e-9)
     # 2 nodes of 2 dp ranks: the ring's node-crossing hops decide each of its 2(G-1) steps
-    four = predict(prof, Layout(dp=4), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
+    four = predict(prof, Candidate(dp=4), Links(TINY, slow, ranks_per_node=2), batch_size=8).dp_comm_s
     assert four == pytest.approx(allreduce_time(slow, "ring", elements, 4, 4), rel=1e-3)
 
 
 def test_more_ranks_than_cores_queue_for_them():
     prof = profile()
-    alone = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4), batch_size=8)
-    shared = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=8)
+    alone = predict(prof, Candidate(dp=4), Links(TINY, TINY, ranks_per_node=4), batch_size=8)
+    shared = predict(prof, Candidate(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=8)
     assert shared.step_s == pytest.approx(2 * alone.step_s, rel=1e-3)
-    slower = predict(prof, Layout(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2, oversubscribed=1.5), batch_size=8)
+    slower = predict(prof, Candidate(dp=4), Links(TINY, TINY, ranks_per_node=4, cores=2, oversubscribed=1.5), batch_size=8)
     assert slower.step_s == pytest.approx(3 * alone.step_s, rel=1e-3)
 
 
@@ -106,7 +106,7 @@ def test_a_pipeline_on_shared_cores_runs_its_stages_faster_in_each_others_bubble
     # dp2 pp2 on 2 cores: 4 processes, but while one stage waits in the fill or drain the other's 2 copies
     # have the cores to themselves; on one core the step is all the work
     prof = profile()
-    layout = Layout(dp=2, pp=2, schedule="gpipe", microbatches=4)
+    layout = Candidate(dp=2, pp=2, schedule="gpipe", microbatches=4)
     devices = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4), batch_size=16)
     two = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4, cores=2), batch_size=16)
     one = predict(prof, layout, Links(TINY, TINY, ranks_per_node=4, cores=1), batch_size=16)
@@ -118,7 +118,7 @@ def test_a_pipeline_on_shared_cores_runs_its_stages_faster_in_each_others_bubble
 
 def test_a_tensor_parallel_collectives_latency_is_not_slowed_by_shared_cores():
     # tp2 on one core: compute and the bytes copied go at half speed, the collectives' alpha (a wait) does not
-    prof, tp2 = profile(), Layout(tp=2)
+    prof, tp2 = profile(), Candidate(tp=2)
 
     def slowdown(alpha: float) -> float:
         link = CostModel(alpha, 1e-10, 0.0)
@@ -133,15 +133,15 @@ def test_calibrate_takes_the_wake_up_time_of_pipeline_messages_from_a_crowded_pi
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=8, cores=2)
     assert links.wake(2) == 0.0 and replace(links, wake_s=1.0).wake(3) == replace(links, wake_s=1.0).wake(8) == 1.0
-    crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
+    crowded = Candidate(dp=2, pp=2, schedule="1f1b", microbatches=2)
     before = predict(prof, crowded, links, batch_size=8).step_s
-    runs = {Layout(dp=2): Measured(predict(prof, Layout(dp=2), links, batch_size=8).step_s),
+    runs = {Candidate(dp=2): Measured(predict(prof, Candidate(dp=2), links, batch_size=8).step_s),
             crowded: Measured(before + 0.05)}
     _, links2, fitted = calibrate(prof, links, 8, runs)
     assert fitted["wake_s"] > 0 and links2.wake_s == fitted["wake_s"]
     assert predict(prof, crowded, links2, batch_size=8).step_s == pytest.approx(before + 0.05, rel=1e-6)
-    assert predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links2, batch_size=8).step_s == \
-        predict(prof, Layout(pp=2, schedule="1f1b", microbatches=2), links, batch_size=8).step_s  # 2 ranks: none
+    assert predict(prof, Candidate(pp=2, schedule="1f1b", microbatches=2), links2, batch_size=8).step_s == \
+        predict(prof, Candidate(pp=2, schedule="1f1b", microbatches=2), links, batch_size=8).step_s  # 2 ranks: none
 
 
 def test_a_send_costs_the_actions_that_send_to_another_rank_only():
@@ -149,7 +149,7 @@ def test_a_send_costs_the_actions_that_send_to_another_rank_only():
     prof, links = profile(), Links(TINY, TINY, ranks_per_node=2)
     sending = replace(links, send_s=1e-3)
     for schedule, virtual, sends in (("1f1b", 1, 2), ("zb", 1, 2), ("interleaved", 2, 6)):
-        L = Layout(pp=2, schedule=schedule, microbatches=2, virtual=virtual)
+        L = Candidate(pp=2, schedule=schedule, microbatches=2, virtual=virtual)
         grown = predict(prof, L, sending, batch_size=8).compute_s - predict(prof, L, links, batch_size=8).compute_s
         assert grown == pytest.approx(sends * 1e-3, rel=1e-6), schedule
 
@@ -173,7 +173,7 @@ def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipel
 
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=8, cores=2)
-    pp2 = Layout(pp=2, schedule="1f1b", microbatches=2)
+    pp2 = Candidate(pp=2, schedule="1f1b", microbatches=2)
     before = predict(prof, pp2, links, batch_size=8).step_s
     _, links2, fitted = calibrate(prof, links, 8, {pp2: Measured(before + 0.02, spans)})
     assert links2.action_s == fitted["action_s"] == pytest.approx(0.5e-3)
@@ -181,17 +181,17 @@ def test_calibrate_takes_an_actions_overhead_and_a_messages_latency_from_a_pipel
     assert links2.p2p_alpha_s == fitted["p2p_alpha_s"] > LINK.alpha_s
     assert predict(prof, pp2, links2, batch_size=8).step_s == pytest.approx(before + 0.02, rel=1e-6)
     # twice the actions and more hops a step: interleaved pays more of both than the 1F1B run they were fitted on
-    interleaved = Layout(pp=2, schedule="interleaved", microbatches=2, virtual=2)
+    interleaved = Candidate(pp=2, schedule="interleaved", microbatches=2, virtual=2)
     grown = predict(prof, interleaved, links2, batch_size=8).step_s - predict(prof, interleaved, links, 8).step_s
     assert grown > 0.02
     # with a core per rank missing (4 ranks on 2 cores) the run is a crowded one: it fits wake_s, not these
-    crowded = Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)
+    crowded = Candidate(dp=2, pp=2, schedule="1f1b", microbatches=2)
     assert "p2p_alpha_s" not in calibrate(prof, links, 8, {crowded: Measured(1.0, spans)})[2]
 
 
 def test_a_messages_latency_is_read_off_the_run_from_its_send_to_the_receive_that_waited_for_it():
-    from fourfold.observe.calibrate import message_latency
     from fourfold.observe.trace import Span
+    from fourfold.plan.calibrate import message_latency
 
     ms = 1_000_000
 
@@ -211,7 +211,7 @@ def test_a_messages_latency_is_read_off_the_run_from_its_send_to_the_receive_tha
 
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     link = CostModel(1e-3, 1e-8, 0.0)  # 10 ns a byte: 1000 bytes take 0.01 ms of it
-    pp2 = Layout(pp=2, schedule="1f1b", microbatches=2)
+    pp2 = Candidate(pp=2, schedule="1f1b", microbatches=2)
     _, links, fitted = calibrate(prof, Links(link, link, ranks_per_node=8, cores=2), 8, {pp2: Measured(1.0, spans)})
     # read off, not fitted to the run's step: a run slow for any other reason (1 s here) leaves it alone
     assert links.p2p_alpha_s == fitted["p2p_alpha_s"] == pytest.approx(0.3e-3 - 1e-5)
@@ -220,7 +220,7 @@ def test_a_messages_latency_is_read_off_the_run_from_its_send_to_the_receive_tha
 def test_a_crowded_machines_gradient_sync_shares_the_cores_but_not_its_latency():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     slow = CostModel(1e-3, 1e-8, 0.0)  # 1 ms per ring step, 10 ns per byte
-    dp4 = Layout(dp=4)
+    dp4 = Candidate(dp=4)
     alone = predict(prof, dp4, Links(slow, slow, ranks_per_node=4), batch_size=8)
     crowded = predict(prof, dp4, Links(slow, slow, ranks_per_node=4, cores=2), batch_size=8)
     latency = cost("ring", 1, 4, 4).steps * 1e-3
@@ -235,7 +235,7 @@ def test_a_crowded_machines_gradient_sync_shares_the_cores_but_not_its_latency()
 def test_the_predicted_step_as_trace_spans():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=4, cores=2)
-    p = predict(prof, Layout(dp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
+    p = predict(prof, Candidate(dp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
     spans = p.spans(step=3)
     assert sorted(spans) == [0, 1]
     for r, row in spans.items():
@@ -243,7 +243,7 @@ def test_the_predicted_step_as_trace_spans():
         assert row[-1].name == "optimizer" and all(s.step == 3 and s.rank == r for s in row)
         assert all(a.end_ns <= b.start_ns + 1 for a, b in zip(row, row[1:], strict=False))  # one at a time
     assert max(row[-1].end_ns for row in spans.values()) == pytest.approx(p.step_s * 1e9, abs=2)
-    one = predict(prof, Layout(dp=2), links, batch_size=16).spans()
+    one = predict(prof, Candidate(dp=2), links, batch_size=16).spans()
     assert [s.name for s in one[0]] == ["forward", "backward", "grad_sync", "optimizer"]
 
 
@@ -253,8 +253,8 @@ def test_tensor_parallel_collectives_are_counted_per_layer():
     # (forward all-reduces); each block's qkv and fc column-parallel and the head (backward all-reduces)
     assert sum(prof.forward_collectives) == 1 + 2 * CONFIG.n_layer
     assert sum(prof.backward_collectives) == 2 * CONFIG.n_layer + 1
-    free = predict(prof, Layout(tp=2), Links(TINY, TINY, ranks_per_node=2), batch_size=8)
-    slow = predict(prof, Layout(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
+    free = predict(prof, Candidate(tp=2), Links(TINY, TINY, ranks_per_node=2), batch_size=8)
+    slow = predict(prof, Candidate(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
     one = allreduce_time(LINK, "ring", prof.hidden_bytes * 8 // 4, 4, 2)
     assert slow.tp_comm_s == pytest.approx(one * (sum(prof.forward_collectives) + sum(prof.backward_collectives)))
     assert slow.step_s - free.step_s == pytest.approx(slow.tp_comm_s, rel=1e-3)
@@ -274,7 +274,7 @@ def test_a_norm_over_split_features_costs_a_small_all_reduce_forward_and_backwar
     # one f before the attention's q, k, v and one before the MLP's gate, up, as the regions' entries all-reduce
     # (test_your_model checks the run's own); the embedding and the two row layers each forward, the head backward
     assert prof.backward_collectives == (0, 2, 2, 2, 2, 1) and prof.forward_collectives == (1, 2, 2, 2, 2, 0)
-    slow = predict(prof, Layout(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
+    slow = predict(prof, Candidate(tp=2), Links(LINK, LINK, ranks_per_node=2), batch_size=8)
     one = allreduce_time(LINK, "ring", prof.hidden_bytes * 8 // 4, 4, 2)
     statistic = allreduce_time(LINK, "ring", 16 * 8, 4, 2)  # a float32 per token of the 8 x 16
     collectives = sum(prof.forward_collectives) + sum(prof.backward_collectives)
@@ -283,7 +283,7 @@ def test_a_norm_over_split_features_costs_a_small_all_reduce_forward_and_backwar
 
 def test_memory_is_the_estimate():
     prof = profile()
-    layout = Layout(dp=2, pp=2, schedule="zb", microbatches=2, zero=1)
+    layout = Candidate(dp=2, pp=2, schedule="zb", microbatches=2, zero=1)
     p = predict(prof, layout, Links(TINY, TINY, ranks_per_node=8), batch_size=8)
     m = prof.model
     assert p.memory == estimate_memory(m, list(m.blocks), dp=2, pp=2, batch_size=8, microbatches=2, schedule="zb",
@@ -295,7 +295,7 @@ def test_accumulation_runs_its_micro_batches_one_after_another_and_holds_one():
     costs = UnitCosts(tuple([(fixed[0], 1e-3)] * (CONFIG.n_layer + 2)), tuple([(fixed[1], 2e-3)] * (CONFIG.n_layer + 2)),
                       0.0, "test")
     prof, links = profile(costs), Links(TINY, TINY, ranks_per_node=1)
-    one, four = (predict(prof, Layout(grad_accum=k), links, batch_size=8) for k in (1, 4))
+    one, four = (predict(prof, Candidate(grad_accum=k), links, batch_size=8) for k in (1, 4))
     units = CONFIG.n_layer + 2  # the per-sample work is the same; each extra micro-batch pays the fixed costs again
     assert four.step_s - one.step_s == pytest.approx(3 * units * sum(fixed), rel=1e-9)
     assert str(four.layout) == "dp1 tp1 pp1 accum4" and four.layout.flags()[-2:] == ["--grad-accum", "4"]
@@ -304,7 +304,7 @@ def test_accumulation_runs_its_micro_batches_one_after_another_and_holds_one():
                                           probe=prof.probe)
     assert four.memory[0].activations < one.memory[0].activations
     with pytest.raises(ValueError, match="1 with a pipeline"):
-        predict(prof, Layout(pp=2, microbatches=2, grad_accum=2), links, batch_size=8)
+        predict(prof, Candidate(pp=2, microbatches=2, grad_accum=2), links, batch_size=8)
 
 
 @pytest.mark.parametrize(("zero", "halves"), [(0, 2), (1, 2), (2, 3), (3, 6)])
@@ -313,13 +313,13 @@ def test_accumulations_sync_is_once_a_step_except_zero_2_and_3_which_reduce_scat
     elements = sum(q.numel() for q in prof.model.parameters())
     ring = allreduce_time(LINK, "ring", elements, 4, 2)
     links = Links(LINK, LINK, ranks_per_node=2, cores=2)  # no core free: every sync exposed
-    p = predict(prof, Layout(dp=2, zero=zero, grad_accum=2), links, batch_size=8)
+    p = predict(prof, Candidate(dp=2, zero=zero, grad_accum=2), links, batch_size=8)
     # in halves of an all-reduce: dp and ZeRO-1 one all-reduce; ZeRO-2 a reduce-scatter per micro-batch and one
     # all-gather; ZeRO-3 a reduce-scatter and two all-gathers per micro-batch
     assert p.dp_comm_s == pytest.approx(halves / 2 * ring, rel=1e-9)
     assert p.dp_exposed_s == pytest.approx(p.dp_comm_s, rel=1e-9)
     for k in (2, 4):  # a device each: what backward cannot hide, never more than the syncs themselves
-        free = predict(prof, Layout(dp=2, zero=zero, grad_accum=k), Links(LINK, LINK, ranks_per_node=2),
+        free = predict(prof, Candidate(dp=2, zero=zero, grad_accum=k), Links(LINK, LINK, ranks_per_node=2),
                        batch_size=8)
         assert 0 < free.dp_exposed_s <= free.dp_comm_s + 1e-15, (k, free.dp_exposed_s, free.dp_comm_s)
 
@@ -346,7 +346,7 @@ def test_plan_accumulates_where_a_layout_fits_only_so(capsys):
 
 def test_a_batch_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="batch_size must divide"):
-        predict(profile(), Layout(dp=2, pp=2, microbatches=4), Links(TINY, TINY, 8), batch_size=12)
+        predict(profile(), Candidate(dp=2, pp=2, microbatches=4), Links(TINY, TINY, 8), batch_size=12)
 
 
 def test_measured_units_are_positive_and_grow_with_the_batch():
@@ -374,34 +374,34 @@ def test_flops_on_a_meta_model_match_the_transformer_formula():
 def test_calibrate_takes_contention_from_a_dp_run_and_a_collective_call_from_a_tp_run():
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=2, cores=2)
-    before = predict(prof, Layout(dp=2), links, batch_size=8)
+    before = predict(prof, Candidate(dp=2), links, batch_size=8)
     work = before.step_s - before.dp_exposed_s
-    runs = {Layout(dp=2): Measured(before.dp_exposed_s + 1.5 * work),
-            Layout(tp=2): Measured(1.0)}
+    runs = {Candidate(dp=2): Measured(before.dp_exposed_s + 1.5 * work),
+            Candidate(tp=2): Measured(1.0)}
     prof2, links2, fitted = calibrate(prof, links, 8, runs)
     assert fitted["contention"] == pytest.approx(1.5) and links2.contention == fitted["contention"]
     fitted_dp = replace(links, contention=links2.contention)
     for fit in (fitted_dp, links2):  # the tp fit leaves the links' alpha, so the dp run still comes out
-        assert predict(prof2, Layout(dp=2), fit, batch_size=8).step_s == pytest.approx(runs[Layout(dp=2)].step_s,
+        assert predict(prof2, Candidate(dp=2), fit, batch_size=8).step_s == pytest.approx(runs[Candidate(dp=2)].step_s,
                                                                                     rel=1e-9)
     assert links2.node == LINK and links2.tp_call_s == fitted["tp_call_s"] > 0
-    assert predict(prof2, Layout(tp=2), links2, batch_size=8).step_s == pytest.approx(1.0, rel=1e-9)
+    assert predict(prof2, Candidate(tp=2), links2, batch_size=8).step_s == pytest.approx(1.0, rel=1e-9)
     # a call, not a ring step: sequence parallelism's reduce-scatter and all-gather halves cost one each, so its
     # step is longer by a call per extra collective (TinyGPT: every region's f and g, both ways)
-    sp = Layout(tp=2, sequence_parallel=True)
+    sp = Candidate(tp=2, sequence_parallel=True)
     calls = sum(prof.forward_collectives) + sum(prof.backward_collectives)
-    assert predict(prof2, sp, links2, 8).step_s - predict(prof2, Layout(tp=2), links2, 8).step_s == pytest.approx(
+    assert predict(prof2, sp, links2, 8).step_s - predict(prof2, Candidate(tp=2), links2, 8).step_s == pytest.approx(
         calls * links2.tp_call_s, rel=1e-6)
-    assert predict(prof2, sp, links, 8).step_s == pytest.approx(predict(prof2, Layout(tp=2), links, 8).step_s)
+    assert predict(prof2, sp, links, 8).step_s == pytest.approx(predict(prof2, Candidate(tp=2), links, 8).step_s)
     # a pipeline stage computing alone (the other waits in the bubble) goes at its own speed: GPipe pp2 comes out
     # between no contention and contention over the whole step
-    gpipe = Layout(pp=2, schedule="gpipe", microbatches=2)
+    gpipe = Candidate(pp=2, schedule="gpipe", microbatches=2)
     all_along = predict(replace(prof, costs=prof.costs.scaled(1.5, "all along")), gpipe, links, 8).step_s
     assert predict(prof, gpipe, links, 8).step_s < predict(prof, gpipe, fitted_dp, 8).step_s < all_along
 
 
 def test_layouts_respect_heads_blocks_batch_and_machines():
-    from fourfold.observe.layouts import layouts
+    from fourfold.plan.layouts import layouts
 
     all_ = layouts(8, 4, 16, heads=4, tensor_plan=True, per_node=8)
     assert {(L.dp, L.tp, L.pp) for L in all_} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1)}
@@ -470,7 +470,7 @@ def test_plan_refuses_to_time_here_a_model_this_machine_cannot_hold_whole(capsys
     built."""
     pytest.importorskip("transformers")
     from fourfold.cli.plan import main
-    from fourfold.observe import estimate
+    from fourfold.plan import estimate
 
     monkeypatch.setattr(estimate, "per_rank_memory", lambda world_size, device="cpu": (8 * 2**30, "test"))
     assert main(["--nproc", "2", "--model", "llama", "--batch-size", "8"]) == 2
@@ -601,7 +601,7 @@ def test_plan_says_uncalibrated_figures_for_more_ranks_than_cores_are_optimistic
 
 def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monkeypatch):
     from fourfold.cli.plan import main
-    from fourfold.observe import runs
+    from fourfold.plan import runs
 
     made = []
 
@@ -614,8 +614,8 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
              "--seq-len", "16", "--top", "3"]
     assert main([*flags, "--calibrate"]) == 0
     out = capsys.readouterr().out
-    once = [Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=1),
-            Layout(dp=2, pp=2, schedule="1f1b", microbatches=1)]
+    once = [Candidate(dp=2), Candidate(tp=2), Candidate(pp=2, schedule="1f1b", microbatches=1),
+            Candidate(dp=2, pp=2, schedule="1f1b", microbatches=1)]
     assert made == once + once[::-1]  # the fastest of 2 each, in rotation (a drifting machine weighs on all)
     assert "calibration layout dp4 tp1 pp1: skipped (batch 6 does not divide by dp 4)" in out
     assert "calibration run 4/8, dp2 tp1 pp2 1f1b m1: 840.0 ms per step, 0% of the CPU stolen" in out
@@ -629,11 +629,11 @@ def test_plan_calibrates_on_the_runs_this_model_and_batch_can_make(capsys, monke
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_calibration_run_is_a_real_run_whose_layout_flags_win():
-    from fourfold.observe.runs import measure_run
+    from fourfold.plan.runs import measure_run
 
     user = ["--nproc", "4", "--dp", "4", "--zero", "2", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
             "--seq-len", "16", "--batch-size", "4", "--no-progress"]
-    m = measure_run(Layout(dp=2), 3, user, timeout=150)
+    m = measure_run(Candidate(dp=2), 3, user, timeout=150)
     assert sorted(m.spans) == [0, 1] and m.step_s > 0  # 2 ranks, not the user's 4
     assert {"forward", "backward", "optimizer"} <= {s.name for s in m.spans[0]}
     assert m.stolen is None or 0 <= m.stolen <= 1
@@ -642,11 +642,11 @@ def test_a_calibration_run_is_a_real_run_whose_layout_flags_win():
 def test_bench_predict_layout_names():
     from fourfold.bench.predict import parse_layout
 
-    assert parse_layout("dp2tp2pp2:zb", 4) == Layout(2, 2, 2, "zb", 4, 1)
-    assert parse_layout("pp2:interleaved", 4) == Layout(1, 1, 2, "interleaved", 4, 2)
-    assert parse_layout("tp2", 4) == Layout(tp=2)
-    assert parse_layout("dp2:accum4", 4) == Layout(dp=2, grad_accum=4)
-    assert parse_layout("tp2pp2:zb:sp", 4) == Layout(1, 2, 2, "zb", 4, 1, sequence_parallel=True)
+    assert parse_layout("dp2tp2pp2:zb", 4) == Candidate(2, 2, 2, "zb", 4, 1)
+    assert parse_layout("pp2:interleaved", 4) == Candidate(1, 1, 2, "interleaved", 4, 2)
+    assert parse_layout("tp2", 4) == Candidate(tp=2)
+    assert parse_layout("dp2:accum4", 4) == Candidate(dp=2, grad_accum=4)
+    assert parse_layout("tp2pp2:zb:sp", 4) == Candidate(1, 2, 2, "zb", 4, 1, sequence_parallel=True)
     for bad in ("dp2:zb2", "pp2:1f1b:accum2", "dp2:sp", "tp1:sp"):
         with pytest.raises(ValueError, match="layout must look like"):
             parse_layout(bad, 4)
@@ -671,7 +671,7 @@ def test_bench_predict_draws_each_layouts_measured_step_beside_the_predicted_one
     from fourfold.bench.predict import _side_by_side
     from fourfold.observe.trace import Span
 
-    layout = Layout(dp=2, pp=2, schedule="1f1b", microbatches=4)
+    layout = Candidate(dp=2, pp=2, schedule="1f1b", microbatches=4)
     p = predict(profile(block_costs(CONFIG.n_layer, opt=1e-9)), layout, Links(LINK, LINK, ranks_per_node=4),
                 batch_size=16)
     spans = {r: [Span(r, "compute", "F", 0, 10**6, microbatch=0, step=7)] for r in range(4)}
@@ -688,9 +688,9 @@ def test_bench_predict_replays_saved_measurements_without_running_anything(tmp_p
     import json
 
     from fourfold.bench.predict import _measurements, _replayed, main
-    from fourfold.observe import runs
-    from fourfold.observe.runs import calibration_layouts
     from fourfold.observe.trace import Span
+    from fourfold.plan import runs
+    from fourfold.plan.runs import calibration_layouts
 
     def no_run(*args, **kwargs):
         raise AssertionError("a replay runs nothing")
@@ -698,7 +698,7 @@ def test_bench_predict_replays_saved_measurements_without_running_anything(tmp_p
     monkeypatch.setattr(runs, "measure_run", no_run)
     costs = replace(block_costs(CONFIG.n_layer, opt=1e-9), split_fit=((1e-3, 2e-3), (1e-3, 1e-3), (5e-4, 1e-3)))
     links = Links(LINK, LINK, ranks_per_node=64, cores=2)
-    checked = [Layout(pp=2, schedule="gpipe", microbatches=2), Layout(dp=2, tp=2)]
+    checked = [Candidate(pp=2, schedule="gpipe", microbatches=2), Candidate(dp=2, tp=2)]
     spans = {0: [Span(0, "compute", "F", 0, 10**6, microbatch=0, step=3)]}
     measured = {L: (Measured(0.05 * L.world_size, spans, 0.0), 1.1) for L in [*calibration_layouts(2), *checked]}
     saved = _measurements(costs, links, measured)
@@ -726,7 +726,7 @@ def test_bench_predict_replays_saved_measurements_without_running_anything(tmp_p
 
 def test_a_split_backward_costs_what_the_units_say():
     # zero-bubble's B and W as measured shares of the fused backward: each rank's busy time follows them
-    layout = Layout(pp=2, schedule="zb", microbatches=4)
+    layout = Candidate(pp=2, schedule="zb", microbatches=4)
     links = Links(TINY, TINY, ranks_per_node=2)
     halves = predict(profile(block_costs(CONFIG.n_layer)), layout, links, batch_size=8)
     costs = block_costs(CONFIG.n_layer)
@@ -742,7 +742,7 @@ def test_a_split_backward_costs_what_the_units_say():
 
 
 def test_a_fit_of_two_batch_sizes_passes_through_the_larger_ones_time_even_on_a_busy_machine():
-    from fourfold.observe.costs import _fit
+    from fourfold.plan.costs import _fit
 
     assert _fit({1: [3e-3], 2: [5e-3]}) == pytest.approx((1e-3, 2e-3))  # fixed 1 ms + 2 ms a sample
     assert _fit({1: [3e-3], 4: [2e-3]}) == pytest.approx((2e-3, 0.0))  # the larger batch timed faster: flat
@@ -759,7 +759,7 @@ def test_a_split_backwards_overhead_is_per_call_so_its_share_shrinks_as_micro_ba
     assert costs.split_at(1000) == pytest.approx((0.5, 0.5), rel=1e-3)
     assert costs.split_at(4, tp=2) == pytest.approx(costs.split_at(2))  # a tensor-parallel rank's share of samples
     assert replace(costs, split_fit=None).split_at(1) == (0.5, 0.5)  # flop_units, or one sample count timed
-    layout, links = Layout(pp=2, schedule="zb", microbatches=2), Links(TINY, TINY, ranks_per_node=2)
+    layout, links = Candidate(pp=2, schedule="zb", microbatches=2), Links(TINY, TINY, ranks_per_node=2)
     small, large = (predict(profile(costs), layout, links, batch_size=b) for b in (2, 64))
     fused = (predict(profile(costs), replace(layout, schedule="1f1b"), links, batch_size=b) for b in (2, 64))
     # B + W over the fused backward: 4/3 at one sample a micro-batch, close to 1 at 32
@@ -772,16 +772,16 @@ def test_calibrate_takes_the_links_beta_from_a_dp_runs_wait_for_its_gradients():
 
     prof = profile(block_costs(CONFIG.n_layer, opt=1e-9))
     links = Links(LINK, LINK, ranks_per_node=2, cores=2)
-    before = predict(prof, Layout(dp=2), links, batch_size=8)
+    before = predict(prof, Candidate(dp=2), links, batch_size=8)
     wait = 3 * before.dp_exposed_s
     spans = {r: [Span(r, "wait", "grad_sync", 0, round(wait * 1e9))] for r in range(2)}
-    _, links2, fitted = calibrate(prof, links, 8, {Layout(dp=2): Measured(before.step_s + wait, spans)})
+    _, links2, fitted = calibrate(prof, links, 8, {Candidate(dp=2): Measured(before.step_s + wait, spans)})
     assert fitted["dp_beta_s_per_byte"] > LINK.beta_s_per_byte
-    assert predict(prof, Layout(dp=2), links2, batch_size=8).dp_exposed_s == pytest.approx(wait, rel=1e-6)
+    assert predict(prof, Candidate(dp=2), links2, batch_size=8).dp_exposed_s == pytest.approx(wait, rel=1e-6)
 
 
 def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
-    from fourfold.observe.runs import cpu_times, stolen
+    from fourfold.plan.runs import cpu_times, stolen
 
     assert stolen([0] * 8, [10, 0, 0, 80, 0, 0, 0, 10]) == pytest.approx(0.1)
     assert stolen(None, [1] * 8) is None and stolen([0] * 8, [0] * 8) is None
@@ -790,7 +790,7 @@ def test_bench_predict_reports_the_cpu_time_the_hypervisor_stole():
 
 
 def test_the_fastest_timing_of_the_units_is_the_one_set_beside_the_fastest_runs():
-    from fourfold.observe.costs import fastest
+    from fourfold.plan.costs import fastest
 
     quick, slow = block_costs(CONFIG.n_layer, per_sample=1e-3), block_costs(CONFIG.n_layer, per_sample=1.5e-3)
     assert fastest([quick], 2) is quick
@@ -802,7 +802,7 @@ def test_the_fastest_timing_of_the_units_is_the_one_set_beside_the_fastest_runs(
 
 
 def test_the_units_are_timed_before_each_round_of_runs_and_the_fastest_kept(monkeypatch):
-    from fourfold.observe import runs
+    from fourfold.plan import runs
 
     order = []
     monkeypatch.setattr(runs, "measure_run", lambda L, *a, **k: order.append(L) or Measured(0.1, stolen=0.0))
@@ -812,7 +812,7 @@ def test_the_units_are_timed_before_each_round_of_runs_and_the_fastest_kept(monk
         order.append("units")
         return block_costs(CONFIG.n_layer, per_sample=next(speeds))
 
-    a, b = Layout(dp=2), Layout(tp=2)
+    a, b = Candidate(dp=2), Candidate(tp=2)
     best, costs = runs.best_runs_and_units([a, b], 3, 3, [], time_units, 2)
     assert order == ["units", a, b, "units", b, a, "units", a, b] and set(best) == {a, b}
     assert costs.forward == block_costs(CONFIG.n_layer, per_sample=1e-3).forward
@@ -825,7 +825,7 @@ def test_the_units_are_timed_before_each_round_of_runs_and_the_fastest_kept(monk
 
 
 def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
-    from fourfold.observe import runs
+    from fourfold.plan import runs
 
     order, slower = [], iter(range(1, 100))
 
@@ -834,7 +834,7 @@ def test_runs_rotate_so_a_drifting_machine_weighs_on_every_layout(monkeypatch):
         return Measured(0.1 * next(slower), stolen=0.0)
 
     monkeypatch.setattr(runs, "measure_run", fake_run)
-    a, b, c = Layout(dp=2), Layout(tp=2), Layout(dp=4)
+    a, b, c = Candidate(dp=2), Candidate(tp=2), Candidate(dp=4)
     seen = []
     got = runs.best_runs([a, b, c], repeats=2, steps=3, train_flags=[], progress=lambda L, m: seen.append(L),
                          before_round=lambda k: order.append(f"round {k}"))
@@ -880,14 +880,14 @@ def test_plan_for_a_lab_joins_its_nodes_by_the_labs_link(capsys, monkeypatch, tm
 
 def test_runs_in_a_lab_go_through_lab_run_with_a_nodes_ranks(capsys):
     from fourfold.bench.predict import main
-    from fourfold.observe.runs import LabShape
+    from fourfold.plan.runs import LabShape
 
     shape = LabShape(2, "250mbit")
-    assert shape.command(Layout(dp=2, pp=2, schedule="1f1b", microbatches=2)) == [
+    assert shape.command(Candidate(dp=2, pp=2, schedule="1f1b", microbatches=2)) == [
         "lab", "run", "--nodes", "2", "--gpus-per-node", "2", "--link", "250mbit", "--tcp", "auto", "--",
         "fourfold", "train"]
     with pytest.raises(ValueError, match="cannot run dp3 tp1 pp1 .3 ranks.. Pick layouts of a multiple of 2"):
-        shape.command(Layout(dp=3))
+        shape.command(Candidate(dp=3))
     with pytest.raises(SystemExit):  # refused before any run
         main(["--lab-link", "250mbit", "--layouts", "dp3", "--batch-size", "12"])
     assert "cannot run dp3" in capsys.readouterr().err
@@ -896,10 +896,10 @@ def test_runs_in_a_lab_go_through_lab_run_with_a_nodes_ranks(capsys):
 def test_a_tensor_parallel_layout_that_fits_only_with_sequence_parallelism_is_ranked_with_it():
     """The planner tries --sequence-parallel on a tp layout that does not fit (the model must run it): the norms
     and residuals split by tp fit it, and its command says so; a model that cannot is left without."""
-    from fourfold.observe.layouts import rank_layouts
+    from fourfold.plan.layouts import rank_layouts
 
     prof, links = profile(), Links(TINY, TINY, ranks_per_node=2)
-    tp2 = Layout(tp=2)
+    tp2 = Candidate(tp=2)
     plain, split = (predict(prof, replace(tp2, sequence_parallel=sp), links, 8) for sp in (False, True))
     assert split.peak_bytes < plain.peak_bytes and str(split.layout) == "dp1 tp2 pp1 sp"
     between = (plain.peak_bytes + split.peak_bytes) // 2
@@ -914,10 +914,10 @@ def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_th
     train refuses sequence parallelism at tp 1. The layout's own flags say when it is on."""
     from fourfold.cli.plan import _user_flags
 
-    assert _user_flags(["--sequence-parallel", "--model", "gpt2"], Layout(dp=2)) == ["--model", "gpt2"]
-    assert _user_flags(["--config", "run.toml"], Layout(dp=2, zero=1)) == ["--config", "run.toml",
+    assert _user_flags(["--sequence-parallel", "--model", "gpt2"], Candidate(dp=2)) == ["--model", "gpt2"]
+    assert _user_flags(["--config", "run.toml"], Candidate(dp=2, zero=1)) == ["--config", "run.toml",
                                                                            "--no-sequence-parallel"]
-    assert Layout(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"
+    assert Candidate(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"
 
 
 def test_plan_shows_a_tiny_models_step_in_microseconds_not_zero_ms():

@@ -26,7 +26,7 @@ SMALL = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16"
 
 
 def _train_on_ranks(ctx, argv: list[str]) -> list[float]:
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
 
     return train_mod.train(parse_args(argv), ctx).losses
 
@@ -110,7 +110,7 @@ def test_resuming_on_data_changed_at_the_same_path_is_said(tmp_path, capsys):
 
 
 def _agree(ctx, dirs):
-    from fourfold.checkpoint.resume import same_on_every_rank
+    from fourfold.run.resume import same_on_every_rank
 
     try:
         same_on_every_rank({"dir": dirs[ctx.rank]}, "runs/a")
@@ -175,8 +175,8 @@ def test_a_resumed_run_names_the_training_settings_it_changes(tmp_path, capsys):
                            str(run), "--out", str(run)]) == 0
     err = capsys.readouterr().err
     assert "note: resuming step 1 with seed 3 (was 0), lr 0.001 (was 0.003)" in err, err
-    from fourfold.checkpoint.resume import changed_settings
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import changed_settings
 
     was = {"config": {"train": {"data": "corpus.jsonl"}}}  # no --data now: the built-in corpus, not "None"
     assert "data the built-in corpus (was 'corpus.jsonl')" in changed_settings(parse_args([*SMALL]), was)
@@ -301,7 +301,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
 
 
 def test_an_interrupted_run_without_checkpoints_says_there_is_none(tmp_path):
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
 
     cfg = parse_args([*SMALL, "--out", str(tmp_path / "none")])
     note = train_mod._interrupted_note(cfg)
@@ -325,9 +325,9 @@ def test_a_compressed_run_resumes_exactly_its_errors_fed_back_restored(tmp_path,
 
 
 def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_afresh(tmp_path, capsys):
-    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
-    from fourfold.preflight import _resume_note
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import _resume_note
 
     part = tmp_path / "part"
     assert train_mod.main([*SMALL, "--steps", "1", "--out", str(part)]) == 0  # a checkpoint of 1 rank
@@ -345,9 +345,9 @@ def test_a_compressed_run_resumed_under_another_layout_is_told_its_errors_start_
 
 def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_start_afresh(tmp_path, capsys,
                                                                                          monkeypatch):
-    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
-    from fourfold.preflight import _resume_note
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import _resume_note
 
     part = tmp_path / "part"
     assert train_mod.main([*SMALL, "--dropout", "0.1", "--steps", "1", "--out", str(part)]) == 0  # 1 rank
@@ -359,7 +359,7 @@ def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_sta
         assert ("the model's dropout (dropout=0.1, embed.drop (p=0.1)) draws from each rank's "
                 "own streams, continued only under the checkpoint's layout (1 ranks" in err) == said, (nproc, err)
     # one process from a checkpoint of 2 ranks: its ranks' streams, and torch's generator, which load reseeds
-    import fourfold.preflight as preflight
+    import fourfold.run.preflight as preflight
 
     cfg = parse_args([*SMALL, "--steps", "3", "--resume", str(part)])
     two = {**preflight.resume_from(cfg), "world_size": 2, "mesh": {"dp": 2, "tp": 1, "pp": 1}}
@@ -371,8 +371,8 @@ def test_a_run_with_dropout_resumed_under_another_layout_is_told_its_streams_sta
 
 def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resumed_checkpoint(tmp_path,
                                                                                              monkeypatch):
-    from fourfold.checkpoint.resume import resume_from
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import resume_from
 
     run, fresh = tmp_path / "run", tmp_path / "fresh"
     assert train_mod.main([*SMALL, "--steps", "1", "--no-trace", "--out", str(run)]) == 0
@@ -388,8 +388,8 @@ def test_a_restarted_resumed_run_comes_back_from_its_own_progress_not_the_resume
 
 
 def test_checkpoints_from_before_model_config_values_still_resume(tmp_path, monkeypatch):
-    from fourfold.checkpoint.resume import check_resume
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import check_resume
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2}))
@@ -408,8 +408,8 @@ def test_a_model_config_edited_since_the_checkpoint_is_refused_naming_the_keys(t
     """The resumed run reads --model-config from the checkpoint's path again: a file edited since (dropout set to 0)
     would build another model silently. Compared by contents, the keys that differ named, the checkpoint's own
     given to write back."""
-    from fourfold.checkpoint.resume import check_resume
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import check_resume
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2, "attn_pdrop": 0.1}))
@@ -428,8 +428,8 @@ def test_a_model_config_edited_since_the_checkpoint_is_refused_naming_the_keys(t
 def test_a_hugging_face_run_records_no_tinygpt_sizes_and_older_records_of_them_still_resume(tmp_path, monkeypatch):
     """run.json once said n_layer 4, dropout 0.0 for any Hugging Face model (TinyGPT's defaults): read as the
     model's. They are left out now; a checkpoint that recorded them resumes as before."""
-    from fourfold.checkpoint.resume import check_resume
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import check_resume
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps({"n_layer": 2}))
@@ -441,8 +441,8 @@ def test_a_hugging_face_run_records_no_tinygpt_sizes_and_older_records_of_them_s
 
 
 def test_another_dropout_on_resume_is_a_training_change_named_not_another_model():
-    from fourfold.checkpoint.resume import changed_settings, check_resume
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
+    from fourfold.run.resume import changed_settings, check_resume
 
     then = parse_args([*SMALL, "--dropout", "0.1", "--steps", "4"])
     manifest = {"config": then.record(), "dir": "ck", "step": 2}
@@ -454,7 +454,7 @@ def test_another_dropout_on_resume_is_a_training_change_named_not_another_model(
 
 def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolute(tmp_path, monkeypatch):
     # runs before 2026-11-24 recorded --tokenizer as typed; later ones absolute: a resume compares the files
-    from fourfold.checkpoint.resume import changed_settings
+    from fourfold.run.resume import changed_settings
     from fourfold.train import parse_args
 
     monkeypatch.chdir(tmp_path)

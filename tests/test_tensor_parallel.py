@@ -14,7 +14,7 @@ Spawns are the expensive part, so each is read by many tests (module-level cache
 Reading a failure: a check is named ``<layer>[.<variant>].<quantity>`` with tp, and its message gives the max
 |error| over ranks. An output right but ``grad_input`` wrong points at f / g or the sequence gather / scatter
 backward; a weight gradient wrong with the input gradient right points at the shard slicing (``from_linear``,
-``Layout``). In training, a wrong step-0 loss is a forward bug; right losses with wrong weights a backward one;
+``ShardLayout``). In training, a wrong step-0 loss is a forward bug; right losses with wrong weights a backward one;
 with sequence parallelism, only wpe / layer-norm / row-bias weights wrong means ``sync_replicated_grads``.
 """
 
@@ -42,8 +42,8 @@ from fourfold.observe.trace import Tracer
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
-    Layout,
     RowParallelLinear,
+    ShardLayout,
     VocabParallelEmbedding,
     gather_state_dict,
     load_full_state_dict,
@@ -110,16 +110,16 @@ def _check_column(out: dict, rank: int, p: int, label: str, *, parts: int | tupl
     yr = full(xr)
     (yr * gy).sum().backward()
     layer = ColumnParallelLinear.from_linear(full, None, parts=parts, gather_output=gather, sequence_parallel=sp)
-    seq = Layout(1)  # the sequence shards of sequence parallelism
+    seq = ShardLayout(1)  # the sequence shards of sequence parallelism
     xs = (shard(x, seq, rank, p) if sp else x.clone()).requires_grad_()
     y = layer(xs)
-    cols = Layout(-1, parts)  # Y_i: this rank's columns of each of the parts
+    cols = ShardLayout(-1, parts)  # Y_i: this rank's columns of each of the parts
     want_y, my_gy = (yr, gy) if gather else (shard(yr, cols, rank, p), shard(gy, cols, rank, p))
     (y * my_gy).sum().backward()
     out[f"{label}.output"] = _err(y, want_y)
     out[f"{label}.grad_input"] = _err(xs.grad, shard(xr.grad, seq, rank, p) if sp else xr.grad)
-    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, Layout(0, parts), rank, p))
-    out[f"{label}.grad_bias"] = _err(layer.bias.grad, shard(full.bias.grad, Layout(0, parts), rank, p))
+    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, ShardLayout(0, parts), rank, p))
+    out[f"{label}.grad_bias"] = _err(layer.bias.grad, shard(full.bias.grad, ShardLayout(0, parts), rank, p))
 
 
 def _check_row(out: dict, rank: int, p: int, label: str, *, split_input: bool = False, sp: bool = False) -> None:
@@ -129,13 +129,13 @@ def _check_row(out: dict, rank: int, p: int, label: str, *, split_input: bool = 
     yr = full(xr)
     (yr * gy).sum().backward()
     layer = RowParallelLinear.from_linear(full, None, input_is_parallel=not split_input, sequence_parallel=sp)
-    seq, cols = Layout(1), Layout(-1)
+    seq, cols = ShardLayout(1), ShardLayout(-1)
     xs = (x.clone() if split_input else shard(x, cols, rank, p)).requires_grad_()
     y = layer(xs)
     (y * (shard(gy, seq, rank, p) if sp else gy)).sum().backward()
     out[f"{label}.output"] = _err(y, shard(yr, seq, rank, p) if sp else yr)
     out[f"{label}.grad_input"] = _err(xs.grad, xr.grad if split_input else shard(xr.grad, cols, rank, p))
-    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, Layout(1), rank, p))
+    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, ShardLayout(1), rank, p))
     bias_grad = layer.bias.grad.clone()
     if sp:  # the replicated bias saw only this rank's positions: sum the partial gradients, as
         # sync_replicated_grads does
@@ -152,18 +152,18 @@ def _check_chain(out: dict, rank: int, p: int, label: str, *, sp: bool = False) 
     (yr * gy).sum().backward()
     col = ColumnParallelLinear.from_linear(fc, None, sequence_parallel=sp)
     row = RowParallelLinear.from_linear(proj, None, sequence_parallel=sp)
-    seq = Layout(1)
+    seq = ShardLayout(1)
     xs = (shard(x, seq, rank, p) if sp else x.clone()).requires_grad_()
     y = row(F.gelu(col(xs)))
     (y * (shard(gy, seq, rank, p) if sp else gy)).sum().backward()
     out[f"{label}.output"] = _err(y, shard(yr, seq, rank, p) if sp else yr)
     out[f"{label}.grad_input"] = _err(xs.grad, shard(xr.grad, seq, rank, p) if sp else xr.grad)
-    out[f"{label}.grad_weight"] = max(_err(col.weight.grad, shard(fc.weight.grad, Layout(0), rank, p)),
-                                      _err(row.weight.grad, shard(proj.weight.grad, Layout(1), rank, p)))
+    out[f"{label}.grad_weight"] = max(_err(col.weight.grad, shard(fc.weight.grad, ShardLayout(0), rank, p)),
+                                      _err(row.weight.grad, shard(proj.weight.grad, ShardLayout(1), rank, p)))
     row_bias = row.bias.grad.clone()
     if sp:
         dist.all_reduce(row_bias)
-    out[f"{label}.grad_bias"] = max(_err(col.bias.grad, shard(fc.bias.grad, Layout(0), rank, p)),
+    out[f"{label}.grad_bias"] = max(_err(col.bias.grad, shard(fc.bias.grad, ShardLayout(0), rank, p)),
                                     _err(row_bias, proj.bias.grad))
 
 
@@ -203,13 +203,13 @@ def _check_norm(out: dict, rank: int, p: int, label: str, float32: bool = False)
     yr = full(xr)
     (yr * gy).sum().backward()
     layer = ShardedRMSNorm.from_norm(full, None)
-    features = Layout(-1)
+    features = ShardLayout(-1)
     xs = shard(x, features, rank, p).requires_grad_()
     y = layer(xs)
     (y * shard(gy, features, rank, p)).sum().backward()
     out[f"{label}.output"] = _err(y, shard(yr, features, rank, p))
     out[f"{label}.grad_input"] = _err(xs.grad, shard(xr.grad, features, rank, p))
-    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, Layout(0), rank, p))
+    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, ShardLayout(0), rank, p))
 
 
 def _check_embedding(out: dict, rank: int, p: int, label: str, *, sp: bool = False, pad: int | None = None) -> None:
@@ -225,10 +225,10 @@ def _check_embedding(out: dict, rank: int, p: int, label: str, *, sp: bool = Fal
     (yr * gy).sum().backward()
     layer = VocabParallelEmbedding.from_embedding(full, None, sequence_parallel=sp)
     y = layer(idx)
-    seq = Layout(1)
+    seq = ShardLayout(1)
     (y * (shard(gy, seq, rank, p) if sp else gy)).sum().backward()
     out[f"{label}.output"] = _err(y, shard(yr, seq, rank, p) if sp else yr)
-    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, Layout(0), rank, p))
+    out[f"{label}.grad_weight"] = _err(layer.weight.grad, shard(full.weight.grad, ShardLayout(0), rank, p))
 
 
 def _check_cross_entropy(out: dict, rank: int, p: int, label: str, *, scale: float) -> None:
@@ -238,11 +238,11 @@ def _check_cross_entropy(out: dict, rank: int, p: int, label: str, *, scale: flo
     zr = logits.clone().requires_grad_()
     loss_r = F.cross_entropy(zr.reshape(-1, V), targets.reshape(-1))
     (2.5 * loss_r).backward()  # an upstream gradient other than 1
-    z = shard(logits, Layout(-1), rank, p).requires_grad_()
+    z = shard(logits, ShardLayout(-1), rank, p).requires_grad_()
     loss = vocab_parallel_cross_entropy(z, targets, None)
     (2.5 * loss).backward()
     out[f"{label}.loss"] = _err(loss, loss_r)
-    out[f"{label}.grad_logits"] = _err(z.grad, shard(zr.grad, Layout(-1), rank, p))
+    out[f"{label}.grad_logits"] = _err(z.grad, shard(zr.grad, ShardLayout(-1), rank, p))
 
 
 class TiedModel(nn.Module):
@@ -458,7 +458,7 @@ def test_fused_blocks_of_unequal_widths_each_split_by_rank():
     from fourfold.parallel.tensor.plan import _parse_style
 
     full = torch.arange(16.0).unsqueeze(1)
-    layout = Layout(0, (2, 1, 1))
+    layout = ShardLayout(0, (2, 1, 1))
     rows = {0: [0, 1, 2, 3, 8, 9, 12, 13], 1: [4, 5, 6, 7, 10, 11, 14, 15]}
     pieces = [shard(full, layout, r, 2) for r in (0, 1)]
     assert [p.squeeze(1).tolist() for p in pieces] == [[float(i) for i in rows[r]] for r in (0, 1)]

@@ -14,8 +14,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from fourfold.comm.wait import gather_spans
 from fourfold.observe.chrome_trace import chrome_trace, write_chrome_trace
-from fourfold.observe.trace import KINDS, Span, Tracer, gather_spans, load_jsonl
+from fourfold.observe.trace import KINDS, Span, Tracer, load_jsonl
 
 
 def _span(rank: int, kind: str, start_us: float, end_us: float, name: str = "x", **kw) -> Span:

@@ -312,7 +312,7 @@ def test_cli_help_reads_well():
 
 def _train_on_ranks(ctx, argv: list[str]):
     """A rank of the in-harness runs below: train with these flags on the harness's process group."""
-    from fourfold.cli.args import parse_args
+    from fourfold.run.args import parse_args
     from fourfold.train import train
 
     result = train(parse_args(argv), ctx)
@@ -377,7 +377,7 @@ def test_3d_run_through_torchrun_equals_one_process_draws_its_stages_and_verifie
 
 
 def test_verify_names_the_step_and_parameter_that_differ():
-    from fourfold.verify import compare, report
+    from fourfold.run.verify import compare, report
 
     start = {"a": torch.zeros(2), "b": torch.zeros(3)}
     want = {"a": torch.full((2,), 1e-3), "b": torch.full((3,), 1e-3)}  # one step of lr 1e-3 from start
@@ -466,7 +466,7 @@ def test_the_summary_names_only_the_files_the_run_wrote(tmp_path):
 def test_a_pipeline_runs_summary_names_each_stages_blocks_and_the_bubble_beside_its_theory():
     """A learner's pp4 run of a 2-layer model idles 93 % on rank 0 against a theory of 27 %: the summary says
     why (rank 0 holds only the embedding)."""
-    from fourfold.observe.summary import block_range, pipeline_line
+    from fourfold.run.summary import block_range, pipeline_line
 
     assert block_range(["blocks.0", "blocks.1", "blocks.2", "head"]) == "blocks.0-2, head"
     assert block_range(["model.embed_tokens", "model.layers.0"]) == "model.embed_tokens, model.layers.0"
@@ -483,7 +483,7 @@ def test_a_pipeline_runs_summary_names_each_stages_blocks_and_the_bubble_beside_
 def test_the_summary_shows_every_ranks_bytes_where_ranks_send_unequally():
     """--allreduce master at G = 4: the root sends (G-1)N, every other rank N. 'rank 0 sent' alone hides the
     asymmetry that is the master's lesson; a ring's ranks send alike and get no extra line."""
-    from fourfold.observe.summary import ranks_sent
+    from fourfold.run.summary import ranks_sent
     from fourfold.train import TrainResult
 
     assert ranks_sent([3 * 1024, 1024, 1024, 1024]) == "rank 0 3.0 KB, ranks 1-3 1.0 KB"
@@ -503,9 +503,9 @@ def test_the_summary_shows_every_ranks_bytes_where_ranks_send_unequally():
 
 
 def test_flags_the_layout_does_not_read_are_named_before_launch():
-    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
-    from fourfold.preflight import unused_flags
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import unused_flags
 
     def unused(*flags: str, **mesh: int) -> list[str]:
         return unused_flags(parse_args(list(flags)), Mesh(**mesh))
@@ -525,9 +525,9 @@ def test_flags_the_layout_does_not_read_are_named_before_launch():
 
 
 def test_a_hang_threshold_the_timeout_would_beat_is_named_before_launch(capsys):
-    from fourfold.cli.args import parse_args
     from fourfold.mesh import Mesh
-    from fourfold.preflight import before_launch_notes
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import before_launch_notes
 
     cfg = parse_args(["--nproc", "2", "--timeout", "5", "--hang-threshold", "10", "--no-memory-check"])
     before_launch_notes(cfg, Mesh(dp=2), 2)

@@ -107,11 +107,11 @@ def test_gpt2_tp2_through_torchrun_writes_every_output_and_model_pt_loads_into_g
 def _ranks(ctx, runs: dict, configs: dict[str, str], out: str) -> dict:
     """Every CLI layout in RUNS, then the engine's logits contract under tp=2: this rank's results."""
     from fourfold import parallelize
-    from fourfold.cli.args import parse_args
     from fourfold.loss import lm_loss
     from fourfold.mesh import Mesh
     from fourfold.models.hf import build_hf
     from fourfold.parallel.pipeline.blocks import output_tensor
+    from fourfold.run.args import parse_args
     from fourfold.train import train
 
     results: dict = {}

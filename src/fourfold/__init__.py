@@ -1,9 +1,10 @@
 """fourfold: train PyTorch models on many devices with model, tensor, data and pipeline parallelism.
 
-    from fourfold import Mesh, launch, parallelize
+    from fourfold import Layout, launch, parallelize
 
     ctx = launch.init()                                           # torchrun's environment, or one process
-    engine = parallelize(model, Mesh.for_world(ctx.world_size, tp=2, pp=2).build(), schedule="1f1b")
+    layout = Layout(tp=2, pp=2, schedule="1f1b")                  # every parallel setting, checked here
+    engine = parallelize(model, layout.mesh(ctx.world_size).build(), layout)
     loss = engine.step(x, y)                                      # then optimizer.step(), loss.item()
 
 The names load on first use, so ``fourfold --help`` and the pure modules (schedules) start without torch.
@@ -16,16 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "Mesh", "Split", "SplitError", "__version__", "launch", "parallelize"]
+__all__ = ["Engine", "Layout", "Mesh", "Split", "SplitError", "__version__", "launch", "parallelize"]
 
-_LAZY = {"Engine": "fourfold.engine", "parallelize": "fourfold.compose", "Mesh": "fourfold.mesh",
+_LAZY = {"Engine": "fourfold.engine.step", "Layout": "fourfold.engine.layout", "parallelize": "fourfold.engine.parallelize", "Mesh": "fourfold.mesh",
          "launch": "fourfold.launch", "Split": "fourfold.parallel.pipeline.blocks",
          "SplitError": "fourfold.parallel.pipeline.blocks"}
 
 if TYPE_CHECKING:
     from fourfold import launch
-    from fourfold.compose import parallelize
-    from fourfold.engine import Engine
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
+    from fourfold.engine.step import Engine
     from fourfold.mesh import Mesh
     from fourfold.parallel.pipeline.blocks import Split, SplitError
 

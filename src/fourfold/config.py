@@ -1,6 +1,6 @@
 """Run configuration: typed dataclasses, one per section, each validated as it is made. They are filled from
 defaults, then a TOML file, then command-line flags (and a resumed run's model settings, left out, from its
-checkpoint) by :mod:`fourfold.cli.args`.
+checkpoint) by :mod:`fourfold.run.args`.
 
 A TOML file has one table per section::
 
@@ -29,17 +29,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fourfold.engine.layout import Layout, ReduceDtype
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
-from fourfold.models.build import read_model_config
 from fourfold.models.gpt import GPTConfig
-from fourfold.parallel.checkpointing import parse_policy
-from fourfold.parallel.data import check_find_unused
+from fourfold.models.hf import read_model_config
+from fourfold.torchrun import LaunchConfig
 
-__all__ = ["LAB_ENV", "MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig", "lab_default"]
+__all__ = ["MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig"]
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _layout_field(name: str) -> Any:
+    """A parallel setting: its default and help are the :class:`~fourfold.engine.layout.Layout`'s."""
+    f = Layout.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
 
 
 @dataclass(frozen=True)
@@ -76,58 +82,31 @@ class TrainConfig:
         "clip the gradients before each step so their global norm (the whole model's, as one process computes "
         "it, under any layout) is at most this; metrics.jsonl records grad_norm, and a non-finite norm stops "
         "the run before the step (0: off)"))
-    dp: int | None = field(default=None, metadata=_help(
-        "data-parallel size (default: the world size divided by tp*pp)"))
-    tp: int = field(default=1, metadata=_help("tensor-parallel size"))
-    pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
-    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "zb"] = field(default="1f1b", metadata=_help(
-        "with --pp: the pipeline schedule (see `fourfold schedule`)"))
-    microbatches: int = field(default=4, metadata=_help(
-        "with --pp: micro-batches each data-parallel shard is cut into"))
-    virtual: int = field(default=2, metadata=_help("with --schedule interleaved: stages per pipeline rank"))
-    grad_accum: int = field(default=1, metadata=_help(
-        "without --pp: cut each data-parallel shard into N micro-batches run one after another, their gradients "
-        "accumulated and synchronised once: the same step, with 1/N of the activation memory (a pipeline cuts "
-        "its shard into --microbatches instead)"))
-    strategy: Literal["pipeline", "model"] = field(default="pipeline", metadata=_help(
-        "with --pp: 'model' places layers on ranks with one micro-batch (model parallelism: one rank busy "
-        "at a time)"))
-    sequence_parallel: bool = field(default=False, metadata=_help(
-        "with --tp: layer norms on a sequence shard, all-gather/reduce-scatter instead of all-reduce"))
-    allreduce: Literal["native", "naive", "master", "ring", "tree", "rabenseifner", "hierarchical", "auto"] = field(
-        default="native", metadata=_help("gradient all-reduce algorithm for data parallelism (fourfold.comm)"))
-    precision: Literal["full", "bf16"] = field(default="full", metadata=_help(
-        "bf16: mixed precision, forward under bfloat16 autocast (matmuls and their activations in bf16), float32 "
-        "master weights, optimiser state and gradients; needs --dtype float32"))
-    reduce_dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata=_help(
-        "with --dp: the dtype gradients are reduced in (auto: the parameters'); bfloat16 halves the bytes"))
-    compress: Literal["none", "bf16", "int8", "powersgd"] = field(default="none", metadata=_help(
-        "with --dp: lossy gradient compression. bf16 (the same as --reduce-dtype bfloat16: half the bytes), int8 "
-        "(a scale per 256 values, error feedback: 3.9x fewer bytes), powersgd (each weight matrix as rank "
-        "--powersgd-rank factors, error feedback); not with --zero, except bf16"))
-    powersgd_rank: int = field(default=4, metadata=_help(
-        "with --compress powersgd: the rank of each matrix's factors ((n + m) * rank numbers sent for n * m)"))
-    powersgd_warmup: int = field(default=10, metadata=_help(
-        "with --compress powersgd: the first steps reduced exactly, before compressing"))
+    dp: int | None = _layout_field("dp")
+    tp: int = _layout_field("tp")
+    pp: int = _layout_field("pp")
+    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "zb"] = _layout_field("schedule")
+    microbatches: int = _layout_field("microbatches")
+    virtual: int = _layout_field("virtual")
+    grad_accum: int = _layout_field("grad_accum")
+    strategy: Literal["pipeline", "model"] = _layout_field("strategy")
+    sequence_parallel: bool = _layout_field("sequence_parallel")
+    allreduce: Literal["native", "naive", "master", "ring", "tree", "rabenseifner", "hierarchical", "auto"] = _layout_field("allreduce")
+    precision: Literal["full", "bf16"] = _layout_field("precision")
+    reduce_dtype: ReduceDtype = _layout_field("reduce_dtype")
+    compress: Literal["none", "bf16", "int8", "powersgd"] = _layout_field("compress")
+    powersgd_rank: int = _layout_field("powersgd_rank")
+    powersgd_warmup: int = _layout_field("powersgd_warmup")
     memory_check: bool = field(default=True, metadata=_help(
         "before launch, estimate each rank's memory (parameters, gradients, optimiser state, activations) and "
         "refuse a layout that would not fit, naming the largest term and the cheapest change that fits"))
     memory_limit: str | None = field(default=None, metadata=_help(
         "memory per rank to plan against, e.g. 80GB (default: the GPU's, or the machine's available memory "
         "shared by its ranks)"))
-    zero: int = field(default=0, metadata=_help(
-        "with --dp: ZeRO stage. 1 shards the optimiser state over the data-parallel ranks, 2 also the gradients "
-        "(reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered per block, before forward "
-        "and backward); needs --allreduce ring or native"))
-    bucket_mb: float = field(default=25.0, metadata=_help(
-        "data-parallel gradient bucket size in MB: each full bucket is all-reduced while backward goes on"))
-    sync_batchnorm: bool = field(default=False, metadata=_help(
-        "with --dp: BatchNorm layers take their statistics over the whole batch (every rank's samples), as one "
-        "process does; without it each rank normalises its own shard (a warning names the layers)"))
-    find_unused_parameters: bool = field(default=False, metadata=_help(
-        "with --dp: a model that leaves parameters unused in some steps (a branch taken now and then); their "
-        "gradient counts as zero on the ranks that did not use them, and stays None where no rank did, as one "
-        "process leaves it. One small all-reduce a step more; not with --zero or --pp"))
+    zero: int = _layout_field("zero")
+    bucket_mb: float = _layout_field("bucket_mb")
+    sync_batchnorm: bool = _layout_field("sync_batchnorm")
+    find_unused_parameters: bool = _layout_field("find_unused_parameters")
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
@@ -147,9 +126,7 @@ class TrainConfig:
         "out with --init-from a directory holding a tokenizer.json: that one"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
-    activation_checkpointing: str = field(default="none", metadata=_help(
-        "recompute blocks' activations in backward instead of keeping them: none, full (every block) or every-N "
-        "(blocks 0, N, 2N, ...): less activation memory, one more forward per checkpointed block"))
+    activation_checkpointing: str = _layout_field("activation_checkpointing")
     pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
         "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
         "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
@@ -186,7 +163,8 @@ class TrainConfig:
         "(docs: README); a mismatch exits with status 1 (0: off)"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "tp", "pp", "microbatches", "virtual", "grad_accum"):
+        self.layout  # noqa: B018 - the parallel settings' rules are the Layout's, checked as it is made
+        for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
         if self.eval_every < 0 or self.eval_batches < 1:
@@ -202,13 +180,6 @@ class TrainConfig:
             raise ValueError(f"verify re-runs a run's first steps from its initial weights; a resumed run starts "
                              f"from a checkpoint, got verify={self.verify} with resume={self.resume!r}. Drop "
                              "--verify, or verify the run that wrote the checkpoint.")
-        if self.grad_accum > 1 and self.pp > 1:
-            raise ValueError(f"grad_accum cuts a shard into micro-batches without a pipeline, got grad_accum="
-                             f"{self.grad_accum} with pp={self.pp}, whose schedule does that already. Pass "
-                             f"--microbatches {self.grad_accum * self.microbatches} instead of --grad-accum.")
-        if self.dp is not None and self.dp < 1:
-            raise ValueError(f"dp must be >= 1, got dp={self.dp}. Leave it out to use every remaining rank.")
-        parse_policy(self.activation_checkpointing)  # refuses anything but none, full, every-N
         if self.pack == "none" and (self.tokens_per_step is not None or self.truncate_documents):
             raise ValueError("tokens_per_step and truncate_documents arrange documents, got pack='none'. Pass "
                              "--pack bfd (or pad, first-fit), or drop them.")
@@ -220,31 +191,10 @@ class TrainConfig:
         if self.reduce_dtype == "float32" and self.dtype == "float64":
             raise ValueError("reduce_dtype float32 would round float64 gradients, got dtype=float64. Leave "
                              "--reduce-dtype auto (or pass bfloat16 deliberately).")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0 (off), 1, 2 or 3, got zero={self.zero}.")
-        if self.compress in ("int8", "powersgd") and self.zero:
-            raise ValueError(f"compress {self.compress} replaces the all-reduce, which ZeRO does not use, got "
-                             f"compress={self.compress!r} with zero={self.zero}. Drop one (--compress bf16 works with "
-                             "--zero).")
-        if self.find_unused_parameters:
-            check_find_unused(self.zero, self.pp)
-        if self.compress != "none" and self.reduce_dtype != "auto" and not (
-                self.compress == "bf16" and self.reduce_dtype == "bfloat16"):
-            raise ValueError(f"compress sets what crosses the wire, got compress={self.compress!r} with reduce_dtype="
-                             f"{self.reduce_dtype!r}. Leave --reduce-dtype auto.")
-        if self.powersgd_rank < 1 or self.powersgd_warmup < 0:
-            raise ValueError(f"powersgd_rank must be >= 1 and powersgd_warmup >= 0, got powersgd_rank="
-                             f"{self.powersgd_rank}, powersgd_warmup={self.powersgd_warmup}.")
         if self.memory_limit is not None:
             from fourfold.units import parse_bytes
 
             parse_bytes(self.memory_limit, what="memory_limit", unit=True)  # a size, with its unit (80 is not 80GB)
-        if self.zero and self.allreduce not in ("ring", "native"):
-            raise ValueError(f"zero needs a reduce-scatter and an all-gather, which {self.allreduce} does not have, "
-                             f"got zero={self.zero} with allreduce={self.allreduce!r}. Pass --allreduce ring (counted) "
-                             "or native.")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got bucket_mb={self.bucket_mb}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got lr={self.lr}.")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
@@ -291,6 +241,11 @@ class TrainConfig:
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """The run's parallel settings as one :class:`~fourfold.engine.layout.Layout` (what parallelize takes)."""
+        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
+
     def _check_init_from(self, families: tuple[str, ...]) -> None:
         """A Hugging Face directory sizes the model itself: its ``model_type`` must be ``model``, with no
         ``model_config`` beside it; a file must exist (its names and shapes are checked before launch)."""
@@ -311,55 +266,6 @@ class TrainConfig:
         if self.model_config is not None:
             raise ValueError(f"init_from's config.json sizes the model, got model_config={self.model_config!r} "
                              "beside it. Drop --model-config (or edit the directory's config.json).")
-
-
-LAB_ENV = "FOURFOLD_LAB_"
-"""Inside ``fourfold lab run``, each node's command finds its launch defaults (``FOURFOLD_LAB_NPROC``,
-``_NNODES``, ``_NODE_RANK``, ``_RDZV_ENDPOINT``, ``_LOCAL_ADDR``) here; flags still win."""
-
-
-def lab_default(name: str, default: int) -> int:
-    """``FOURFOLD_LAB_<name>`` as an int (set by ``fourfold lab run`` for each node's command), else ``default``."""
-    return int(os.environ.get(LAB_ENV + name, default))
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How many processes, on how many machines (passed to torchrun's launcher)."""
-
-    nproc: int = field(default_factory=lambda: lab_default("NPROC", 1), metadata=_help(
-        "processes to start on this machine (through torchrun)"))
-    nnodes: int = field(default_factory=lambda: lab_default("NNODES", 1), metadata=_help("machines taking part"))
-    node_rank: int = field(default_factory=lambda: lab_default("NODE_RANK", 0), metadata=_help(
-        "this machine's index, 0..nnodes-1"))
-    rdzv_endpoint: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "RDZV_ENDPOINT"),
-                                      metadata=_help("host:port of the rendezvous, required when nnodes > 1"))
-    local_addr: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "LOCAL_ADDR"), metadata=_help(
-        "with nnodes > 1: the address the other machines reach this one at (default: what its hostname resolves "
-        "to)"))
-    rdzv_timeout: int = field(default=300, metadata=_help(
-        "with nnodes > 1: seconds to wait for the other machines to join before giving up"))
-    max_restarts: int = field(default=0, metadata=_help(
-        "restart every rank this many times when one fails; a restarted run resumes from OUT's newest "
-        "checkpoint (see --checkpoint-every)"))
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got max_restarts={self.max_restarts}.")
-        if self.rdzv_timeout < 1:
-            raise ValueError(f"rdzv_timeout must be >= 1 second, got rdzv_timeout={self.rdzv_timeout}.")
-        if self.nproc < 1 or self.nnodes < 1:
-            raise ValueError(f"nproc and nnodes must be >= 1, got nproc={self.nproc}, nnodes={self.nnodes}.")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, "
-                             f"nnodes={self.nnodes}.")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"rdzv_endpoint must be given when nnodes > 1, got nnodes={self.nnodes} and no "
-                             "endpoint. Pass --rdzv-endpoint HOST:PORT (the same on every machine).")
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc * self.nnodes
 
 
 MODEL_HELP = {
@@ -424,10 +330,14 @@ class Config:
         if self.model_config_values is not None:
             record["model_config_values"] = self.model_config_values
         if self.train.eval_every:
-            from fourfold.checkpoint.resume import HELD_OUT
+            from fourfold.data.loader import HELD_OUT
 
             record["held_out"] = HELD_OUT  # which data evaluation holds out, as a resume compares it
         return record
+
+
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name in Layout.__dataclass_fields__)
+"""The [train] fields that are the run's :class:`~fourfold.engine.layout.Layout`."""
 
 
 TINYGPT_ONLY = ("vocab_size", "n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")

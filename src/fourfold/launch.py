@@ -17,7 +17,7 @@ Promises:
   itself, PyTorch's TCPStore binds every interface);
 * ``OMP_NUM_THREADS=1`` per rank when several ranks share a machine, unless the user set it;
 * the process group is destroyed on exit (context manager, or at interpreter exit);
-* with more than one rank, the hang doctor (:mod:`fourfold.observe.doctor`) heartbeats this rank's ledger to the
+* with more than one rank, the hang doctor (:mod:`fourfold.comm.doctor`) heartbeats this rank's ledger to the
   store and, when a wait passes ``hang_s``, names the rank that never arrived.
 """
 
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm import wait
+from fourfold.comm.doctor import DEFAULT_HANG_S, VERDICT_ENV, Doctor
 from fourfold.comm.wait import DEFAULT_TIMEOUT_S
-from fourfold.observe.doctor import DEFAULT_HANG_S, VERDICT_ENV, Doctor
 
 __all__ = [
     "DEFAULT_HANG_S",

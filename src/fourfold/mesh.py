@@ -17,12 +17,14 @@ once the default group exists and returns this rank's :class:`RankMesh`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch.distributed as dist
 
-from fourfold.comm.wait import group_timeout
+from fourfold.comm.wait import default_timeout_s, group_timeout
+from fourfold.observe.trace import Tracer
 
 __all__ = ["AXES", "Axis", "Coord", "Mesh", "RankMesh"]
 
@@ -116,7 +118,7 @@ class Mesh:
         """The ranks of ``rank``'s group along ``axis`` (``rank`` included)."""
         return next(g for g in self.groups(axis) if rank in g)
 
-    def build(self, timeout_s: float | None = None) -> RankMesh:
+    def build(self, timeout_s: float | None = None, tracer: Tracer | None = None) -> RankMesh:
         """Create the dp, tp and pp process groups (collective: every rank must call it, in the same order).
 
         An axis of size 1 gets no group (None): nothing communicates along it, and creating one would cost a
@@ -124,7 +126,8 @@ class Mesh:
 
         ``timeout_s``: the groups' own timeout; None is the run's (``launch.init(timeout_s=...)``, ``--timeout``),
         not torch's 30 minutes, for which a collective bounded only by its group (an object gather) would wait
-        on a stuck peer.
+        on a stuck peer. Every collective and send/recv of an engine on this mesh is bounded by it too.
+        ``tracer``: what records this rank's spans (:mod:`fourfold.observe.trace`); None records nothing.
         """
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build() needs the default process group: call fourfold.launch.init() first.")
@@ -141,7 +144,7 @@ class Mesh:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     mine[axis] = group
-        return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"])
+        return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"], timeout_s, tracer)
 
 
 @dataclass(frozen=True)
@@ -155,11 +158,28 @@ class RankMesh:
     dp_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
+    timeout_s: float | None = None  # the groups' (Mesh.build's); None: the run's, launch.init's --timeout
+    tracer: Tracer | None = None  # records this rank's spans; None: nothing recorded
 
     @classmethod
-    def single(cls) -> RankMesh:
+    def single(cls, tracer: Tracer | None = None) -> RankMesh:
         """One process, no groups: what the engine runs on for the single-process reference."""
-        return cls(Mesh(), 0, Coord(0, 0, 0), None, None, None)
+        return cls(Mesh(), 0, Coord(0, 0, 0), None, None, None, tracer=tracer)
+
+    def using(self, *, tracer: Tracer | None = None, timeout_s: float | None = None) -> RankMesh:
+        """This mesh (the same groups) with another tracer or timeout: a bench's variant traced on its own."""
+        return dataclasses.replace(self, tracer=tracer if tracer is not None else self.tracer,
+                                   timeout_s=timeout_s if timeout_s is not None else self.timeout_s)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any collective or send/recv on this mesh may wait: :meth:`Mesh.build`'s, or the run's."""
+        return default_timeout_s() if self.timeout_s is None else self.timeout_s
+
+    @property
+    def recorder(self) -> Tracer:
+        """This rank's tracer, or one that records nothing."""
+        return self.tracer if self.tracer is not None else Tracer(self.rank, enabled=False)
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
         return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[axis]

@@ -4,7 +4,7 @@ gets fourfold's one-machine rendezvous, whose store listens on 127.0.0.1 only::
     torchrun --nproc-per-node 2 --rdzv-backend fourfold-loopback --rdzv-endpoint 127.0.0.1:0 -m fourfold.train
 
 torchrun loads entry points while ``torch.distributed.elastic.rendezvous`` is being imported, so this module
-imports nothing at load time (importing :mod:`fourfold.elastic` here would be circular).
+imports nothing at load time (importing :mod:`fourfold.torchrun` here would be circular).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def loopback_handler() -> Any:
     """What torchrun's registry calls: the function that creates the rendezvous handler."""
 
     def create(params: Any) -> Any:
-        from fourfold.elastic import create_loopback
+        from fourfold.torchrun import create_loopback
 
         return create_loopback(params)
 

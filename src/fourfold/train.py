@@ -41,21 +41,18 @@ from tqdm import tqdm
 
 from fourfold import checkpoint, launch
 from fourfold.checkpoint import CheckpointError, save_checkpoint
-from fourfold.checkpoint.resume import continues_run, restart_count, resume_from, same_on_every_rank
 from fourfold.checkpoint.sharded import io_barrier, io_group
 from fourfold.checkpoint.store import set_aside_newer
-from fourfold.cli.args import parse_args, without_section_flags
-from fourfold.comm.compress import PowerSGD
+from fourfold.comm.doctor import HangFound
 from fourfold.comm.ledger import LEDGER
-from fourfold.comm.wait import CommError, barrier, gather_objects
-from fourfold.compose import parallelize
-from fourfold.config import Config, LaunchConfig
+from fourfold.comm.wait import CommError, barrier, gather_objects, gather_spans
+from fourfold.config import Config
 from fourfold.data import (
     BatchLoader,
     DocumentLoader,
 )
-from fourfold.data.run import make_loader
-from fourfold.engine import Engine, bytes_by_axis
+from fourfold.engine.parallelize import parallelize
+from fourfold.engine.step import Engine, bytes_by_axis
 from fourfold.files import (
     OUTPUTS,
     drawn_row,
@@ -79,13 +76,16 @@ from fourfold.models.build import (
     num_parameters,
 )
 from fourfold.observe.chrome_trace import write_chrome_trace
-from fourfold.observe.doctor import HangFound
 from fourfold.observe.memory import held_bytes, process_peak
-from fourfold.observe.summary import pipeline_line, ranks_sent, unequal
-from fourfold.observe.trace import Tracer, gather_spans, hidden_fraction
+from fourfold.observe.trace import Tracer, hidden_fraction
 from fourfold.observe.visualize import draw_step, rank_labels
-from fourfold.optim import NonFiniteLoss, keep_flags, lr_at, make_optimizer, update
-from fourfold.preflight import before_launch_notes, check_data_vocab, preflight
+from fourfold.run.args import parse_args, without_section_flags
+from fourfold.run.data import make_loader
+from fourfold.run.optim import NonFiniteLoss, keep_flags, lr_at, make_optimizer, update
+from fourfold.run.preflight import before_launch_notes, check_data_vocab, preflight
+from fourfold.run.resume import continues_run, restart_count, resume_from, same_on_every_rank
+from fourfold.run.summary import pipeline_line, ranks_sent, unequal
+from fourfold.torchrun import LaunchConfig
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
 
@@ -178,10 +178,10 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     t = cfg.train
     mesh = preflight(cfg, ctx.world_size, scan_data=False)  # every rank fails alike, never a hang
     barrier("check OUT before writing")  # nobody writes to OUT before every rank has checked it
-    ranks = mesh.build(t.timeout)
+    tracer = Tracer(ctx.rank, enabled=t.trace)
+    ranks = mesh.build(t.timeout, tracer)
     if ctx.world_size > 1:
         io_group()  # checkpoints' own group, made while every rank is here (a collective)
-    tracer = Tracer(ctx.rank, enabled=t.trace)
     out = Path(t.out)
     resume = resume_from(cfg)
     same_on_every_rank(resume, t.resume)
@@ -210,7 +210,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
               file=sys.stderr, flush=True)
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
-    engine = parallelize(model, ranks, **engine_options(cfg), example=example, tracer=tracer, timeout_s=t.timeout)
+    engine = parallelize(model, ranks, t.layout, example=example).manual_seed(t.seed)
     if filling is not None:
         with filling as weights:
             engine.load_state_dict(weights)
@@ -365,18 +365,6 @@ def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
             "cut": [list(names) for names in engine.pipeline.cut]}
 
 
-def engine_options(cfg: Config) -> dict[str, Any]:
-    """The layout flags as :func:`fourfold.parallelize` takes them."""
-    t = cfg.train
-    return {"sequence_parallel": t.sequence_parallel, "schedule": t.schedule, "microbatches": t.microbatches,
-            "virtual": t.virtual, "strategy": t.strategy, "allreduce": t.allreduce, "bucket_mb": t.bucket_mb,
-            "sync_batchnorm": t.sync_batchnorm, "find_unused_parameters": t.find_unused_parameters,
-            "activation_checkpointing": t.activation_checkpointing,
-            "zero": t.zero, "precision": t.precision, "grad_accum": t.grad_accum, "seed": t.seed,
-            "reduce_dtype": None if t.reduce_dtype == "auto" else getattr(torch, t.reduce_dtype),
-            "compress": PowerSGD(t.powersgd_rank, t.powersgd_warmup) if t.compress == "powersgd" else t.compress}
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.get_device_module(device).synchronize(device)
@@ -472,7 +460,7 @@ _LIBRARIES = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "
 def _uncaught(error: Exception, worker: bool) -> int:
     """An error with a traceback to show. A rank that fourfold's launcher started leaves it to the launcher, which
     prints each different traceback once with the ranks that raised it; otherwise it is raised here."""
-    from fourfold.elastic import report_error
+    from fourfold.torchrun import report_error
 
     if worker and report_error(error):
         return 1
@@ -483,7 +471,7 @@ def _said(line: str, error: Exception, worker: bool, code: int, echo: bool = Fal
     """A refusal's one line. A rank that fourfold's launcher started leaves it to the launcher, which prints each
     different line once (every rank refusing the same data would print it once per rank), a lost peer's echo only
     when no rank said more; otherwise it is printed here. ``code``: the exit status."""
-    from fourfold.elastic import report_error
+    from fourfold.torchrun import report_error
 
     if not (worker and report_error(error, line, echo=echo)):
         print(line, file=sys.stderr)
@@ -507,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             mesh = preflight(cfg, cfg.launch.world_size)
             before_launch_notes(cfg, mesh, cfg.launch.world_size)
         if not worker and cfg.launch.world_size > 1:
-            from fourfold.elastic import launch_workers
+            from fourfold.torchrun import launch_workers
 
             with lock:
                 os.environ[_LOCK_HELD] = cfg.train.out
@@ -547,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(result.summary(), flush=True)
     if cfg.train.verify:  # after the run: the process group is gone, this is one process now
-        from fourfold.verify import verify
+        from fourfold.run.verify import verify
 
         ok, text = verify(cfg, result.losses, result.snapshots)
         print(text, flush=True)

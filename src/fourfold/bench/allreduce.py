@@ -4,7 +4,7 @@
     fourfold bench allreduce --nproc 4 --sizes 4KB,1MB --algorithms ring,tree,auto,native --iters 10
     python benchmarks/allreduce.py --nproc 2                # the same code
 
-The parent starts ``--nproc`` ranks through torchrun's launcher (:func:`fourfold.elastic.launch_workers`), each
+The parent starts ``--nproc`` ranks through torchrun's launcher (:func:`fourfold.torchrun.launch_workers`), each
 running ``python -m fourfold.bench.allreduce ...``. On the ranks:
 
 1. ping-pong over 4 B..16 MB through :class:`~fourfold.comm.Communicator` (the path every algorithm takes):
@@ -57,7 +57,7 @@ _PINGPONG = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     p = make_parser("fourfold bench allreduce", "Time every all-reduce algorithm side by side on --nproc ranks, "
                     "fit the alpha-beta cost model auto uses, and chart it.")

@@ -10,10 +10,10 @@ Variants (``--variants``; ``NAME@MB`` gives that variant its own bucket size, ot
 * ``none``: every rank trains on its own shard and never syncs gradients, the lower bound on a step;
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=MB)``, the reference;
 * any fourfold algorithm (``native``, ``ring``, ``tree``, ``auto``, ...): the engine users train with,
-  ``fourfold.parallelize(model, Mesh(dp=G), allreduce=NAME, bucket_mb=MB)`` stepped by ``engine.step(x, y)``
+  ``fourfold.parallelize(model, Mesh(dp=G), Layout(allreduce=NAME, bucket_mb=MB))`` stepped by ``engine.step(x, y)``
   (its :class:`~fourfold.parallel.data.DataParallel` buckets the gradients);
 * ``NAME+COMPRESS`` (``ring+int8``, ``native+powersgd``, ``ring+bf16``): the same with gradient compression
-  (``compress=COMPRESS``, :mod:`fourfold.comm.compress`); lossy, so left out of the gradient check.
+  (``Layout(compress=COMPRESS)``, :mod:`fourfold.comm.compress`); lossy, so left out of the gradient check.
 
 Method. Every variant holds its own copy of the model (one seed, so every copy starts equal) and its own SGD
 optimizer. Round k draws one global batch (each rank takes its shard) and runs one training step (forward,
@@ -103,7 +103,7 @@ def parse_variant(text: str, bucket_mb: float) -> Variant:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     p = make_parser("fourfold bench dp", "Time a training step of fourfold's DataParallel, PyTorch's "
                     "DistributedDataParallel and no gradient sync side by side on --nproc ranks.")
@@ -211,15 +211,16 @@ def _replica(v: Variant, w: Workload, lr: float, ranks: Any, timeout_s: float) -
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from fourfold.compose import parallelize
-    from fourfold.engine import Loss
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
+    from fourfold.engine.step import Loss
     from fourfold.observe.trace import Tracer
 
     model, tracer = w.build(), Tracer(ranks.rank)
     if v.kind not in ("none", "ddp") and v.bucket_mb is not None:  # fourfold: the step `fourfold train` runs
         algorithm, _, compress = v.kind.partition("+")
-        engine = parallelize(model, ranks, allreduce=algorithm, bucket_mb=v.bucket_mb, loss_fn=w.loss,
-                             compress=compress or "none", tracer=tracer, timeout_s=timeout_s)
+        layout = Layout(allreduce=algorithm, bucket_mb=v.bucket_mb, compress=compress or "none")  # type: ignore[arg-type]
+        engine = parallelize(model, ranks.using(tracer=tracer, timeout_s=timeout_s), layout, loss_fn=w.loss)
         params = engine.parameters()
         return _Replica(v, params, engine.step, torch.optim.SGD(params, lr=lr), tracer, engine)
     wrapped = DistributedDataParallel(model, bucket_cap_mb=v.bucket_mb) if v.kind == "ddp" else model

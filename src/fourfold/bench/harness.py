@@ -55,14 +55,14 @@ def add_round_flags(parser: Any, *, nproc: str, rounds: int, warmup: int, checks
 
 def lab_nproc(default: int = 2) -> int:
     """``--nproc``'s default: 2, or in a lab its ``--gpus-per-node``."""
-    from fourfold.config import lab_default
+    from fourfold.torchrun import lab_default
 
     return lab_default("NPROC", default)
 
 
 def lab_nodes() -> int:
     """Machines taking part: 1, or a lab's nodes (``fourfold lab run``; each runs ``--nproc`` ranks)."""
-    from fourfold.config import LaunchConfig
+    from fourfold.torchrun import LaunchConfig
 
     return LaunchConfig().nnodes
 
@@ -118,9 +118,8 @@ def fit_alpha_beta(points: list[tuple[int, float]], small: int = 4 << 10,
 def launch_ranks(bench: str, argv: list[str], nproc: int, command: str | None = None) -> int:
     """The parent side of ``fourfold bench NAME``: start ``nproc`` ranks through torchrun's launcher, each
     running ``python -m fourfold.bench.NAME`` with the same flags and the user's command (for bench.json)."""
-    from fourfold.cli.args import without_section_flags
-    from fourfold.config import LaunchConfig
-    from fourfold.elastic import launch_workers
+    from fourfold.run.args import without_section_flags
+    from fourfold.torchrun import LaunchConfig, launch_workers
 
     command = command or shlex.join(["fourfold", "bench", bench, *argv])
     print(f"fourfold bench {bench}: starting {nproc} ranks ...", flush=True)

@@ -31,7 +31,7 @@ from fourfold.bench.harness import (
     timed_rounds,
     write_report,
 )
-from fourfold.cli.args import make_parser
+from fourfold.run.args import make_parser
 
 __all__ = ["main"]
 
@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(ns: argparse.Namespace) -> None:
     import torch
 
-    from fourfold import parallelize
     from fourfold.comm.wait import barrier
     from fourfold.data import DocumentLoader, skewed_documents
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
     from fourfold.mesh import Mesh
     from fourfold.models import GPTConfig, TinyGPT
 
@@ -97,7 +98,7 @@ def _run(ns: argparse.Namespace) -> None:
         loader = DocumentLoader(docs, ns.seq_len, seed=0, dp_rank=ranks.coord.dp, dp_size=g,
                                 docs_per_step=ns.docs_per_step, packing=v)
         batches[v] = [loader.shard(k) for k in range(steps)]
-        engines[v] = parallelize(TinyGPT(cfg, seed=0), ranks, timeout_s=ns.timeout)
+        engines[v] = parallelize(TinyGPT(cfg, seed=0), ranks.using(timeout_s=ns.timeout), Layout())
         opts[v] = torch.optim.AdamW(engines[v].parameters(), lr=1e-3)
         losses[v] = []
 

@@ -13,7 +13,7 @@ stages, so a tied head would make the two frameworks compute different things. T
 cut. Variants (``--variants``), FRAMEWORK-SCHEDULE:
 
 * ``fourfold-gpipe`` / ``fourfold-1f1b``: the engine users train with, ``parallelize(model, Mesh(pp=p),
-  schedule=name, microbatches=m, boundaries=cut)`` stepped by ``engine.step(x, y)`` (inside:
+  Layout(pp=p, schedule=name, microbatches=m, boundaries=cut))`` stepped by ``engine.step(x, y)`` (inside:
   :func:`~fourfold.parallel.pipeline.build_pipeline` with ``make_schedule(name, pp, m)``); the loss is
   ``lm_loss_sum / N`` on the last stage (N: the batch's targets, counted at the step's start).
 * ``torch-gpipe`` / ``torch-1f1b``: ``PipelineStage(stage, rank, pp, cpu)`` driven by ``ScheduleGPipe`` /
@@ -91,7 +91,7 @@ _SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     p = make_parser("fourfold bench pp", "Time a training step of fourfold's pipeline runtime and PyTorch's "
                     "torch.distributed.pipelining (GPipe and 1F1B) side by side on --nproc ranks (pp); "
@@ -150,7 +150,8 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], ranks: Any)
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from fourfold.compose import parallelize
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
     from fourfold.models import TinyGPT
     from fourfold.models.gpt import lm_loss
     from fourfold.observe.trace import Tracer
@@ -160,8 +161,8 @@ def _build(name: str, ns: argparse.Namespace, boundaries: list[int], ranks: Any)
     m, rank, p = ns.microbatches, ranks.rank, ranks.mesh.pp
     if framework == "fourfold":  # the engine's step, as `fourfold train --pp` runs it
         tracer = Tracer(rank)
-        engine = parallelize(TinyGPT(ns.config, seed=0), ranks, schedule=schedule, microbatches=m,
-                             boundaries=list(boundaries), tracer=tracer, timeout_s=ns.timeout)
+        layout = Layout(pp=p, schedule=schedule, microbatches=m, boundaries=tuple(boundaries))  # type: ignore[arg-type]
+        engine = parallelize(TinyGPT(ns.config, seed=0), ranks.using(tracer=tracer, timeout_s=ns.timeout), layout)
         v = _Variant(name, framework, schedule, engine.parameters(), lambda x, y: None, None, tracer)
 
         def run_fourfold(x: Any, y: Any) -> float:
@@ -471,7 +472,8 @@ def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
 
 def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> None:
     """The measured timeline of one step of each fourfold variant (a collective; rank 0 draws)."""
-    from fourfold.observe.trace import Tracer, gather_spans
+    from fourfold.comm.wait import gather_spans
+    from fourfold.observe.trace import Tracer
 
     for v in variants:
         if v.tracer is None:

@@ -4,16 +4,16 @@
     fourfold bench predict --layouts "dp2,tp2,pp2:1f1b" --steps 8 --repeats 2     # quicker, noisier
     fourfold bench predict --replay runs/bench-predict/bench.json --out runs/again  # the same runs, refitted
 
-Times one model's units in this process (:func:`~fourfold.observe.costs.measure_units`) before each round of
-runs and keeps the fastest timing (:func:`~fourfold.observe.costs.fastest`, as the runs are the fastest of
+Times one model's units in this process (:func:`~fourfold.plan.costs.measure_units`) before each round of
+runs and keeps the fastest timing (:func:`~fourfold.plan.costs.fastest`, as the runs are the fastest of
 theirs), calibrates on
-five short real runs (:mod:`fourfold.observe.runs`: dp=2, compute slowed by ranks sharing the machine and the
+five short real runs (:mod:`fourfold.plan.runs`: dp=2, compute slowed by ranks sharing the machine and the
 link's beta; tp=2, the time per collective; pp=2, a pipeline action's overhead and a message's latency; dp=4
 and dp=2 pp=2, more ranks than cores). Every layout, those five included, runs ``fourfold train`` ``--repeats`` times for ``--steps`` steps, in rotation (all of them once, then
 again in reverse order: a machine whose speed drifts weighs on the calibration and the checked runs alike); the
 figure is the median step after the first of the fastest run (a shared machine's noise only ever adds time; the
 slowest over it is printed as the spread). Then it puts the prediction
-(:func:`~fourfold.observe.predict.predict`) beside it: the error per layout, whether the ranking by predicted
+(:func:`~fourfold.plan.predict.predict`) beside it: the error per layout, whether the ranking by predicted
 time matches the measured one (:func:`swapped_pairs`: the pairs of layouts ordered otherwise, and whether
 their measured times differ by more than their runs' own spread), ``bench.json`` and ``bench.png`` (predicted beside measured), and per layout
 ``layouts/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step above the predicted one.
@@ -33,17 +33,17 @@ from typing import Any
 from fourfold.bench.harness import add_output_flags, fmt_time, machine, write_report
 from fourfold.mesh import Mesh
 from fourfold.observe.chrome_trace import write_chrome_trace
-from fourfold.observe.predict import Layout, Measured, Prediction
-from fourfold.observe.runs import LabShape, best_runs_and_units, calibration_layouts
 from fourfold.observe.visualize import draw_step, rank_labels
+from fourfold.plan.predict import Candidate, Measured, Prediction
+from fourfold.plan.runs import LabShape, best_runs_and_units, calibration_layouts
 
 __all__ = ["LAYOUTS", "main", "parse_layout", "swapped_pairs"]
 
 LAYOUTS = "dp2,tp2,pp2:gpipe,pp2:1f1b,pp2:interleaved,pp2:zb,dp2tp2,tp2pp2:1f1b,dp2pp2:1f1b,dp2tp2pp2:1f1b"
 
 
-def parse_layout(text: str, microbatches: int) -> Layout:
-    """``"dp2tp2pp2:zb"`` -> Layout(dp=2, tp=2, pp=2, schedule="zb", microbatches=...); ``"dp2:accum4"``: with
+def parse_layout(text: str, microbatches: int) -> Candidate:
+    """``"dp2tp2pp2:zb"`` -> Candidate(dp=2, tp=2, pp=2, schedule="zb", microbatches=...); ``"dp2:accum4"``: with
     gradient accumulation (``--grad-accum 4``; no pipeline); ``"tp2:sp"``: with sequence parallelism
     (``--sequence-parallel``; tp > 1)."""
     import re
@@ -56,7 +56,7 @@ def parse_layout(text: str, microbatches: int) -> Layout:
                          f":schedule with pp, or :accumK without, then :sp with tp), got {text!r}.")
     dp, tp, pp = (int(g) if g else 1 for g in match.groups()[:3])
     schedule = match.group(4) or "1f1b"
-    return Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
+    return Candidate(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches if pp > 1 else 1,
                   virtual=2 if pp > 1 and schedule == "interleaved" else 1, grad_accum=int(match.group(5) or 1),
                   sequence_parallel=bool(match.group(6)))
 
@@ -77,7 +77,7 @@ def swapped_pairs(rows: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], li
     return beyond, within
 
 
-def _side_by_side(layout: Layout, measured: Measured, predicted: Prediction, out: Path) -> None:
+def _side_by_side(layout: Candidate, measured: Measured, predicted: Prediction, out: Path) -> None:
     """``out/<layout>.json`` (Perfetto) and ``.png``: every rank's measured step beside the predicted one."""
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
     labels = {r: (f"{label} measured" if label else "measured") for r, label in rank_labels(mesh).items()}
@@ -119,12 +119,12 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fourfold.comm.auto import CostModel
-    from fourfold.compose import model_blocks
+    from fourfold.engine.parallelize import model_blocks
     from fourfold.models import shard_plan
     from fourfold.models.gpt import GPTConfig, TinyGPT
-    from fourfold.observe.calibrate import calibrate
-    from fourfold.observe.costs import measure_units
-    from fourfold.observe.predict import Links, ModelProfile, predict
+    from fourfold.plan.calibrate import calibrate
+    from fourfold.plan.costs import measure_units
+    from fourfold.plan.predict import Links, ModelProfile, predict
 
     started = time.monotonic()
     config = GPTConfig(vocab_size=256, seq_len=ns.seq_len, n_layer=ns.n_layer, n_head=4, d_model=ns.d_model)
@@ -151,7 +151,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     todo = list(dict.fromkeys([*fit_on, *ns.layouts]))
     done = iter(range(1, len(todo) * ns.repeats + 1))
 
-    def progress(L: Layout, m: Measured) -> None:
+    def progress(L: Candidate, m: Measured) -> None:
         print(f"  run {next(done)}/{len(todo) * ns.repeats}: {L} {fmt_time(m.step_s)} per step", flush=True)
 
     if replayed:
@@ -220,12 +220,12 @@ def _replay_settings(ns: argparse.Namespace) -> dict[str, Any]:
                          f"measurements (since 2026-11-23), got {ns.replay}: {type(e).__name__}: {e}.") from None
     for key in ("n_layer", "d_model", "seq_len", "batch_size", "microbatches"):
         setattr(ns, key, settings[key])
-    ns.layouts = [Layout(**d) for d in settings["layouts"]]
+    ns.layouts = [Candidate(**d) for d in settings["layouts"]]
     ns.lab = None
     return dict(data)
 
 
-def _measurements(costs: Any, links: Any, measured: dict[Layout, tuple[Measured, float]]) -> dict[str, Any]:
+def _measurements(costs: Any, links: Any, measured: dict[Candidate, tuple[Measured, float]]) -> dict[str, Any]:
     """What the prediction is fitted to and checked against, for ``--replay``: the units' times, the links before
     calibration, and every layout's fastest run (its median step's spans included) and spread."""
     return {"costs": asdict(costs), "links": asdict(links),
@@ -234,12 +234,12 @@ def _measurements(costs: Any, links: Any, measured: dict[Layout, tuple[Measured,
                      for L, (m, spread) in measured.items()]}
 
 
-def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Layout, tuple[Measured, float]]]:
+def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Candidate, tuple[Measured, float]]]:
     """:func:`_measurements` read back: the units' times, the links, the runs."""
     from fourfold.comm.auto import CostModel
-    from fourfold.observe.costs import UnitCosts, split_fit
-    from fourfold.observe.predict import Links
     from fourfold.observe.trace import Span
+    from fourfold.plan.costs import UnitCosts, split_fit
+    from fourfold.plan.predict import Links
 
     c = data["costs"]
     fit = c.get("split_fit")  # saved since 2026-11-23 (late)
@@ -249,7 +249,7 @@ def _replayed(data: dict[str, Any]) -> tuple[Any, Any, dict[Layout, tuple[Measur
     known = {f.name for f in fields(Links)}  # a figure a later model no longer has is left out
     raw = {k: v for k, v in data["links"].items() if k in known}
     links = Links(**{**raw, "node": CostModel(**raw["node"]), "network": CostModel(**raw["network"])})
-    runs = {Layout(**r["layout"]): (Measured(r["step_s"], {int(k): [Span.from_dict(s) for s in row]
+    runs = {Candidate(**r["layout"]): (Measured(r["step_s"], {int(k): [Span.from_dict(s) for s in row]
                                                           for k, row in r["spans"].items()}, r["stolen"]),
                                     r["spread"]) for r in data["runs"]}
     return costs, links, runs

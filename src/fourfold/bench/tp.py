@@ -11,7 +11,7 @@ no tensor parallelism at all, on the same model, the same batch and the same ran
   communication): the reference of the check and of ``x single``. Always run.
 * ``fourfold-mlp`` / ``dtensor-mlp``: every MLP block Y = GELU(X A) B split Megatron's way, A = [A_1 ... A_p] by
   columns and B = [B_1; ...; B_p] by rows; the rest replicated. fourfold: ``parallelize(model, Mesh(tp=p),
-  tp_plan={fc: "column", proj: "row"})``; torch: ``parallelize_module(model, mesh, {fc: ColwiseParallel(), proj:
+  Layout(tp=p), plan={fc: "column", proj: "row"})``; torch: ``parallelize_module(model, mesh, {fc: ColwiseParallel(), proj:
   RowwiseParallel()})``. The cleanest like-for-like: both run the same GEMMs and the same two all-reduces.
 * ``fourfold-full`` / ``dtensor-full`` (TinyGPT only): also attention (qkv by heads, proj by rows), the
   embedding by vocabulary rows, the tied head by vocabulary columns and the loss on vocabulary-sharded logits.
@@ -21,7 +21,7 @@ no tensor parallelism at all, on the same model, the same batch and the same ran
   ``ColwiseParallel(output_layouts=Shard(-1))`` lm_head re-tied to wte's shard, and ``loss_parallel()``.
   TinyGPT's qkv is fused, W = [W_q; W_k; W_v] (3C, C), and ColwiseParallel cuts dim 0 into p contiguous blocks:
   at p = 2 rank 0 would get all of W_q and half of W_k, no whole heads. The DTensor copy therefore stores W's
-  rows rank-major, [W_q,0; W_k,0; W_v,0; W_q,1; ...] (each rank's ``shard(W, Layout(0, parts=3))``), so
+  rows rank-major, [W_q,0; W_k,0; W_v,0; W_q,1; ...] (each rank's ``shard(W, ShardLayout(0, parts=3))``), so
   Shard(0) hands rank i fourfold's piece: one fused GEMM per rank, as fourfold runs.
 
 Every fourfold variant steps through the engine users train with (``engine.step(x, y)``); ``single`` and the
@@ -116,7 +116,7 @@ def plan_theory(plan: str, n_blocks: int, *, data_input: bool = False) -> tuple[
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     p = make_parser("fourfold bench tp", "Time a training step of fourfold's tensor parallelism, PyTorch's "
                     "DTensor tensor parallelism and the unsharded model side by side on --nproc ranks (tp).")
@@ -197,7 +197,7 @@ class _Variant:
     model: Any                # this rank's (sharded) model: for fourfold, ``engine.model``
     run: Callable[[Any, Any], Any]  # (x, y) -> the loss, after forward and backward
     optimizer: Any
-    layouts: dict[str, Any]   # parameter name -> fourfold Layout of this rank's piece of single's tensor
+    layouts: dict[str, Any]   # parameter name -> fourfold ShardLayout of this rank's piece of single's tensor
     tracer: Any = None        # fourfold's, recording its collectives
     engine: Any = None        # fourfold's Engine
     probe: dict[str, Any] = field(default_factory=dict)
@@ -210,10 +210,11 @@ def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, time
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from fourfold.compose import parallelize
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
     from fourfold.models.gpt import MLP
     from fourfold.observe.trace import Tracer
-    from fourfold.parallel.tensor import Layout
+    from fourfold.parallel.tensor import ShardLayout
 
     framework, _, plan = name.partition("-")
     model = w.build()
@@ -222,7 +223,8 @@ def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, time
         tracer = Tracer(ranks.rank)
         tp_plan = None if plan == "full" else {f"{n}.{layer}": style for n in mlps
                                                 for layer, style in (("fc", "column"), ("proj", "row"))}
-        engine = parallelize(model, ranks, tp_plan=tp_plan, loss_fn=w.loss, tracer=tracer, timeout_s=timeout_s)
+        engine = parallelize(model, ranks.using(tracer=tracer, timeout_s=timeout_s), Layout(), plan=tp_plan,
+                             loss_fn=w.loss)
         return _Variant(name, plan, engine.model, engine.step, torch.optim.SGD(engine.parameters(), lr=lr),
                         engine.layouts, tracer, engine)
     layouts: dict[str, Any] = {}
@@ -234,7 +236,7 @@ def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, time
         for n, param in model.named_parameters():
             place = param.placements[0] if isinstance(param, DTensor) else None
             if isinstance(place, Shard):
-                layouts[n] = Layout(place.dim, 3 if n in fused else 1)
+                layouts[n] = ShardLayout(place.dim, 3 if n in fused else 1)
 
     def run(x: Any, y: Any) -> Any:  # single's and DTensor's own step
         with context():
@@ -254,7 +256,7 @@ def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[
 
     from fourfold.models.gpt import CausalSelfAttention
     from fourfold.models.gpt_plan import _Attention
-    from fourfold.parallel.tensor import Layout, shard
+    from fourfold.parallel.tensor import ShardLayout, shard
 
     class LocalHeads(nn.Module):
         """TinyGPT attention on this rank's H/p heads; DTensor shards its qkv and proj."""
@@ -276,7 +278,7 @@ def _dtensor_parallel(model: Any, plan: str, mlps: list[str], mesh: Any) -> set[
             with torch.no_grad():  # rank-major rows, so that Shard(0) gives rank r whole heads of q, k and v
                 for t in (qkv.weight, qkv.bias):
                     if t is not None:
-                        t.copy_(torch.cat([shard(t, Layout(0, 3), r, p) for r in range(p)]))
+                        t.copy_(torch.cat([shard(t, ShardLayout(0, 3), r, p) for r in range(p)]))
             fused |= {f"blocks.{i}.attn.qkv.weight", f"blocks.{i}.attn.qkv.bias"}
             block.attn = LocalHeads(block.attn, p)
             styles.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel()})

@@ -9,7 +9,7 @@ Variants (``--variants``):
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the model (parameters resharded
   after forward, as ZeRO-3), the reference;
 * ``ddp``: ``DistributedDataParallel``: nothing sharded, for scale;
-* ``zeroK`` / ``zeroK-ring`` (K = 1, 2, 3): ``fourfold.parallelize(model, Mesh(dp=G), zero=K)`` on the backend's
+* ``zeroK`` / ``zeroK-ring`` (K = 1, 2, 3): ``fourfold.parallelize(model, Mesh(dp=G), Layout(zero=K))`` on the backend's
   reduce-scatter / all-gather (``zeroK``) or fourfold's counted ring (``-ring``), stepped by ``engine.step``.
 
 Method, as ``bench dp``: every variant holds its own copy of the model (one seed) and its own AdamW; round k
@@ -67,7 +67,7 @@ def parse_variant(text: str) -> tuple[str, int, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     p = make_parser("fourfold bench zero", "Time a training step of fourfold's ZeRO stages, PyTorch's FSDP2 "
                     "and DDP side by side on --nproc ranks, and the memory each rank holds.")
@@ -112,8 +112,9 @@ class _Replica:
 def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) -> _Replica:
     import torch
 
-    from fourfold import parallelize
-    from fourfold.engine import Loss
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
+    from fourfold.engine.step import Loss
     from fourfold.loss import lm_loss
     from fourfold.models import GPTConfig, TinyGPT
 
@@ -121,7 +122,7 @@ def _replica(variant: tuple[str, int, str], ns: argparse.Namespace, ranks: Any) 
     cfg = GPTConfig(seq_len=ns.seq_len, n_layer=ns.layers, n_head=ns.heads, d_model=ns.d_model)
     model = TinyGPT(cfg, seed=0)
     if stage:
-        engine = parallelize(model, ranks, zero=stage, allreduce=kind, timeout_s=ns.timeout)
+        engine = parallelize(model, ranks.using(timeout_s=ns.timeout), Layout(zero=stage, allreduce=kind))  # type: ignore[arg-type]
         params = engine.parameters()
         return _Replica(name, engine.step, torch.optim.AdamW(params, lr=ns.lr), params, [])
     if kind == "fsdp2":

@@ -1,4 +1,4 @@
-"""Training checkpoints of an :class:`~fourfold.engine.Engine`, saved under one layout and loaded under any.
+"""Training checkpoints of an :class:`~fourfold.engine.step.Engine`, saved under one layout and loaded under any.
 
 Each rank writes its own pieces: a tensor-parallel shard (or the whole tensor when it is replicated) of a model
 tensor or of its optimiser state, keyed by the **unsharded model's own name** (``model/NAME#i``,
@@ -217,7 +217,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
     """
     from fourfold.parallel.rng import stream_seed
     from fourfold.parallel.tensor import LazyState
-    from fourfold.parallel.tensor.layers import Layout, fused, shard, unshard
+    from fourfold.parallel.tensor.layers import ShardLayout, fused, shard, unshard
 
     manifest = read_manifest(path)
     where, pieces = Path(manifest["dir"]), manifest["pieces"]
@@ -229,7 +229,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
         first = pieces[f"{key}#0"]
         parts = [files.get(pieces[f"{key}#{i}"]["file"])["tensors"][f"{key}#{i}"] for i in range(first["count"])]
         # parts: a count, or (JSON's list of) proportions
-        return unshard(parts, Layout(first["dim"], fused(first["parts"])))
+        return unshard(parts, ShardLayout(first["dim"], fused(first["parts"])))
 
     def mine(key: str, layout: Any) -> torch.Tensor:
         full = whole(key)

@@ -214,9 +214,9 @@ def _pipelines(root: Path, flags: list[str]) -> int:
 
 def _packing(root: Path, flags: list[str], steps: int) -> int:
     """Part 4: whole documents (the standard library's functions), padded to the longest vs packed bfd."""
-    from fourfold.cli.args import parse_args
-    from fourfold.data.run import make_loader
     from fourfold.observe.visualize import draw_packing
+    from fourfold.run.args import parse_args
+    from fourfold.run.data import make_loader
     from fourfold.train import main as train_main
 
     print(f"\nfourfold demo 4/5: whole documents, the standard library's functions (most a few hundred bytes, a "
@@ -266,9 +266,9 @@ MEMORY = {  # name: flags (2 data-parallel ranks each)
 
 def _memory(root: Path, steps: int = 3) -> int:
     """Part 5: one model, four layouts: what a rank holds, estimated before launch and measured."""
-    from fourfold.cli.args import parse_args
-    from fourfold.observe.fits import layout_memory
     from fourfold.observe.visualize import MEMORY_TERMS, draw_memory
+    from fourfold.run.args import parse_args
+    from fourfold.run.fits import layout_memory
     from fourfold.train import main as train_main
 
     print("\nfourfold demo 5/5: memory. The same model on 2 data-parallel ranks: plain (every rank holds everything),"

@@ -243,8 +243,8 @@ def _rect(x: float, y: float, color: str, sending: bool) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fourfold.cli.args import make_parser
-    from fourfold.config import LaunchConfig
+    from fourfold.run.args import make_parser
+    from fourfold.torchrun import LaunchConfig
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser("fourfold explain", __doc__)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                  "a --world with a divisor (4, 6, 8) and --ranks-per-node show nodes"))
     if args.out:
         os.environ["FOURFOLD_EXPLAIN_OUT"] = args.out
-    from fourfold.elastic import launch_workers
+    from fourfold.torchrun import launch_workers
 
     worker_argv = [args.algorithm, "--per-segment", str(args.per_segment)]
     if args.ranks_per_node is not None:

@@ -4,18 +4,18 @@
     fourfold plan --memory --model gpt2 --nproc 4 --zero 3 --memory-limit 2GB
 
 Takes ``fourfold train``'s flags (the same model, data shape and layout) and prints, per pipeline rank, the
-bytes of parameters, gradients, optimiser state and peak activations (:mod:`fourfold.observe.estimate`; the
+bytes of parameters, gradients, optimiser state and peak activations (:mod:`fourfold.plan.estimate`; the
 formulas are in docs/memory.md), the memory available per rank and whether the layout fits; when it does not,
 the largest term and the cheapest change that fits. ``fourfold train`` runs the same check before it launches
 (``--no-memory-check`` skips it) and refuses a layout that would not fit; the plan runs train's checks before
-launch first (:func:`fourfold.preflight.preflight`), so it refuses what train refuses, with train's message.
+launch first (:func:`fourfold.run.preflight.preflight`), so it refuses what train refuses, with train's message.
 
     fourfold plan --gpus 64 --gpu-mem 80GB --link 400gbit --model gpt2 --model-config xl.json --batch-size 512
     fourfold plan --nproc 8 --batch-size 16                      # this machine, its units timed here
     fourfold plan --nproc 8 --lab 4 --link 250mbit --batch-size 16   # a lab of 4 nodes x 2 ranks (docs/lab.md)
 
 ranks every layout (dp x tp x pp, schedule, micro-batches, ZeRO stage) of the model that fits in memory by its
-predicted step time (:mod:`fourfold.observe.predict`; docs/simulator.md). ``--gpus``: on paper, the model built
+predicted step time (:mod:`fourfold.plan.predict`; docs/simulator.md). ``--gpus``: on paper, the model built
 on the meta device (any size), each unit's time from its FLOPs at ``--gpu-flops`` x ``--mfu``, links from
 ``--link`` (between machines of ``--gpus-per-node``) and ``--node-link`` (within one). ``--nproc``: this
 machine, the units timed here and the links from the fitted cost model (``fourfold bench allreduce``);
@@ -35,7 +35,15 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from fourfold.observe.fits import (
+from fourfold.plan.layouts import (
+    cannot_run,
+    model_heads,
+    none_runs,
+    rank_layouts,
+    uneven_machines,
+)
+from fourfold.run.candidates import runnable, train_checks
+from fourfold.run.fits import (
     WHOLE_MODEL_TIMES,
     check_memory,
     check_verify_memory,
@@ -43,15 +51,6 @@ from fourfold.observe.fits import (
     overflow,
     per_rank_budget,
     too_big_here,
-)
-from fourfold.observe.layouts import (
-    cannot_run,
-    model_heads,
-    none_runs,
-    rank_layouts,
-    runnable,
-    train_checks,
-    uneven_machines,
 )
 
 __all__ = ["check_memory", "layout_memory", "main"]
@@ -79,13 +78,13 @@ def _ranking(argv: list[str]) -> int:
     import torch
 
     from fourfold.comm.auto import CostModel
-    from fourfold.compose import model_blocks
+    from fourfold.engine.parallelize import model_blocks
     from fourfold.lab.net import parse_rate, rate_words
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model
-    from fourfold.observe.costs import flop_units, measure_units
-    from fourfold.observe.predict import Links, ModelProfile
-    from fourfold.observe.runs import LabShape
+    from fourfold.plan.costs import flop_units, measure_units
+    from fourfold.plan.predict import Links, ModelProfile
+    from fourfold.plan.runs import LabShape
     from fourfold.train import parse_args
     from fourfold.units import format_bytes, parse_bytes
 
@@ -250,7 +249,7 @@ SWITCHES = frozenset({"--sequence-parallel", "--no-sequence-parallel"})
 def _user_flags(rest: list[str], layout: Any) -> list[str]:
     """The train flags given to the plan (model, batch, data, ...), for the suggested command: without those
     :data:`LAYOUT_FLAGS` names, which the command gives itself."""
-    from fourfold.cli.args import without_flags
+    from fourfold.run.args import without_flags
 
     kept = [a for a in without_flags(rest, LAYOUT_FLAGS) if a not in SWITCHES]
     config = any(a.split("=", 1)[0] == "--config" for a in rest)
@@ -281,15 +280,15 @@ by 15-26 %, docs/simulator.md)."""
 
 def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: int, blocks: int,
                 tensor_plan: bool, heads: int | None, samples: tuple[int, int]) -> tuple[Any, Any]:
-    """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.observe.runs`),
+    """``profile`` and ``links`` fitted to short runs of ``fourfold train`` here (:mod:`fourfold.plan.runs`),
     with the user's model and batch flags; the runs this model or batch cannot make are skipped, and said so.
     The units are timed again between rounds of runs (at ``samples``), and the fastest timing kept."""
     from dataclasses import replace
 
-    from fourfold.observe.calibrate import calibrate
-    from fourfold.observe.costs import measure_units
-    from fourfold.observe.predict import Layout, Measured
-    from fourfold.observe.runs import best_runs_and_units, calibration_layouts
+    from fourfold.plan.calibrate import calibrate
+    from fourfold.plan.costs import measure_units
+    from fourfold.plan.predict import Candidate, Measured
+    from fourfold.plan.runs import best_runs_and_units, calibration_layouts
 
     microbatches = next((m for m in (4, 2, 1) if batch_size % (2 * m) == 0), 1)
     runnable = []
@@ -301,7 +300,7 @@ def _calibrated(profile: Any, links: Any, train_flags: list[str], batch_size: in
             runnable.append(layout)
     made = iter(range(1, CALIBRATION_REPEATS * len(runnable) + 1))
 
-    def progress(layout: Layout, measured: Measured) -> None:
+    def progress(layout: Candidate, measured: Measured) -> None:
         stolen = "" if measured.stolen is None else f", {measured.stolen:.0%} of the CPU stolen"
         print(f"  calibration run {next(made)}/{CALIBRATION_REPEATS * len(runnable)}, {layout}: "
               f"{_time(measured.step_s)} per step{stolen}", flush=True)
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from fourfold.observe.estimate import format_estimate
+    from fourfold.plan.estimate import format_estimate
     from fourfold.train import parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -152,7 +152,7 @@ MAX_ACTIONS = 12_000  # F, B and W actions of all ranks: above it the grid is un
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fourfold.cli.args import make_parser
+    from fourfold.run.args import make_parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser("fourfold schedule", __doc__)

@@ -28,14 +28,13 @@ from typing import NamedTuple
 
 import torch
 
-from fourfold.comm import ALGORITHMS as _ALL
-from fourfold.comm import hierarchical
-from fourfold.comm.auto import CostModel, cost
+from fourfold.comm import hierarchical, master, naive, rabenseifner, ring, tree
+from fourfold.comm.cost import CostModel, cost
 from fourfold.comm.p2p import Communicator, Message, Posted
 
-__all__ = ["ALGORITHMS", "Network", "Round", "link_bytes", "messages", "rounds"]
+__all__ = ["ALGORITHMS", "Network", "Round", "link_bytes", "messages", "predict", "rounds"]
 
-ALGORITHMS = tuple(a for a in _ALL if a not in ("auto", "native"))
+ALGORITHMS = ("naive", "master", "ring", "tree", "rabenseifner", "hierarchical")  # the point-to-point ones
 """The algorithms written on point-to-point messages: the ones this model can record."""
 _REFERENCE = 720720  # divisible by 1..16: the ranks' shares of a reference vector are whole
 
@@ -70,7 +69,8 @@ def messages(algorithm: str, numel: int, itemsize: int, world_size: int,
         if algorithm == "hierarchical":
             hierarchical.allreduce(comm, flat, node_size=node_size or world_size)
         else:
-            _ALL[algorithm](comm, flat)
+            {"naive": naive, "master": master, "ring": ring, "tree": tree,
+             "rabenseifner": rabenseifner}[algorithm].allreduce(comm, flat)
         out += comm.messages
     return out
 
@@ -138,3 +138,13 @@ class Network:
         return total + cost(algorithm, numel, itemsize, world_size, self.node_size).reduced_bytes \
             * self.node.gamma_s_per_byte
 
+
+def predict(model: CostModel, algorithm: str, numel: int, itemsize: int, world_size: int,
+            node_size: int | None = None) -> float:
+    """Predicted seconds for one all-reduce: steps*α + wire_bytes*β + reduced_bytes*γ; across nodes (``node_size``
+    < G) of a model that knows its ``network`` link, the two-level model of :mod:`fourfold.comm.network`."""
+    if model.network is not None and node_size is not None and node_size < world_size:
+        between = CostModel(*model.network, model.gamma_s_per_byte)
+        return Network(node_size, model, between).predict(algorithm, numel, itemsize, world_size)
+    c = cost(algorithm, numel, itemsize, world_size, node_size)
+    return c.steps * model.alpha_s + c.wire_bytes * model.beta_s_per_byte + c.reduced_bytes * model.gamma_s_per_byte

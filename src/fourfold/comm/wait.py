@@ -9,7 +9,7 @@ names this rank, the operation and the peer it was waiting for.
 peer (a collective), it names the operation and the group's ranks.
 
 Every wait enters this process's ledger (:mod:`fourfold.comm.ledger`) first, so the hang doctor
-(:mod:`fourfold.observe.doctor`) can see it; when the wait times out, the doctor's account of the ranks that never
+(:mod:`fourfold.comm.doctor`) can see it; when the wait times out, the doctor's account of the ranks that never
 arrived is added to the error.
 """
 
@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from fourfold.comm.ledger import LEDGER, Direction
+from fourfold.observe.trace import Span, Tracer
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CommError", "Pending", "all_reduce", "barrier", "bounded_wait", "broadcast_object",
-           "collective", "default_timeout_s", "gather_objects", "group_ranks", "group_timeout", "set_default_timeout",
+           "collective", "default_timeout_s", "gather_objects", "gather_spans", "group_ranks", "group_timeout", "set_default_timeout",
            "settle_pending"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -242,3 +243,24 @@ def settle_pending() -> None:
     for pending in list(_PENDING):
         with contextlib.suppress(Exception):
             pending.wait()
+
+
+def gather_spans(tracer: Tracer, group: dist.ProcessGroup | None = None,
+                 dst: int = 0) -> dict[int, list[Span]] | None:
+    """Every rank's spans on global rank ``dst`` as ``{rank: spans}``; None on the other ranks.
+
+    A collective: every rank of ``group`` must call it. Without a process group (or with one rank) it
+    returns this tracer's spans alone.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {tracer.rank: list(tracer.spans)}
+    gathered = gather_objects((tracer.rank, list(tracer.spans)), group, op="gather of the trace's spans", dst=dst)
+    if dist.get_rank() != dst:
+        return None
+    out: dict[int, list[Span]] = {}
+    for rank, spans in gathered:
+        if rank in out:
+            raise RuntimeError(f"tracer ranks must be unique across the group, got rank {rank} twice. "
+                               "Build each Tracer with its own global rank.")
+        out[rank] = spans
+    return dict(sorted(out.items()))

@@ -11,10 +11,9 @@ from fourfold.data.corpus import (
     load_corpus,
     open_data,
     read_texts,
-    run_corpus,
     token_range,
 )
-from fourfold.data.documents import Documents, builtin_documents, open_documents, skewed_documents
+from fourfold.data.documents import Documents, builtin_documents, open_documents, run_corpus, skewed_documents
 from fourfold.data.loader import Batch, BatchLoader
 from fourfold.data.packing import PACKINGS, DocumentLoader, current_layout, document_layout
 from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, load_tokenizer, train_bpe, vocab_of

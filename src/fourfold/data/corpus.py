@@ -18,21 +18,16 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8, load_tokenizer, train_bpe
-
-if TYPE_CHECKING:
-    from fourfold.data.documents import Documents
+from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8
 
 __all__ = ["DEFAULT_MAX_BYTES", "TOKEN_DTYPES", "Corpus", "is_token_file", "load_corpus", "open_data", "read_texts",
-           "run_corpus", "token_range"]
+           "token_range"]
 
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 """What a ``.bin`` file of raw token ids may hold (``--data-dtype``)."""
@@ -242,35 +237,3 @@ def open_data(path: str | os.PathLike[str] | None, tokenizer: ByteTokenizer | Fi
         raise ValueError(f"corpus must hold at least one token, got 0 from {name!r}. Pass a non-empty file")
     return Corpus(torch.tensor(ids, dtype=torch.int32), name, hashlib.sha256(raw).hexdigest(),
                   tokenizer=tokenizer.name)
-
-
-def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str = "uint16", is_main: bool = True,
-               wait: Callable[[str], None] | None = None, documents: bool = False,
-               text_key: str = "text") -> Corpus | Documents:
-    """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``; with
-    ``documents``, its :class:`~fourfold.data.documents.Documents` instead (for packing). A ``bpe:N`` tokenizer
-    is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the others
-    ``wait`` for it, then every rank encodes with that one file."""
-    from fourfold.data.documents import open_documents
-
-    def read(tok: ByteTokenizer | FileTokenizer) -> Corpus | Documents:
-        return (open_documents(data, tok, text_key=text_key) if documents else
-                open_data(data, tok, data_dtype=data_dtype, text_key=text_key))
-
-    if tokenizer.startswith("bpe:") and not (data is not None and is_token_file(data)):
-        path = out / "tokenizer.json"
-        if is_main and not path.is_file():
-            from fourfold.files import atomic_path
-
-            asked = int(tokenizer.partition(":")[2])
-            with atomic_path(path) as tmp:
-                got = train_bpe(read_texts(data, text_key)[0], asked, tmp).vocab_size
-            if got < asked:  # a small corpus has fewer merges to learn: the model's vocabulary is sized as given
-                print(f"fourfold train: note: {tokenizer} learned only {got} ids from this corpus (it has fewer "
-                      f"merges to make); the model keeps its --vocab-size, whose ids past {got - 1} are never "
-                      f"used. Pass --tokenizer bpe:{got} --vocab-size {got} to size it to what was learned.",
-                      file=sys.stderr, flush=True)
-        if wait is not None:
-            wait("train the tokenizer")
-        return read(FileTokenizer(path, name=f"{tokenizer} ({path})"))
-    return read(load_tokenizer(tokenizer))

@@ -16,15 +16,16 @@ import ast
 import functools
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from fourfold.data.corpus import _stdlib_files, is_token_file, read_texts
-from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8
+from fourfold.data.corpus import Corpus, _stdlib_files, is_token_file, open_data, read_texts
+from fourfold.data.tokenizers import ByteTokenizer, FileTokenizer, as_uint8, load_tokenizer, train_bpe
 
-__all__ = ["Documents", "builtin_documents", "open_documents", "skewed_documents"]
+__all__ = ["Documents", "builtin_documents", "open_documents", "run_corpus", "skewed_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,3 +145,33 @@ def open_documents(path: str | None, tokenizer: ByteTokenizer | FileTokenizer, *
         return Documents.from_list([tokenizer.encode(t) for t in texts], name, digest)
     ids = tokenizer.encode_all(texts)
     return Documents.from_list([torch.tensor(d, dtype=torch.int64) for d in ids], name, digest, tokenizer.name)
+
+
+def run_corpus(data: str | None, tokenizer: str, out: Path, *, data_dtype: str = "uint16", is_main: bool = True,
+               wait: Callable[[str], None] | None = None, documents: bool = False,
+               text_key: str = "text") -> Corpus | Documents:
+    """The corpus of a run (``--data``, ``--tokenizer``, ``--data-dtype``) writing to ``out``; with
+    ``documents``, its :class:`~fourfold.data.documents.Documents` instead (for packing). A ``bpe:N`` tokenizer
+    is trained by the main rank into ``out/tokenizer.json`` (kept when a run continues there); the others
+    ``wait`` for it, then every rank encodes with that one file."""
+    def read(tok: ByteTokenizer | FileTokenizer) -> Corpus | Documents:
+        return (open_documents(data, tok, text_key=text_key) if documents else
+                open_data(data, tok, data_dtype=data_dtype, text_key=text_key))
+
+    if tokenizer.startswith("bpe:") and not (data is not None and is_token_file(data)):
+        path = out / "tokenizer.json"
+        if is_main and not path.is_file():
+            from fourfold.files import atomic_path
+
+            asked = int(tokenizer.partition(":")[2])
+            with atomic_path(path) as tmp:
+                got = train_bpe(read_texts(data, text_key)[0], asked, tmp).vocab_size
+            if got < asked:  # a small corpus has fewer merges to learn: the model's vocabulary is sized as given
+                print(f"fourfold train: note: {tokenizer} learned only {got} ids from this corpus (it has fewer "
+                      f"merges to make); the model keeps its --vocab-size, whose ids past {got - 1} are never "
+                      f"used. Pass --tokenizer bpe:{got} --vocab-size {got} to size it to what was learned.",
+                      file=sys.stderr, flush=True)
+        if wait is not None:
+            wait("train the tokenizer")
+        return read(FileTokenizer(path, name=f"{tokenizer} ({path})"))
+    return read(load_tokenizer(tokenizer))

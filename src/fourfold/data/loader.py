@@ -25,7 +25,12 @@ import torch
 
 from fourfold.data.corpus import Corpus
 
-__all__ = ["Batch", "BatchLoader", "EpochOrder", "HeldOut", "StepLoader", "check_eval_batch", "check_ids", "held_out"]
+__all__ = ["HELD_OUT", "Batch", "BatchLoader", "EpochOrder", "HeldOut", "StepLoader", "check_eval_batch", "check_ids", "held_out"]
+
+
+HELD_OUT = "spread"
+"""How a run records which data evaluation holds out (:class:`HeldOut`): every
+``stride``-th item. Runs before 2026-11-24 held out the data's end and recorded nothing."""
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

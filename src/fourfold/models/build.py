@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -24,10 +23,10 @@ import torch
 from torch import nn
 
 from fourfold.models.gpt import TinyGPT
-from fourfold.models.hf import FAMILIES
+from fourfold.models.hf import FAMILIES, read_model_config
 
-__all__ = ["ModelError", "ModelInfo", "build_model", "build_unfilled", "builds_unfilled", "built_info", "check_forward",
-           "check_model", "check_vocab", "first_weights", "model_info", "num_parameters", "read_model_config"]
+__all__ = ["ModelError", "ModelInfo", "build_model", "meta_model", "build_unfilled", "builds_unfilled", "built_info", "check_forward",
+           "check_model", "check_vocab", "first_weights", "model_info", "num_parameters"]
 
 
 class ModelError(ValueError):
@@ -78,21 +77,6 @@ def _factory(name: str) -> Any:
         raise ModelError(f"model {name!r}: {attr} must be a function returning an nn.Module, got "
                          f"{type(fn).__name__}.")
     return fn
-
-
-def read_model_config(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """``--model-config``: a JSON object (a Hugging Face config's keys, or a factory's keyword arguments)."""
-    if path is None:
-        return {}
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            values = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model_config must be a readable JSON file, got {str(path)!r}: {e}. Write the keys "
-                         "as one JSON object (see docs/your-model.md)") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"model_config must hold a JSON object, got {type(values).__name__} in {str(path)!r}.")
-    return values
 
 
 def check_model(cfg: Any, tp: int, stages: int) -> ModelInfo:
@@ -155,7 +139,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu", *, weights: bool =
 
 def build_unfilled(cfg: Any, device: torch.device | str = "cpu") -> nn.Module:
     """The run's model for weights that come after a layout has cut it (``--init-from``'s, a checkpoint's, a
-    fresh Hugging Face model's seeded ones: :func:`first_weights`, :meth:`~fourfold.engine.Engine.load_state_dict`):
+    fresh Hugging Face model's seeded ones: :func:`first_weights`, :meth:`~fourfold.engine.step.Engine.load_state_dict`):
     TinyGPT and the Hugging Face families built with their parameters on the meta device, then given zeros in
     memory untouched until written (:func:`~fourfold.models.weights.zero_pages`), so each rank's host memory holds
     the part it keeps, not the whole model (on a GPU the zeros are the device's, whole until the cut). A model of
@@ -242,3 +226,13 @@ def check_forward(model: nn.Module, cfg: Any) -> None:
 def num_parameters(model: nn.Module) -> int:
     """Scalar parameters, a tied weight once."""
     return sum(p.numel() for p in model.parameters())
+
+
+def meta_model(cfg: Any) -> nn.Module | None:
+    """The run's model built on the meta device (shapes, no memory, no weights) for the checks before launch;
+    None for a model of your own that cannot be built there. :func:`preflight` builds it once for them all."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg, "meta")
+    except Exception:
+        return None

@@ -48,6 +48,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import json
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -72,7 +73,7 @@ from fourfold.models.hf_split import (
 if TYPE_CHECKING:
     from fourfold.models.seeded import SeededInit
 
-__all__ = ["ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
+__all__ = ["read_model_config", "ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
            "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "block_sites", "build_hf",
            "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split",
            "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
@@ -289,6 +290,21 @@ def _check_keys(cls: type, values: dict[str, Any], path: str | os.PathLike[str] 
                          f"key{'s' if len(typos) > 1 else ''}.")
 
 
+def read_model_config(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """``--model-config``: a JSON object (a Hugging Face config's keys, or a factory's keyword arguments)."""
+    if path is None:
+        return {}
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            values = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model_config must be a readable JSON file, got {str(path)!r}: {e}. Write the keys "
+                         "as one JSON object (see docs/your-model.md)") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"model_config must hold a JSON object, got {type(values).__name__} in {str(path)!r}.")
+    return values
+
+
 def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
               overrides: dict[str, Any] | None = None) -> Any:
     """The family's config from a JSON file (and ``overrides``), read without building the model."""
@@ -299,8 +315,6 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
                          "with: pip install 'fourfold[hf]'") from None
     if family not in FAMILIES:
         raise ValueError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}.")
-    from fourfold.models.build import read_model_config
-
     values = {**read_model_config(config_path), **(overrides or {})}
     named = values.pop("model_type", family)  # a config.json says which architecture it is: it must be this one
     if named != family:

@@ -1,6 +1,6 @@
 """``--init-from``: a run's first weights from a file. Every rank builds the model unfilled (its parameters zeros in
 pages untouched until written: :func:`empty_parameters`, :func:`zero_pages`), the layout cuts it, and each rank
-fills only the tensors it keeps (:class:`StoredWeights` through :meth:`fourfold.engine.Engine.load_state_dict`), so
+fills only the tensors it keeps (:class:`StoredWeights` through :meth:`fourfold.engine.step.Engine.load_state_dict`), so
 every layout starts from them; ``--verify``'s one process loads them whole (:func:`load_weights`).
 
     fourfold train --model llama --init-from ./my-llama --data my.jsonl ...   # its tokenizer.json, by default
@@ -266,7 +266,7 @@ def weight_problems(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into the whole ``model`` (:class:`StoredWeights`: checked first), cast to its
     dtype, one tensor at a time from memory-mapped files. Returns ``model``. (A run's ranks load after the
-    layout has cut the model, each only what it holds: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
+    layout has cut the model, each only what it holds: :meth:`fourfold.engine.step.Engine.load_state_dict`.)"""
     with StoredWeights(path, model) as stored:
         return fill(model, stored)
 
@@ -275,7 +275,7 @@ def fill(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
     """Copy ``state`` (whole tensors by ``model``'s names, read one at a time: :class:`StoredWeights`,
     :class:`~fourfold.models.seeded.SeededInit`) into the whole ``model``, each cast to its dtype, a tied weight
     once: :func:`~fourfold.parallel.tensor.plan.fill_pieces` with nothing cut. Returns ``model``. (A layout's
-    ranks take their pieces instead: :meth:`fourfold.engine.Engine.load_state_dict`.)"""
+    ranks take their pieces instead: :meth:`fourfold.engine.step.Engine.load_state_dict`.)"""
     fill_pieces(model.state_dict(), state, {}, 0, 1)
     return model
 
@@ -310,7 +310,7 @@ def zero_pages(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modul
     """Give each of ``model``'s parameters on the ``meta`` device zeros on ``device``, in place (the same
     ``nn.Parameter`` objects, so ties hold). On the CPU each lies in an anonymous memory map: its pages are the
     kernel's one zero page until written, so a rank that keeps a part of the model and fills it
-    (:meth:`~fourfold.engine.Engine.load_state_dict`) uses memory for that part only, however much it reads the
+    (:meth:`~fourfold.engine.step.Engine.load_state_dict`) uses memory for that part only, however much it reads the
     rest meanwhile. The buffers move to ``device``. Returns ``model``."""
     device = torch.device(device)
     for p in model.parameters():  # a tied parameter once

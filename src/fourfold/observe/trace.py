@@ -13,7 +13,7 @@ Each rank owns one :class:`Tracer` and passes it to whatever does work; there is
         dist.recv(buf, rank - 1)
         s.set(recv_bytes=buf.nbytes)        # sizes known only afterwards can be added inside the block
     tracer.totals(since=0)                  # {"compute_s": ..., "comm_s": ..., "bytes": ..., "messages": ...}
-    spans = gather_spans(tracer)            # every rank's spans on rank 0, None elsewhere
+    spans = gather_spans(tracer)            # every rank's spans on rank 0, None elsewhere (fourfold.comm.wait)
     if spans is not None:
         write_chrome_trace("trace.json", spans)   # open in https://ui.perfetto.dev or chrome://tracing
 
@@ -36,8 +36,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import torch.distributed as dist
-
 from fourfold.files import write_text_atomic
 
 __all__ = [
@@ -46,7 +44,6 @@ __all__ = [
     "Kind",
     "Span",
     "Tracer",
-    "gather_spans",
     "hidden_fraction",
     "load_jsonl",
 ]
@@ -301,26 +298,3 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Span]:
     """Read spans written by :meth:`Tracer.write_jsonl`."""
     with open(path, encoding="utf-8") as f:
         return [Span.from_dict(json.loads(line)) for line in f if line.strip()]
-
-
-def gather_spans(tracer: Tracer, group: dist.ProcessGroup | None = None,
-                 dst: int = 0) -> dict[int, list[Span]] | None:
-    """Every rank's spans on global rank ``dst`` as ``{rank: spans}``; None on the other ranks.
-
-    A collective: every rank of ``group`` must call it. Without a process group (or with one rank) it
-    returns this tracer's spans alone.
-    """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {tracer.rank: list(tracer.spans)}
-    from fourfold.comm.wait import gather_objects  # comm imports this module
-
-    gathered = gather_objects((tracer.rank, list(tracer.spans)), group, op="gather of the trace's spans", dst=dst)
-    if dist.get_rank() != dst:
-        return None
-    out: dict[int, list[Span]] = {}
-    for rank, spans in gathered:
-        if rank in out:
-            raise RuntimeError(f"tracer ranks must be unique across the group, got rank {rank} twice. "
-                               "Build each Tracer with its own global rank.")
-        out[rank] = spans
-    return dict(sorted(out.items()))

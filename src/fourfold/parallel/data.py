@@ -172,6 +172,49 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    # ------------------------------------------------------------------ the interface ZeRO shares
+    # What the engine, the gradient norm and checkpoints ask of the gradients' owner, whichever it is: plain
+    # data parallelism answers here; ShardedDataParallel (fourfold.parallel.zero) overrides each.
+
+    zero = 0  # the ZeRO stage: plain data parallelism shards nothing
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimiser steps: this rank's parameters (under ZeRO, its flat segments of them)."""
+        return [p for p in self.module.parameters()]
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around one micro-batch's forward and backward (gradient accumulation): only the last reduces."""
+        return contextlib.nullcontext() if last else self.no_sync()
+
+    def forward_only(self) -> contextlib.AbstractContextManager[Any]:
+        """Forwards that train nothing (evaluation): nothing is reduced."""
+        return self.no_sync()
+
+    def gathered(self, write: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """Every parameter whole inside the block: they are already (ZeRO gathers them)."""
+        return contextlib.nullcontext()
+
+    def storages(self) -> set[int]:
+        """Parameter storages allocated afresh at every step (ZeRO-3's gathers); none here."""
+        return set()
+
+    def grad_pieces(self, copies: dict[int, int]) -> Iterator[tuple[torch.Tensor, int]]:
+        """This rank's gradients, each with the number of ranks in the world holding the same values: its
+        ``copies`` in one replica (tensor-parallel and tied copies) times the replicas, which all hold it."""
+        for p in self.module.parameters():
+            if p.grad is not None:
+                yield p.grad, copies.get(id(p), 1) * self.size
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """Each parameter's optimiser state (by ``id``), as held: every replica holds all of it."""
+        return {id(p): dict(optimizer.state[p]) for p in self.module.parameters() if p in optimizer.state}
+
+    def load_state(self, optimizer: torch.optim.Optimizer, states: dict[int, dict[str, Any]]) -> None:
+        """The inverse of :meth:`full_state`."""
+        for p in self.module.parameters():
+            if id(p) in states:
+                optimizer.state[p] = states[id(p)]
+
     def begin(self, gated: bool = False) -> None:
         """Start collecting this step's gradients (``forward`` calls it). ``gated``: several backwards
         accumulate into each gradient (a pipeline's micro-batches), and a parameter's gradient is packed only

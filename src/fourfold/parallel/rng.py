@@ -162,6 +162,13 @@ class Streams:
 
         return again
 
+    def reseed(self, base: int) -> None:
+        """Start every stream afresh from ``base`` (:meth:`fourfold.engine.step.Engine.manual_seed`)."""
+        if self._stack:
+            raise RuntimeError(f"the dropout streams are reseeded between steps, got {self._stack} in force")
+        self.base = int(base)
+        self._seeds(None)
+
     def state_dict(self) -> dict[str, Any]:
         """The streams' states between steps (a checkpoint's, to continue them on resume), and the kind of device
         they draw on (a CPU generator's state is no GPU's)."""

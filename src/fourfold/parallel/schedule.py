@@ -462,9 +462,9 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     ``f``, ``b``, ``w``: forward, input-gradient and weight-gradient time of one micro-batch through one rank's
     share of the model (a fused B costs b + w; a virtual stage 1/virtual of each); ``comm``: added to each
     activation or gradient sent to another rank. ``cost``: instead of f, b, w, each action's own time (stages
-    that differ; :mod:`fourfold.observe.predict`), or ``(computing, waiting)`` seconds: waiting (a tensor-parallel
+    that differ; :mod:`fourfold.plan.predict`), or ``(computing, waiting)`` seconds: waiting (a tensor-parallel
     collective's latency) uses no core, so it is not slowed by ranks sharing them. ``speed(k)``: the fraction of its own speed each of k ranks
-    computing at once gets, when they share a machine's cores (:mod:`fourfold.observe.predict`); None: a device
+    computing at once gets, when they share a machine's cores (:mod:`fourfold.plan.predict`); None: a device
     each. Validates first.
     """
     if min(f, b, w, comm) < 0 or f + b + w <= 0:

@@ -217,6 +217,32 @@ class ShardedDataParallel(DataParallel):
         """This rank's segments, one flat parameter per bucket: what the optimiser updates."""
         return [b.zero.shard for b in self.buckets]
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        return self.shards()
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """ZeRO-1 accumulates as plain data parallelism does; ZeRO-2 and -3 reduce-scatter every micro-batch's
+        gradients into the shards, so no rank ever holds the whole gradient (nor, at stage 3, the model)."""
+        return super().microbatch(last) if self.zero < 2 or last else self._into_shards()
+
+    @contextlib.contextmanager
+    def _into_shards(self) -> Iterator[None]:
+        yield
+        self.finish(stale=False)  # the weights are unchanged for the next micro-batch
+
+    def grad_pieces(self, copies: dict[int, int]) -> Iterator[tuple[torch.Tensor, int]]:
+        """The segments' gradients (``shard.grad``), each a run of several parameters: a segment is this rank's
+        alone over dp, so only the run's own tp and tied copies count."""
+        for b in self.buckets:
+            grad = b.zero.shard.grad
+            if grad is None:
+                continue
+            lo, hi = b.zero.offset, b.zero.offset + b.zero.length  # this rank's segment of the bucket
+            for p, start in zip(b.params, b.offsets, strict=True):
+                a, z = max(start, lo), min(start + p.numel(), hi, b.numel)
+                if a < z:
+                    yield grad[a - lo:z - lo], copies[id(p)]
+
     # ----------------------------------------------------------------------------- gradients: reduce
 
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -11,8 +11,8 @@ from fourfold.parallel.tensor.comm import Group
 from fourfold.parallel.tensor.layers import (
     REPLICATED,
     ColumnParallelLinear,
-    Layout,
     RowParallelLinear,
+    ShardLayout,
     Style,
     VocabParallelEmbedding,
     is_conv1d,
@@ -43,7 +43,7 @@ __all__ = [
     "ColumnParallelLinear",
     "Group",
     "HF_STYLES",
-    "Layout",
+    "ShardLayout",
     "LazyState",
     "ParameterBytes",
     "RowParallelLinear",

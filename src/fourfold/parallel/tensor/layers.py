@@ -37,7 +37,7 @@ from fourfold.parallel.tensor.comm import (
 __all__ = [
     "REPLICATED",
     "ColumnParallelLinear",
-    "Layout",
+    "ShardLayout",
     "RowParallelLinear",
     "Sharded",
     "Style",
@@ -53,7 +53,7 @@ __all__ = [
 Style = Literal["column", "row", "vocab", "head"]  # or "column:<parts>" for a fused weight ("column:32,8,8")
 
 
-class Layout(NamedTuple):
+class ShardLayout(NamedTuple):
     """How a full tensor is cut: along ``dim`` (None: replicated), each of its ``parts`` blocks split p ways.
 
     ``parts`` > 1 is a fused weight such as [W_q; W_k; W_v] (parts=3): rank i holds [W_q,i; W_k,i; W_v,i]. Blocks
@@ -65,7 +65,7 @@ class Layout(NamedTuple):
     parts: int | tuple[int, ...] = 1
 
 
-REPLICATED = Layout(None)
+REPLICATED = ShardLayout(None)
 
 
 def proportions(parts: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -74,7 +74,7 @@ def proportions(parts: int | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def fused(parts: int | Sequence[int]) -> int | tuple[int, ...]:
-    """``parts`` as a :class:`Layout` holds it: a count of equal blocks, or their proportions in lowest terms
+    """``parts`` as a :class:`ShardLayout` holds it: a count of equal blocks, or their proportions in lowest terms
     (``(32, 8, 8)`` -> ``(4, 1, 1)``, ``(8, 8)`` -> ``2``), so that two cuts alike compare equal."""
     if isinstance(parts, int):
         return parts
@@ -85,7 +85,7 @@ def fused(parts: int | Sequence[int]) -> int | tuple[int, ...]:
     return len(shares) if len(set(shares)) == 1 else tuple(s // common for s in shares)
 
 
-def blocks(t: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+def blocks(t: torch.Tensor, layout: ShardLayout) -> tuple[torch.Tensor, ...]:
     """``t`` (a full tensor, or one rank's piece of it) as its fused blocks along ``layout.dim`` (views)."""
     assert layout.dim is not None
     shares = proportions(layout.parts)
@@ -93,7 +93,7 @@ def blocks(t: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
     return t.split([s * unit for s in shares], layout.dim)
 
 
-def shard(full: torch.Tensor, layout: Layout, rank: int, p: int) -> torch.Tensor:
+def shard(full: torch.Tensor, layout: ShardLayout, rank: int, p: int) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` under ``layout`` (a copy)."""
     if layout.dim is None:
         return full.detach().clone()
@@ -102,7 +102,7 @@ def shard(full: torch.Tensor, layout: Layout, rank: int, p: int) -> torch.Tensor
                       for b in blocks(full.detach(), layout)], dim)
 
 
-def unshard(pieces: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+def unshard(pieces: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """The full tensor from every rank's piece, in rank order: the inverse of :func:`shard`."""
     if layout.dim is None:
         return pieces[0].clone()
@@ -165,8 +165,8 @@ class ColumnParallelLinear(nn.Module):
             if t is not None:
                 nn.init.uniform_(t, -bound, bound)
 
-    def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(1 if self.transposed else 0, self.parts), "bias": Layout(0, self.parts)}
+    def layouts(self) -> dict[str, ShardLayout]:
+        return {"weight": ShardLayout(1 if self.transposed else 0, self.parts), "bias": ShardLayout(0, self.parts)}
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group: Group, **kw: Any) -> ColumnParallelLinear:
@@ -218,8 +218,8 @@ class RowParallelLinear(nn.Module):
             if t is not None:
                 nn.init.uniform_(t, -bound, bound)
 
-    def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(0 if self.transposed else 1), "bias": REPLICATED}
+    def layouts(self) -> dict[str, ShardLayout]:
+        return {"weight": ShardLayout(0 if self.transposed else 1), "bias": REPLICATED}
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group: Group, **kw: Any) -> RowParallelLinear:
@@ -269,8 +269,8 @@ class VocabParallelEmbedding(nn.Module):
                                                dtype=dtype))  # (V/p, C)
         nn.init.normal_(self.weight)
 
-    def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(0)}
+    def layouts(self) -> dict[str, ShardLayout]:
+        return {"weight": ShardLayout(0)}
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Group, **kw: Any) -> VocabParallelEmbedding:
@@ -315,7 +315,7 @@ class Sharded(Protocol):
     tp: int
     weight: nn.Parameter
 
-    def layouts(self) -> dict[str, Layout]: ...
+    def layouts(self) -> dict[str, ShardLayout]: ...
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor.comm import Group, sum_over_tp
-from fourfold.parallel.tensor.layers import Layout, _copy_shards, _divisible
+from fourfold.parallel.tensor.layers import ShardLayout, _copy_shards, _divisible
 
 __all__ = ["ARITHMETIC", "ShardedRMSNorm", "numerics"]
 
@@ -55,8 +55,8 @@ class ShardedRMSNorm(nn.Module):
         self.group, self.tracer, self.site = group, tracer, site
         self.weight = nn.Parameter(torch.ones(features // self.tp, device=device, dtype=dtype))
 
-    def layouts(self) -> dict[str, Layout]:
-        return {"weight": Layout(0)}
+    def layouts(self) -> dict[str, ShardLayout]:
+        return {"weight": ShardLayout(0)}
 
     @classmethod
     @torch.no_grad()

@@ -1,5 +1,5 @@
 """Shard a whole model by a plan, and see it whole again: ``{module name: style}`` -> tensor-parallel layers in
-place; the :class:`~fourfold.parallel.tensor.layers.Layout` of every state-dict entry; the full state dict
+place; the :class:`~fourfold.parallel.tensor.layers.ShardLayout` of every state-dict entry; the full state dict
 gathered from (or loaded into) the shards; parameter memory per rank; the partial gradients sequence
 parallelism leaves on replicated parameters.
 
@@ -25,9 +25,9 @@ from fourfold.parallel.tensor.comm import Group, all_reduce
 from fourfold.parallel.tensor.layers import (
     REPLICATED,
     ColumnParallelLinear,
-    Layout,
     RowParallelLinear,
     Sharded,
+    ShardLayout,
     VocabParallelEmbedding,
     fused,
     is_conv1d,
@@ -130,7 +130,7 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
     Returns ``model``.
     """
     # id(full weight) -> (name, layout, its shard, the full weight: held so its id is not reused meanwhile)
-    sharded: dict[int, tuple[str, Layout, nn.Parameter, torch.Tensor]] = {}
+    sharded: dict[int, tuple[str, ShardLayout, nn.Parameter, torch.Tensor]] = {}
     partial: list[str] = []
     for name, style in expand_plan(model, plan).items():
         if style is None:
@@ -184,8 +184,8 @@ def heads(model: nn.Module) -> list[ColumnParallelLinear]:
     return [m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.head]
 
 
-def shard_layouts(model: nn.Module) -> dict[str, Layout]:
-    """The :class:`Layout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
+def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+    """The :class:`ShardLayout` of every ``model.state_dict()`` entry: tensor-parallel pieces, the rest replicated."""
     out = dict.fromkeys(model.state_dict(keep_vars=True), REPLICATED)
     for prefix, module in model.named_modules(remove_duplicate=False):  # a module held twice: both its names
         if isinstance(module, SHARDED):
@@ -207,7 +207,7 @@ def gather_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], group: Group, *,
+def gather_full(state: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout], group: Group, *,
                 keep: bool = True, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
     """Every entry of ``state`` (this rank's pieces, cut as ``layouts`` says; missing: replicated) made whole
     by an all-gather over ``group``: new tensors, never views of the pieces. A collective. ``keep=False``: take
@@ -256,7 +256,7 @@ class LazyState(Mapping[str, torch.Tensor]):
 
 
 @torch.no_grad()
-def fill_pieces(local: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout],
+def fill_pieces(local: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout],
                 rank: int, p: int) -> None:
     """Copy into each ``local[name]`` (this rank's piece, cut as ``layouts`` says; missing: replicated) its piece
     of the whole tensor ``state[name]``, read one at a time (``state`` may read each from a file when asked). A

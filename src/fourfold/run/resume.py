@@ -15,9 +15,10 @@ import torch.distributed as dist
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
 from fourfold.comm.wait import gather_objects
 from fourfold.config import Config, TrainConfig
-from fourfold.data.run import held_batches
+from fourfold.data.loader import HELD_OUT
 from fourfold.data.tokenizers import absolute_spec
 from fourfold.models.gpt import GPTConfig
+from fourfold.run.data import held_batches
 
 __all__ = ["CONTINUED", "MODEL_KEYS", "changed_settings", "check_resume", "continues_run", "restart_count",
            "resume_from", "same_on_every_rank", "take_checkpoint_model"]
@@ -145,11 +146,6 @@ CONTINUED = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "lr_dec
              "precision", "data", "text_key", "tokenizer", "data_dtype", "pack", "tokens_per_step", "truncate_documents")
 """The training settings whose change makes a resumed run differ from the uninterrupted one (the layout's do
 not: a checkpoint loads exactly under any layout)."""
-
-
-HELD_OUT = "spread"
-"""How a run records which data evaluation holds out (:class:`fourfold.data.loader.HeldOut`): every
-``stride``-th item. Runs before 2026-11-24 held out the data's end and recorded nothing."""
 
 
 def _value(key: str, value: Any) -> Any:

@@ -1,16 +1,16 @@
 """Step time, bubble, exposed communication and memory of a layout, predicted before it runs.
 
-    costs = measure_units(model, blocks, seq_len=64)      # fourfold.observe.costs: each unit's time
+    costs = measure_units(model, blocks, seq_len=64)      # fourfold.plan.costs: each unit's time
     profile = ModelProfile.of(model, blocks, seq_len=64, shards=shard_plan(model), costs=costs)
     links = Links(node=CostModel.load(), network=CostModel.load(), ranks_per_node=8, cores=2)
-    p = predict(profile, Layout(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
+    p = predict(profile, Candidate(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4), links, batch_size=16)
     print(p.step_s, p.bubble, p.dp_exposed_s, max(r.total for r in p.memory))
 
 The model (docs/simulator.md):
 
 * **compute**: each unit of ``[before the blocks, *blocks, after them]`` costs ``fixed + per_sample * b / tp``
   seconds forward and backward for a micro-batch of b samples, timed or counted in FLOPs
-  (:mod:`fourfold.observe.costs`). The pipeline cuts the
+  (:mod:`fourfold.plan.costs`). The pipeline cuts the
   units into stages as the runtime does (by parameter count); a split backward gives W the share timed for it.
 * **tensor parallelism**: one all-reduce of a block's activation (b x seq x d) per row-parallel or vocabulary
   layer forward and per column-parallel layer (per module holding them, where one f serves them all: a Hugging
@@ -24,7 +24,7 @@ The model (docs/simulator.md):
   backward; across nodes the two-level model of :mod:`fourfold.comm.network`, the node's tp groups sharing
   its link); hidden behind the last micro-batch's backward where a core or a device is free to do it,
   exposed otherwise.
-* **gradient accumulation** (``Layout.grad_accum``, no pipeline): the micro-batches' forward and backward one
+* **gradient accumulation** (``Candidate.grad_accum``, no pipeline): the micro-batches' forward and backward one
   after another; dp and ZeRO-1 sync once, ZeRO-2/3 reduce-scatter (ZeRO-3 also gather) every micro-batch, each
   waited before the next.
 * **shared cores**: ranks on ``cores`` CPU cores (this machine: 8 ranks on 2) cannot all compute at once: while
@@ -33,7 +33,7 @@ The model (docs/simulator.md):
   pipeline message waits ``wake_s`` (fitted) for the rank it wakes to get a core. Two or more computing at once
   also go ``contention`` (fitted) times slower than one alone.
 * **optimiser**: the rank's elements (/dp under ZeRO) times the measured seconds per element.
-* **memory**: :func:`~fourfold.observe.estimate.estimate_memory`.
+* **memory**: :func:`~fourfold.plan.estimate.estimate_memory`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ from torch import nn
 
 from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
-from fourfold.observe.costs import UnitCosts
-from fourfold.observe.estimate import (
+from fourfold.observe.trace import Span
+from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
+from fourfold.plan.costs import UnitCosts
+from fourfold.plan.estimate import (
     Probe,
     RankMemory,
     _kinds,
@@ -58,10 +60,8 @@ from fourfold.observe.estimate import (
     probe_activations,
     shard_elements,
 )
-from fourfold.observe.trace import Span
-from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
 
-__all__ = ["Layout", "Links", "Measured", "ModelProfile", "Prediction", "predict"]
+__all__ = ["Candidate", "Links", "Measured", "ModelProfile", "Prediction", "predict"]
 
 @dataclass(frozen=True)
 class Links:
@@ -74,22 +74,22 @@ class Links:
     cores: int | None = None
     oversubscribed: float = 1.0
     """With more ranks computing than ``cores``: how much slower than the cores' fair share each goes (switches,
-    and ranks waiting for a peer the scheduler has set aside; fitted by :mod:`~fourfold.observe.calibrate`)."""
+    and ranks waiting for a peer the scheduler has set aside; fitted by :mod:`~fourfold.plan.calibrate`)."""
 
     wake_s: float = 0.0
     """With more ranks than ``cores``: the time a pipeline message adds, beyond the link's, before the rank it
-    wakes runs (the scheduler has given its core to another rank; fitted by :mod:`~fourfold.observe.calibrate`
+    wakes runs (the scheduler has given its core to another rank; fitted by :mod:`~fourfold.plan.calibrate`
     on a crowded pipeline run; see :meth:`wake`)."""
 
     contention: float = 1.0
     """With several ranks computing at once on one machine: how much slower each goes than one alone (memory
-    bandwidth, caches, the launcher and gloo's threads; fitted by :mod:`~fourfold.observe.calibrate` on a
+    bandwidth, caches, the launcher and gloo's threads; fitted by :mod:`~fourfold.plan.calibrate` on a
     data-parallel run). One computing alone (a pipeline stage while the other waits in the bubble) goes at its own
     speed."""
 
     action_s: float = 0.0
     """A pipeline action's own time beyond its compute: the runtime's bookkeeping between actions. It uses a core.
-    Measured on a pipeline run's spans by :mod:`~fourfold.observe.calibrate` (its ``action_overhead``)."""
+    Measured on a pipeline run's spans by :mod:`~fourfold.plan.calibrate` (its ``action_overhead``)."""
 
     send_s: float = 0.0
     """What an action that sends to another rank spends on it beyond ``action_s``: gloo's ``isend`` copies the
@@ -98,13 +98,13 @@ class Links:
 
     tp_call_s: float = 0.0
     """What each tensor-parallel collective costs beyond its ring steps' α, once per call: the wait for the group's
-    slowest rank and the call's own dispatch (no core used). Fitted by :mod:`~fourfold.observe.calibrate` on a
+    slowest rank and the call's own dispatch (no core used). Fitted by :mod:`~fourfold.plan.calibrate` on a
     tensor-parallel run (1.5-2.5 ms a call on this VM, whatever the size: sequence parallelism's reduce-scatter
     and all-gather halves each cost about what one all-reduce does); 0 on paper."""
 
     p2p_alpha_s: float | None = None
     """A pipeline message's fixed latency within a node, fitted on a pipeline run so that its step comes out. None:
-    the node link's α (which :mod:`~fourfold.observe.calibrate` fits to tensor-parallel collectives, waits for
+    the node link's α (which :mod:`~fourfold.plan.calibrate` fits to tensor-parallel collectives, waits for
     the slower rank included)."""
 
     def wake(self, ranks: int) -> float:
@@ -125,7 +125,7 @@ class Links:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -168,7 +168,7 @@ class Prediction:
     parallelism's all-reduces inside), the pipeline bubble, the gradient sync and the part of it not hidden,
     the optimiser; the memory per pipeline rank; the pipeline's simulated timeline (None without one)."""
 
-    layout: Layout
+    layout: Candidate
     step_s: float
     compute_s: float
     bubble: float
@@ -212,7 +212,7 @@ class Prediction:
 @dataclass
 class ModelProfile:
     """What :func:`predict` reads from a model: its units' parameters and tensor-parallel layers, one sample's
-    activations (:class:`~fourfold.observe.estimate.Probe`) and the units' costs."""
+    activations (:class:`~fourfold.plan.estimate.Probe`) and the units' costs."""
 
     model: nn.Module
     blocks: list[nn.Module]
@@ -274,7 +274,7 @@ def _exposed(sync: float, last: float, backward: float, idle_core: bool) -> floa
     return sync if not idle_core else max(last, sync - backward) if sync else 0.0
 
 
-def _dp_links(links: Links, layout: Layout) -> tuple[CostModel, int | None]:
+def _dp_links(links: Links, layout: Candidate) -> tuple[CostModel, int | None]:
     """The link model a data-parallel ring runs on, and the group's ranks per node. Within a node: the node's
     link. Across nodes (ranks are tp innermost, then dp): k = per_node / tp consecutive dp ranks share a node, and
     the node's tp groups all sync at once, so each group's ring gets 1/tp of the node's link (the two-level
@@ -290,7 +290,7 @@ def _dp_links(links: Links, layout: Layout) -> tuple[CostModel, int | None]:
                      network=(net.alpha_s, net.beta_s_per_byte * (per_node // k))), k
 
 
-def predict(profile: ModelProfile, layout: Layout, links: Links, batch_size: int, *,
+def predict(profile: ModelProfile, layout: Candidate, links: Links, batch_size: int, *,
             bucket_bytes: int = 25 * 2**20, checkpoint_every: int = 0,
             sequence_parallel: bool = False) -> Prediction:
     """One step of ``layout`` on a global batch of ``batch_size`` samples (see the module docstring).

@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fourfold.data.corpus import run_corpus
-from fourfold.data.documents import Documents
+from fourfold.data.documents import Documents, run_corpus
 from fourfold.data.loader import BatchLoader
 from fourfold.data.packing import DocumentLoader
 

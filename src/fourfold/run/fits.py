@@ -1,5 +1,5 @@
 """Whether a run fits, before anything is launched: each rank's memory estimated for a layout
-(:func:`layout_memory`, :mod:`fourfold.observe.estimate`), ``fourfold train``'s check before launch
+(:func:`layout_memory`, :mod:`fourfold.plan.estimate`), ``fourfold train``'s check before launch
 (:func:`check_memory`: a layout that would not fit is refused, with its largest term and the cheapest change that
 fits; ``--verify``'s whole-model copies counted too), and whether this machine can build a model whole at all
 (:func:`too_big_here`: a model that cannot is sized on the meta device, never built and killed by the kernel).
@@ -28,12 +28,12 @@ class LayoutMemory(NamedTuple):
 
 def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     """:class:`LayoutMemory` for ``cfg`` on ``world_size`` ranks."""
-    from fourfold.compose import model_blocks
+    from fourfold.engine.parallelize import model_blocks
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan
     from fourfold.models.build import build_model, check_forward
-    from fourfold.observe.estimate import estimate_memory, probe_activations
     from fourfold.parallel.checkpointing import parse_policy
+    from fourfold.plan.estimate import estimate_memory, probe_activations
 
     t = cfg.train
     mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
@@ -83,13 +83,13 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
 
 def per_rank_budget(cfg: Any, world_size: int) -> tuple[int, str]:
     """(bytes per rank, where that came from): ``--memory-limit``, else the device's (per_rank_memory)."""
-    from fourfold.observe.estimate import per_rank_memory
+    from fourfold.plan.estimate import per_rank_memory
     from fourfold.units import parse_bytes
 
     t = cfg.train
     if t.memory_limit is not None:
         return parse_bytes(t.memory_limit), "--memory-limit"
-    from fourfold.config import LAB_ENV
+    from fourfold.torchrun import LAB_ENV
 
     # the ranks sharing this machine's memory: its own, on real machines; all of them in a lab (one machine)
     here = cfg.launch.nproc if cfg.launch.nnodes > 1 and LAB_ENV + "NNODES" not in os.environ else world_size
@@ -100,7 +100,7 @@ def overflow(rows: list[Any], available: int, options: dict[str, Any], estimate:
              sequence_parallel: bool = False) -> tuple[str, str, str] | None:
     """None when the largest rank fits; else (its largest term, that term's size, the cheapest change that
     fits; ``sequence_parallel``: the model runs it, so it is one to try)."""
-    from fourfold.observe.estimate import suggest
+    from fourfold.plan.estimate import suggest
     from fourfold.units import format_bytes
 
     worst = max(rows, key=lambda r: r.total)
@@ -146,7 +146,7 @@ def check_verify_memory(cfg: Any, rows: list[Any], options: dict[str, Any], esti
     run, then trains the whole model on the whole global batch in one process on the CPU, keeping its own K + 1
     states to compare: refuse, before launch, either that would not fit (rank 0 killed mid-run loses the run)."""
     from fourfold.launch import resolve_device
-    from fourfold.observe.estimate import per_rank_memory
+    from fourfold.plan.estimate import per_rank_memory
     from fourfold.units import format_bytes
 
     t = cfg.train
@@ -189,8 +189,8 @@ def too_big_here(cfg: Any, times: int) -> tuple[Any, int, int] | None:
     """``(the model on the meta device, its parameters' bytes, this machine's available bytes)`` where ``times``
     its parameters would not fit this machine's memory, else None: TinyGPT and the Hugging Face families, counted
     on meta (nothing allocated). A model of your own is built for real as it is (its factory may read values)."""
-    from fourfold.observe.estimate import per_rank_memory
-    from fourfold.preflight import meta_model
+    from fourfold.models.build import meta_model
+    from fourfold.plan.estimate import per_rank_memory
 
     meta = meta_model(cfg) if ":" not in cfg.train.model else None  # MODULE:FACTORY: yours
     if meta is None:

@@ -24,9 +24,9 @@ def sweep(nodes: list[int], gpus: int, link: str, size: str, algorithms: str, it
           tcp: str = "auto") -> int:
     """Run the bench in a lab per entry of ``nodes``; report and draw. The worst exit code of the runs."""
     from fourfold.bench.harness import format_bytes, parse_size, write_report
-    from fourfold.cli.lab import run_command
     from fourfold.comm.network import link_bytes, messages
     from fourfold.lab import Lab
+    from fourfold.lab.run import run_command
 
     started = time.monotonic()
     nbytes = parse_size(size)

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from fourfold.config import Config, TrainConfig
-    from fourfold.engine import Engine
+    from fourfold.engine.step import Engine
 
 __all__ = ["NonFiniteLoss", "keep_flags", "learning_rate", "lr_at", "make_optimizer", "update"]
 

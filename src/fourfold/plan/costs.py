@@ -8,7 +8,7 @@ and the memory estimate counts); each unit costs ``fixed + per_sample * b / tp``
 a micro-batch of b samples. :func:`measure_units` times them at the unit boundaries at two batch sizes on one
 thread (as each rank of a multi-rank run on a CPU), with the zero-bubble runtime's own split backward (B and W)
 and an AdamW step; :func:`flop_units` counts them on the model (backward twice forward). The simulator
-(:mod:`fourfold.observe.predict`) builds every layout's step from them.
+(:mod:`fourfold.plan.predict`) builds every layout's step from them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Which layouts of a number of devices can run a model and batch, why the others cannot, and their ranking by
 predicted step time: what ``fourfold plan`` lists. Every candidate passes ``fourfold train``'s own checks before
-launch (:func:`fourfold.preflight.preflight`), so the plan never suggests a layout train refuses.
+launch (:func:`fourfold.run.preflight.preflight`), so the plan never suggests a layout train refuses.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 __all__ = ["cannot_run", "divisors", "layouts", "layouts_and_why", "model_heads", "none_runs", "rank_layouts",
-           "runnable", "train_checks", "train_refusals", "uneven_machines"]
+           "uneven_machines"]
 
 
 def divisors(n: int) -> list[int]:
@@ -38,8 +37,8 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
                      per_node: int) -> tuple[list[Any], dict[str, str]]:
     """(:func:`layouts`, {``"dpX tpY ppZ"``: why none of its layouts can run} for the dp x tp x pp splits of
     ``world`` that make none)."""
-    from fourfold.observe.predict import Layout
     from fourfold.parallel.schedule import pipeline_schedule
+    from fourfold.plan.predict import Candidate
 
     out: list[Any] = []
     why: dict[str, str] = {}
@@ -47,7 +46,7 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
         for pp in divisors(world // tp):
             dp = world // tp // pp
             split = f"dp{dp} tp{tp} pp{pp}"
-            reason = cannot_run(Layout(dp, tp, pp), batch_size, blocks, tensor_plan, heads, per_node)
+            reason = cannot_run(Candidate(dp, tp, pp), batch_size, blocks, tensor_plan, heads, per_node)
             if reason:
                 why[split] = reason
                 continue
@@ -56,14 +55,14 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
                 for s in ("gpipe", "1f1b", "interleaved", "zb")]
             made = []
             for schedule, m, v in shapes:
-                if cannot_run(Layout(dp, tp, pp, schedule, m, v), batch_size, blocks, tensor_plan, heads, per_node):
+                if cannot_run(Candidate(dp, tp, pp, schedule, m, v), batch_size, blocks, tensor_plan, heads, per_node):
                     continue
                 if pp > 1:
                     try:
                         pipeline_schedule("pipeline", schedule, pp, m, v)
                     except ValueError:
                         continue
-                made += [Layout(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
+                made += [Candidate(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
             if not made:
                 why[split] = (f"a dp shard's {batch_size // dp} sequences do not divide into {pp}, {2 * pp} or "
                               f"{4 * pp} micro-batches")
@@ -80,7 +79,7 @@ def rank_layouts(profile: Any, candidates: list[Any], links: Any, batch_size: in
     activations held at a time, the same step), as a pipeline's micro-batches are."""
     from dataclasses import replace
 
-    from fourfold.observe.predict import predict
+    from fourfold.plan.predict import predict
 
     ranked = []
     for layout in candidates:
@@ -125,73 +124,6 @@ def cannot_run(layout: Any, batch_size: int, blocks: int, tensor_plan: bool, hea
     if layout.pp * layout.virtual > blocks:
         return f"{blocks} block(s) do not make {layout.pp * layout.virtual} stages"
     return None
-
-
-def train_checks(cfg: Any, world_size: int, *, scan_data: bool = True) -> None:
-    """Refuse (ValueError: train's own message and fix) what ``fourfold train`` refuses before it launches: the
-    same :func:`fourfold.preflight.preflight` train calls. The plan writes nothing, so ``--out`` (writable, an
-    earlier run's outputs in it) is left to train: here the checks see a fresh directory instead."""
-    with _nowhere() as out:
-        _preflight(cfg, world_size, out, scan_data=scan_data)
-
-
-def _nowhere() -> Any:
-    """A fresh directory the checks may take for ``--out``, removed after."""
-    import tempfile
-
-    return tempfile.TemporaryDirectory(prefix="fourfold-plan-")
-
-
-def _preflight(cfg: Any, world_size: int, nowhere: str, *, scan_data: bool) -> None:
-    from dataclasses import replace
-
-    from fourfold.preflight import preflight
-
-    preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
-              scan_data=scan_data)
-
-
-def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
-    """{layout: why ``fourfold train`` refuses it} for the ``candidates`` it refuses (a TinyGPT vocabulary tp does
-    not divide, --compress int8 with ZeRO, ...): each checked as train checks it, the data not read through."""
-    from dataclasses import replace
-
-    refused: dict[Any, str] = {}
-    checked: dict[Any, str | None] = {}
-    with _nowhere() as out:  # one directory for every candidate's checks
-        for layout in candidates:
-            try:  # the config's own checks, ZeRO's among them
-                train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
-                                microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
-            except ValueError as e:
-                refused[layout] = str(e)
-                continue
-            # preflight reads no ZeRO stage; it builds the schedule (most of its time): once per layout besides it
-            key = replace(layout, zero=0)
-            if key not in checked:
-                try:
-                    _preflight(replace(cfg, train=train), layout.world_size, out, scan_data=False)
-                    checked[key] = None
-                except ValueError as e:
-                    checked[key] = str(e)
-            why = checked[key]
-            if why is not None:
-                refused[layout] = why
-    return refused
-
-
-def runnable(cfg: Any, world: int, blocks: int, *, heads: int | None, tensor_plan: bool,
-              per_node: int) -> tuple[list[Any], dict[str, str], dict[Any, str]]:
-    """(the layouts of ``world`` ranks this model and batch can run, fourfold train's checks passed; {"dpX tpY
-    ppZ": why it makes none}; {layout: train's refusal} for the layouts left out by those checks)."""
-    candidates, why = layouts_and_why(world, blocks, cfg.train.batch_size, heads=heads, tensor_plan=tensor_plan,
-                                       per_node=per_node)
-    refused = train_refusals(cfg, candidates)
-    for layout, message in refused.items():
-        split = f"dp{layout.dp} tp{layout.tp} pp{layout.pp}"
-        if all(c in refused for c in candidates if (c.dp, c.tp, c.pp) == (layout.dp, layout.tp, layout.pp)):
-            why.setdefault(split, f"refused by fourfold train ({message.rstrip('.')})")
-    return [c for c in candidates if c not in refused], why, refused
 
 
 def none_runs(cfg: Any, world: int, flag: str, devices: str, why: dict[str, str], runs_some: Any) -> str:

@@ -28,7 +28,7 @@ more), so losses are judged as bf16's and the parameters shown, not judged.
 
 Dropout: one process draws other masks than the layout's ranks, so a correct layout differs by the masks. A run of
 several ranks with ``--verify`` and any dropout (a ``nn.Dropout`` with p > 0, or a Hugging Face config's
-``attention_dropout``, ``resid_pdrop``, ...) is refused before launch (:mod:`fourfold.preflight`).
+``attention_dropout``, ``resid_pdrop``, ...) is refused before launch (:mod:`fourfold.run.preflight`).
 
 What no check of Adam's parameters can see: a gradient scaled by a constant (a sum taken twice, a mean
 divided twice). Adam's update does not depend on the gradient's scale, except through its eps; float64's
@@ -116,12 +116,13 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     step and after each (``steps + 1`` states)."""
     from pathlib import Path
 
-    from fourfold.compose import parallelize
-    from fourfold.data.run import make_loader
+    from fourfold.engine.layout import Layout
+    from fourfold.engine.parallelize import parallelize
     from fourfold.models.build import build_model
-    from fourfold.optim import make_optimizer, update
+    from fourfold.run.data import make_loader
+    from fourfold.run.optim import make_optimizer, update
 
-    engine = parallelize(build_model(cfg), None, precision=cfg.train.precision)  # one process, no strategy
+    engine = parallelize(build_model(cfg), None, Layout(precision=cfg.train.precision))  # one process, no strategy
     optimizer = make_optimizer(cfg, engine.parameters())
     loader, _ = make_loader(cfg, Path(cfg.train.out))  # the run's data and tokenizer, one dp rank
     losses, states = [], [engine.state_dict()]

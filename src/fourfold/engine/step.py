@@ -1,4 +1,4 @@
-"""The one training step every command runs: :class:`Engine`, built by :func:`fourfold.compose.parallelize`.
+"""The one training step every command runs: :class:`Engine`, built by :func:`fourfold.engine.parallelize.parallelize`.
 
 The loop branches once, in :meth:`Engine.step`: a pipeline runs its schedule's F/B/W over micro-batches;
 otherwise one forward and one backward. The engine owns the end of backward: after the last backward it waits
@@ -19,15 +19,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold import gradnorm
-from fourfold.batch import Batch, chunk, leaves, pad, rows
 from fourfold.comm.wait import Pending, all_reduce, group_ranks
 from fourfold.data.packing import document_layout
+from fourfold.engine import gradnorm
+from fourfold.engine.batch import Batch, chunk, leaves, pad, rows
+from fourfold.engine.checks import check_same_rows
+from fourfold.engine.layout import Layout
+from fourfold.engine.losses import LossFn
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
-from fourfold.model_checks import check_same_rows
 from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
-from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span, Tracer
+from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.pipeline.blocks import output_tensor
@@ -35,18 +37,16 @@ from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.rng import Streams
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
-    Layout,
+    ShardLayout,
     fill_pieces,
     gather_full,
     parameter_bytes,
     sum_partial_grads,
 )
 from fourfold.parallel.tensor.comm import wire_bytes
-from fourfold.parallel.zero import ShardedDataParallel
 
 __all__ = ["Engine", "Loss", "LossFn", "bytes_by_axis"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -80,20 +80,22 @@ class Loss:
 class Engine:
     """One rank's share of a model under a layout; built by :func:`fourfold.parallelize`. The loop drives :meth:`step`."""
 
-    def __init__(self, model: nn.Module, ranks: RankMesh, *, pipeline: Pipeline | None, dp: DataParallel | None,
-                 loss_fn: LossFn, layouts: dict[str, Layout], partial_grads: list[nn.Parameter],
-                 tracer: Tracer, timeout_s: float, split_heads: Sequence[ColumnParallelLinear] = (),
-                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False, precision: str = "full",
-                 grad_accum: int = 1, streams: Streams | None = None, takes_ids: bool = False) -> None:
+    def __init__(self, model: nn.Module, ranks: RankMesh, layout: Layout, *, pipeline: Pipeline | None,
+                 dp: DataParallel | None, loss_fn: LossFn, layouts: dict[str, ShardLayout],
+                 partial_grads: list[nn.Parameter], split_heads: Sequence[ColumnParallelLinear] = (),
+                 sum_loss_fn: LossFn | None = None, reads_documents: bool = False, streams: Streams | None = None,
+                 takes_ids: bool = False) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
+        self.layout = layout  # what parallelize applied, its sizes the mesh's
+        tracer, timeout_s = ranks.recorder, ranks.timeout
         self.sum_loss_fn, self.reads_documents = sum_loss_fn, reads_documents  # packed documents
         self.takes_ids = takes_ids  # a model family's (TinyGPT, Hugging Face): forward(ids), one tensor
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
-        self.precision = precision
-        self.grad_accum = grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
-        self.zero = dp.zero if isinstance(dp, ShardedDataParallel) else 0
+        self.precision = layout.precision
+        self.grad_accum = layout.grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
+        self.zero = dp.zero if dp is not None else 0
         self._param_storages = parameter_storages(self.parameters())  # weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
         self._rows_checked = self._tokens_checked = False
@@ -102,6 +104,14 @@ class Engine:
         self.streams = streams  # several ranks: dropout's own streams (fourfold.parallel.rng); one: the caller's
         if streams is not None:
             streams.bind(self._device)
+
+    def manual_seed(self, seed: int) -> Engine:
+        """Seed the dropout streams of a layout of several ranks (:mod:`~fourfold.parallel.rng`) from ``seed``, as
+        ``torch.manual_seed`` seeds one process's generator: every rank calls it alike, before the first step.
+        On one process the engine draws from your own generator, so this changes nothing: seed that."""
+        if self.streams is not None:
+            self.streams.reseed(seed)
+        return self
 
     @property
     def mesh(self) -> Mesh:
@@ -138,7 +148,7 @@ class Engine:
 
     def check_rows(self, inputs: Batch | None, targets: torch.Tensor | None) -> None:
         """Refuse, naming the ranks, a replica whose tp and pp ranks were given other rows than each other
-        (:func:`~fourfold.model_checks.check_same_rows`). :meth:`step` runs it on its first call, a collective
+        (:func:`~fourfold.engine.checks.check_same_rows`). :meth:`step` runs it on its first call, a collective
         over the tp and pp groups; call it first where a step's collectives are counted."""
         if not self._rows_checked:
             check_same_rows(inputs, targets, self.ranks)
@@ -199,8 +209,7 @@ class Engine:
         total = torch.zeros(1, dtype=torch.float64)
         # through the data-parallel wrapper, not syncing: ZeRO gathers what a forward needs, and no more
         forward = self.dp if self.dp is not None else self.model
-        quiet = (self.dp.forward_only() if isinstance(self.dp, ShardedDataParallel) else
-                 self.dp.no_sync() if self.dp is not None else contextlib.nullcontext())
+        quiet = self.dp.forward_only() if self.dp is not None else contextlib.nullcontext()
         with quiet:
             for x, y, d in parts:
                 with document_layout(d), self._compute():
@@ -336,7 +345,7 @@ class Engine:
         parts = self._parts(inputs, targets, documents)
         k = len(parts)
         weights: set[int] | Callable[[], set[int]] = self._param_storages
-        if isinstance(self.dp, ShardedDataParallel) and self.zero == 3:  # gathered afresh per unit
+        if self.dp is not None and self.zero == 3:  # gathered afresh per unit
             dp = self.dp
 
             def moving() -> set[int]:
@@ -346,8 +355,7 @@ class Engine:
 
         total = torch.zeros(1, dtype=torch.float64)
         for i, (x, y, d) in enumerate(parts):
-            quiet = (self.dp.no_sync() if self.dp is not None and i < k - 1 and self.zero < 2  # ZeRO-2/3: synced
-                     else contextlib.nullcontext())
+            quiet = self.dp.microbatch(last=i == k - 1) if self.dp is not None else contextlib.nullcontext()
             key = (tuple((path, tuple(t.shape)) for path, t in leaves(x)), d is not None, torch.is_grad_enabled())
             which = {"microbatch": i} if k > 1 else {}
             with quiet:
@@ -359,8 +367,6 @@ class Engine:
                         loss = loss / k
                 with self.tracer.span("compute", "backward", **which):
                     loss.backward()  # bucket all-reduces start inside the last, as gradients become ready
-            if isinstance(self.dp, ShardedDataParallel) and self.zero >= 2 and i < k - 1:
-                self.dp.finish(stale=False)  # into the shards; the weights are unchanged for the next micro-batch
             total += loss.detach().to(torch.float64).reshape(1).cpu()
             if saved is not None:  # this shape's first step: measured (the same bytes every step after)
                 self._activations[key] = sum(saved.values())
@@ -373,7 +379,7 @@ class Engine:
         """The batch as the ``grad_accum`` equal micro-batches it is cut into (no pipeline), (inputs, targets,
         documents) each; a batch they do not divide is refused."""
         k = self.grad_accum
-        n = rows(inputs)  # a tensor, or a dict / list / tuple of them (fourfold.batch)
+        n = rows(inputs)  # a tensor, or a dict / list / tuple of them (fourfold.engine.batch)
         if n % k:
             raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
                              f"{n} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
@@ -401,8 +407,8 @@ class Engine:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (its stages', its shards; a tied copy included), for the optimiser. Under
         ZeRO: this rank's flat segments of them (:meth:`ShardedDataParallel.shards`)."""
-        if isinstance(self.dp, ShardedDataParallel):
-            return self.dp.shards()
+        if self.dp is not None:
+            return self.dp.optimizer_parameters()
         if self.pipeline is not None:
             return self.pipeline.parameters()
         return list(self.model.parameters())
@@ -422,14 +428,12 @@ class Engine:
     def gathered(self, write: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Under ZeRO, every parameter whole inside the block (a collective over dp); ``write=True``: what is
         written into them becomes this rank's shards on exit (loading). Nothing to do otherwise."""
-        if isinstance(self.dp, ShardedDataParallel):
-            return self.dp.gathered(write)
-        return contextlib.nullcontext()
+        return self.dp.gathered(write) if self.dp is not None else contextlib.nullcontext()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
         """Each of this rank's parameters' optimiser state under the model's names, shaped like the parameter as
         held here (its tensor-parallel piece). Under ZeRO gathered from the dp ranks' segments: a collective."""
-        if isinstance(self.dp, ShardedDataParallel):
+        if self.dp is not None:
             by_id = self.dp.full_state(optimizer)
             return {n: by_id[id(p)] for n, p in self.named_parameters() if id(p) in by_id}
         return {n: dict(optimizer.state[p]) for n, p in self.named_parameters() if p in optimizer.state}
@@ -437,7 +441,7 @@ class Engine:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, states: dict[str, dict[str, Any]]) -> None:
         """The inverse of :meth:`optimizer_state` (under ZeRO each rank keeps its segments' share)."""
         named = [(n, p) for n, p in self.named_parameters() if n in states]
-        if isinstance(self.dp, ShardedDataParallel):
+        if self.dp is not None:
             self.dp.load_state(optimizer, {id(p): states[n] for n, p in named})
         else:
             for n, p in named:
@@ -481,12 +485,12 @@ class Engine:
 
     @functools.cached_property
     def grad_copies(self) -> dict[int, int]:
-        """How many ranks of one replica hold each of this rank's parameters (:func:`fourfold.gradnorm.copies`):
+        """How many ranks of one replica hold each of this rank's parameters (:func:`fourfold.engine.gradnorm.copies`):
         fixed once the model is cut, so found once."""
         return gradnorm.copies(self)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
-        """The whole model's gradient norm, as one process computes it (:mod:`fourfold.gradnorm`): every copy
+        """The whole model's gradient norm, as one process computes it (:mod:`fourfold.engine.gradnorm`): every copy
         of a value counted once, summed over the world. A collective: every rank calls it, after :meth:`step`."""
         return gradnorm.grad_norm(self, norm_type)
 

@@ -17,9 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from fourfold.checkpoint.resume import take_checkpoint_model
 from fourfold.config import MODEL_HELP, SECTIONS, Config
 from fourfold.data.tokenizers import absolute_spec
+from fourfold.run.resume import take_checkpoint_model
 
 if sys.version_info >= (3, 11):
     import tomllib

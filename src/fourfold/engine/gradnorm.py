@@ -16,16 +16,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fourfold.comm.wait import all_reduce
-from fourfold.parallel.zero import ShardedDataParallel
+from fourfold.mesh import Mesh
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.data import DataParallel
 
-if TYPE_CHECKING:
-    from fourfold.engine import Engine
+
+class Engine(Protocol):
+    """What the gradient norm reads of an engine (:class:`fourfold.engine.step.Engine`)."""
+
+    layouts: dict[str, Any]
+    pipeline: Any
+    model: nn.Module
+    dp: DataParallel | None
+    tracer: Tracer
+    timeout_s: float
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def grad_copies(self) -> dict[int, int]: ...
+    def parameters(self) -> list[nn.Parameter]: ...
 
 __all__ = ["clip_grad_norm_", "grad_norm", "pieces"]
 
@@ -56,22 +75,12 @@ def pieces(engine: Engine) -> Iterator[tuple[torch.Tensor, int]]:
     this rank's alone over dp, so only the run's own tp and tied copies count. Otherwise ``p.grad`` of every
     parameter this rank holds, replicated over dp too."""
     held = engine.grad_copies  # copies(engine), found once per engine
-    dp = engine.dp
-    if isinstance(dp, ShardedDataParallel):
-        for b in dp.buckets:
-            grad = b.zero.shard.grad
-            if grad is None:
-                continue
-            lo, hi = b.zero.offset, b.zero.offset + b.zero.length  # this rank's segment of the bucket
-            for p, start in zip(b.params, b.offsets, strict=True):
-                a, z = max(start, lo), min(start + p.numel(), hi, b.numel)
-                if a < z:
-                    yield grad[a - lo:z - lo], held[id(p)]
+    if engine.dp is not None:  # the gradients' owner says what it holds (ZeRO: its segments)
+        yield from engine.dp.grad_pieces(held)
         return
-    replicas = engine.mesh.dp
     for p in engine.parameters():
         if p.grad is not None:
-            yield p.grad, held.get(id(p), 1) * replicas
+            yield p.grad, held.get(id(p), 1)
 
 
 def grad_norm(engine: Engine, norm_type: float = 2.0) -> float:

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.batch import leaves
 from fourfold.comm.wait import gather_objects
+from fourfold.engine.batch import leaves
 from fourfold.mesh import RankMesh
 from fourfold.parallel.pipeline.blocks import EvalMode, output_tensor
 

@@ -1,9 +1,9 @@
 """Fit what one process cannot measure from 2-3 real steps of short runs, so that each run's own step comes out.
 
-    runs = measure_runs(calibration_layouts(4), ...)              # fourfold.observe.runs
-    profile, links, fitted = calibrate(profile, links, 16, runs)  # then fourfold.observe.predict.predict(...)
+    runs = measure_runs(calibration_layouts(4), ...)              # fourfold.plan.runs
+    profile, links, fitted = calibrate(profile, links, 16, runs)  # then fourfold.plan.predict.predict(...)
 
-:mod:`fourfold.observe.predict` is the model; this module sets its figures (``Links``' β, ``tp_call_s``, ``contention``,
+:mod:`fourfold.plan.predict` is the model; this module sets its figures (``Links``' β, ``tp_call_s``, ``contention``,
 ``action_s``, ``send_s``, ``p2p_alpha_s``, ``oversubscribed``, ``wake_s``) from real runs' step times and spans
 (docs/simulator.md).
 """
@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from fourfold.observe.predict import Layout, Links, Measured, ModelProfile, predict
 from fourfold.observe.trace import Span, _overlap
+from fourfold.plan.predict import Candidate, Links, Measured, ModelProfile, predict
 
 __all__ = ["action_overhead", "calibrate", "message_latency"]
 
 
 def calibrate(profile: ModelProfile, links: Links, batch_size: int,
-              runs: Mapping[Layout, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
-    """Fit what one process cannot measure from 2-3 real steps of short runs (:mod:`fourfold.observe.runs`),
+              runs: Mapping[Candidate, Measured]) -> tuple[ModelProfile, Links, dict[str, float]]:
+    """Fit what one process cannot measure from 2-3 real steps of short runs (:mod:`fourfold.plan.runs`),
     each figure so that its run's own step comes out:
 
     * a data-parallel run's wait for its gradient sync (``grad_sync`` in its spans, when traced) is the node

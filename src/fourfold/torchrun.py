@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed import DistError, PrefixStore, Store
@@ -40,11 +41,10 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from fourfold.config import LAB_ENV, LaunchConfig
+from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.launch import loopback_store
-from fourfold.observe.doctor import VERDICT_ENV
 
-__all__ = ["LOOPBACK_BACKEND", "LoopbackRendezvous", "create_loopback", "launch_workers", "report_error",
+__all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "LaunchConfig", "lab_default", "LoopbackRendezvous", "create_loopback", "launch_workers", "report_error",
            "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
@@ -52,6 +52,60 @@ RENDEZVOUS_GRACE_S = 10.0
 """Seconds past --rdzv-timeout machine 0 (the store's host, whose own timeout ends it) is given before the
 rendezvous watch ends it."""
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+LAB_ENV = "FOURFOLD_LAB_"
+"""Inside ``fourfold lab run``, each node's command finds its launch defaults (``FOURFOLD_LAB_NPROC``,
+``_NNODES``, ``_NODE_RANK``, ``_RDZV_ENDPOINT``, ``_LOCAL_ADDR``) here; flags still win."""
+
+
+def lab_default(name: str, default: int) -> int:
+    """``FOURFOLD_LAB_<name>`` as an int (set by ``fourfold lab run`` for each node's command), else ``default``."""
+    return int(os.environ.get(LAB_ENV + name, default))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How many processes, on how many machines (passed to torchrun's launcher)."""
+
+    nproc: int = field(default_factory=lambda: lab_default("NPROC", 1), metadata=_help(
+        "processes to start on this machine (through torchrun)"))
+    nnodes: int = field(default_factory=lambda: lab_default("NNODES", 1), metadata=_help("machines taking part"))
+    node_rank: int = field(default_factory=lambda: lab_default("NODE_RANK", 0), metadata=_help(
+        "this machine's index, 0..nnodes-1"))
+    rdzv_endpoint: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "RDZV_ENDPOINT"),
+                                      metadata=_help("host:port of the rendezvous, required when nnodes > 1"))
+    local_addr: str | None = field(default_factory=lambda: os.environ.get(LAB_ENV + "LOCAL_ADDR"), metadata=_help(
+        "with nnodes > 1: the address the other machines reach this one at (default: what its hostname resolves "
+        "to)"))
+    rdzv_timeout: int = field(default=300, metadata=_help(
+        "with nnodes > 1: seconds to wait for the other machines to join before giving up"))
+    max_restarts: int = field(default=0, metadata=_help(
+        "restart every rank this many times when one fails; a restarted run resumes from OUT's newest "
+        "checkpoint (see --checkpoint-every)"))
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got max_restarts={self.max_restarts}.")
+        if self.rdzv_timeout < 1:
+            raise ValueError(f"rdzv_timeout must be >= 1 second, got rdzv_timeout={self.rdzv_timeout}.")
+        if self.nproc < 1 or self.nnodes < 1:
+            raise ValueError(f"nproc and nnodes must be >= 1, got nproc={self.nproc}, nnodes={self.nnodes}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, "
+                             f"nnodes={self.nnodes}.")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"rdzv_endpoint must be given when nnodes > 1, got nnodes={self.nnodes} and no "
+                             "endpoint. Pass --rdzv-endpoint HOST:PORT (the same on every machine).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
 
 
 class LoopbackRendezvous(RendezvousHandler):

@@ -15,29 +15,28 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from fourfold.checkpoint.resume import (
-    changed_settings,
-    check_resume,
-    continues_run,
-    restart_count,
-    resume_from,
-)
 from fourfold.config import Config
 from fourfold.data import is_token_file, read_texts, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, set_aside, written_by_a_run
 from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
 from fourfold.models import dropout_sites, family_of, tensor_plan
-from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab
+from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab, meta_model
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.models.hf import FAMILIES
 from fourfold.parallel.pipeline.blocks import block_paths
 from fourfold.parallel.pipeline.split import named_blocks
 from fourfold.parallel.schedule import pipeline_schedule
 from fourfold.parallel.tensor.plan import expand_plan
+from fourfold.run.resume import (
+    changed_settings,
+    check_resume,
+    continues_run,
+    restart_count,
+    resume_from,
+)
 
 __all__ = ["DATA_FLAGS", "PIPELINE_FLAGS", "before_launch_notes", "check_data_vocab", "preflight", "unused_flags"]
 
@@ -47,13 +46,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     read a token file once through for its largest id (the launcher does; its ranks need not)."""
     t = cfg.train
     resolve_device(t.device)  # --device cuda on a machine without CUDA: refused first, not by every rank
-    mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
+    mesh = t.layout.mesh(world_size)  # the layout's own rules were checked as it was made
     stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
-    if mesh.pp == 1 and t.strategy == "model":
-        raise ValueError("strategy 'model' places layers on pipeline ranks, got pp=1. Pass --pp 2 (or more).")
-    if t.sequence_parallel and mesh.tp == 1:
-        raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
-                         "--sequence-parallel.")
     if t.model == "tinygpt":
         check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
     elif t.sequence_parallel and cfg.model.seq_len % mesh.tp:
@@ -151,16 +145,6 @@ def check_text_data(cfg: Config) -> None:
     if sum(p.stat().st_size for p in files) > TEXT_CHECKED_BYTES:
         return
     read_texts(t.data, t.text_key)  # refuses what the ranks' read would: no text, a keyless line, not UTF-8
-
-
-def meta_model(cfg: Config) -> nn.Module | None:
-    """The run's model built on the meta device (shapes, no memory, no weights) for the checks before launch;
-    None for a model of your own that cannot be built there. :func:`preflight` builds it once for them all."""
-    try:
-        with torch.device("meta"):
-            return build_model(cfg, "meta")
-    except Exception:
-        return None
 
 
 def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
@@ -299,7 +283,7 @@ def _default_size_note(cfg: Config) -> None:
 def _memory_line(cfg: Config, world_size: int) -> None:
     """Before launch: each rank's memory, estimated; a layout that would not fit is refused (ValueError)."""
     if cfg.train.memory_check:
-        from fourfold.observe.fits import check_memory
+        from fourfold.run.fits import check_memory
 
         print(f"fourfold train: {check_memory(cfg, world_size)}", flush=True)
 

@@ -1,10 +1,10 @@
 """Short real runs of ``fourfold train`` for the simulator to fit on and be checked against.
 
-    from fourfold.observe.runs import best_runs, calibration_layouts
+    from fourfold.plan.runs import best_runs, calibration_layouts
 
     runs = {L: m for L, (m, _) in best_runs(calibration_layouts(microbatches=4), repeats=2, steps=8,
                                            train_flags=["--batch-size", "16"]).items()}
-    profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.observe.calibrate
+    profile, links, fitted = calibrate(profile, links, 16, runs)       # fourfold.plan.calibrate
 
 Each run is ``fourfold train`` in a subprocess with the user's model and batch flags, then the layout's own
 flags (which win), for a few steps without checkpoints: its median step after the first, that step's spans on
@@ -24,18 +24,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fourfold.files import drawn_row
-from fourfold.observe.costs import UnitCosts, fastest
-from fourfold.observe.predict import Layout, Links, Measured
 from fourfold.observe.trace import load_jsonl
+from fourfold.plan.costs import UnitCosts, fastest
+from fourfold.plan.predict import Candidate, Links, Measured
 
 __all__ = ["LabShape", "best_runs", "best_runs_and_units", "calibration_layouts", "cpu_times", "measure_run", "stolen"]
 
 
-def calibration_layouts(microbatches: int) -> tuple[Layout, ...]:
-    """The runs :func:`~fourfold.observe.calibrate.calibrate` fits on: data-, tensor- and pipeline-parallel at 2
+def calibration_layouts(microbatches: int) -> tuple[Candidate, ...]:
+    """The runs :func:`~fourfold.plan.calibrate.calibrate` fits on: data-, tensor- and pipeline-parallel at 2
     ranks, and with more ranks than a 2-core machine's cores, data-parallel and pipelined."""
-    return (Layout(dp=2), Layout(tp=2), Layout(pp=2, schedule="1f1b", microbatches=microbatches), Layout(dp=4),
-            Layout(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
+    return (Candidate(dp=2), Candidate(tp=2), Candidate(pp=2, schedule="1f1b", microbatches=microbatches), Candidate(dp=4),
+            Candidate(dp=2, pp=2, schedule="1f1b", microbatches=microbatches))
 
 
 def cpu_times() -> list[int] | None:
@@ -84,7 +84,7 @@ class LabShape:
                                 f"--gpus-per-node {g} --link {link} -- fourfold bench allreduce --nproc {g})")
         return replace(here, network=network, ranks_per_node=g)
 
-    def command(self, layout: Layout) -> list[str]:
+    def command(self, layout: Candidate) -> list[str]:
         """``fourfold lab run ... -- fourfold train`` for ``layout`` (whose ranks must fill whole nodes)."""
         if layout.world_size % self.ranks_per_node:
             raise ValueError(f"a lab of {self.ranks_per_node} ranks per node cannot run {layout} "
@@ -93,7 +93,7 @@ class LabShape:
                 str(self.ranks_per_node), "--link", self.link, "--tcp", self.tcp, "--", "fourfold", "train"]
 
 
-def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout: float,
+def measure_run(layout: Candidate, steps: int, train_flags: Sequence[str], timeout: float,
                 lab: LabShape | None = None) -> Measured:
     """Run ``fourfold train TRAIN_FLAGS`` with ``layout`` for ``steps`` steps (in ``lab`` when given): its
     typical step (:func:`~fourfold.files.drawn_row`: neither the first nor the last), that step's spans on every
@@ -121,12 +121,12 @@ def measure_run(layout: Layout, steps: int, train_flags: Sequence[str], timeout:
     return Measured(typical["step_time_s"], spans, stolen(cpu, cpu_times()))
 
 
-def best_runs_and_units(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
+def best_runs_and_units(layouts: Sequence[Candidate], repeats: int, steps: int, train_flags: Sequence[str],
                         time_units: Callable[[], UnitCosts], samples: float, timeout: float = 120.0, *,
-                        timed: Sequence[UnitCosts] = (), progress: Callable[[Layout, Measured], None] | None = None,
-                        lab: LabShape | None = None) -> tuple[dict[Layout, tuple[Measured, float]], UnitCosts]:
+                        timed: Sequence[UnitCosts] = (), progress: Callable[[Candidate, Measured], None] | None = None,
+                        lab: LabShape | None = None) -> tuple[dict[Candidate, tuple[Measured, float]], UnitCosts]:
     """:func:`best_runs`, with the units timed in this process (``time_units()``) before each round of runs, and
-    the fastest timing at ``samples`` (:func:`~fourfold.observe.costs.fastest`): it sits beside the fastest runs.
+    the fastest timing at ``samples`` (:func:`~fourfold.plan.costs.fastest`): it sits beside the fastest runs.
     ``timed``: timings already taken, which stand for the first round's."""
     timings = list(timed)
 
@@ -139,16 +139,16 @@ def best_runs_and_units(layouts: Sequence[Layout], repeats: int, steps: int, tra
     return best, fastest(timings, samples)
 
 
-def best_runs(layouts: Sequence[Layout], repeats: int, steps: int, train_flags: Sequence[str],
-              timeout: float = 120.0, *, progress: Callable[[Layout, Measured], None] | None = None,
+def best_runs(layouts: Sequence[Candidate], repeats: int, steps: int, train_flags: Sequence[str],
+              timeout: float = 120.0, *, progress: Callable[[Candidate, Measured], None] | None = None,
               lab: LabShape | None = None,
-              before_round: Callable[[int], None] | None = None) -> dict[Layout, tuple[Measured, float]]:
+              before_round: Callable[[int], None] | None = None) -> dict[Candidate, tuple[Measured, float]]:
     """Each layout's fastest of ``repeats`` runs (a shared machine's noise only ever adds time), and its slowest
     over it. The runs rotate, every layout once and then again in reverse order, so a machine whose speed
     drifts over minutes (this VM's did by 20 %) weighs on the calibration runs and on the runs checked against
     them alike. ``progress(layout, run)`` is called after each run; ``before_round(k)`` before each round (the
     units are timed there: :func:`best_runs_and_units`); ``lab``: every run in such a lab."""
-    runs: dict[Layout, list[Measured]] = {L: [] for L in layouts}
+    runs: dict[Candidate, list[Measured]] = {L: [] for L in layouts}
     for k in range(repeats):
         if before_round is not None:
             before_round(k)
