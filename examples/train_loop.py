@@ -19,7 +19,7 @@ import argparse
 import torch
 from my_model import build
 
-from fourfold import Mesh, launch, parallelize
+from fourfold import Layout, launch, parallelize
 from fourfold.data import BatchLoader, load_corpus
 from fourfold.run.optim import learning_rate
 
@@ -32,14 +32,15 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write the unsharded weights here (rank 0)")
     args = parser.parse_args()
     with launch.init() as ctx:  # torchrun's environment, or one process
-        ranks = Mesh.for_world(ctx.world_size, tp=args.tp, pp=args.pp).build()
+        layout = Layout(tp=args.tp, pp=args.pp, microbatches=2)  # every parallel setting; dp: the ranks left
+        ranks = layout.mesh(ctx.world_size).build()
         loader = BatchLoader(load_corpus(max_bytes=2**20), batch_size=16, seq_len=32, seed=0,
                              dp_rank=ranks.coord.dp, dp_size=ranks.mesh.dp, eval_batches=1)  # 1 batch held out
         torch.manual_seed(0)  # the same model on every rank: tp and pp keep each rank's part of its own
         model = build(width=32, layers=4, seq_len=32)
         first, _ = loader.shard(0)
-        engine = parallelize(model, ranks, tp_plan=model.fourfold_tp_plan, split=model.fourfold_split,
-                             example=first[:1], microbatches=2)  # a pipeline's split is checked on the example
+        engine = parallelize(model, ranks, layout, plan=model.fourfold_tp_plan, split=model.fourfold_split,
+                             example=first[:1])  # a pipeline's split is checked on the example
         opt = torch.optim.AdamW(engine.parameters(), lr=3e-3)
         for step in range(1, args.steps + 1):
             x, y = loader.shard(step - 1)  # this rank's rows of the global batch

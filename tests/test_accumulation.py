@@ -15,19 +15,20 @@ import sys
 
 import pytest
 
+from fourfold import Layout
 from fourfold.config import Config, TrainConfig
 from fourfold.run.preflight import preflight
 
 
 def test_grad_accum_with_a_pipeline_is_refused_naming_microbatches():
     with pytest.raises(ValueError, match="Pass --microbatches 8 instead of --grad-accum"):
-        TrainConfig(pp=2, grad_accum=2, microbatches=4)
+        Layout(pp=2, grad_accum=2, microbatches=4)
     with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
-        TrainConfig(grad_accum=0)
+        Layout(grad_accum=0)
 
 
 def test_a_shard_that_does_not_cut_into_the_micro_batches_is_refused_before_launch(tmp_path):
-    cfg = Config(train=TrainConfig(batch_size=6, grad_accum=4, out=str(tmp_path / "run")))
+    cfg = Config(train=TrainConfig(batch_size=6, out=str(tmp_path / "run")), parallel=Layout(grad_accum=4))
     with pytest.raises(ValueError, match=r"3 sequences per shard .*Pass --batch-size 8 or --grad-accum 3"):
         preflight(cfg, 2)
 
@@ -69,7 +70,7 @@ def test_accumulation_through_train_verifies_against_the_whole_batch_on_one_proc
     assert proc.returncode == 0, output
     assert "verify: OK, every difference within tolerance" in output and "tolerance 1e-10" in output, output
     run = json.loads((out / "run.json").read_text())
-    assert run["config"]["train"]["grad_accum"] == 2
+    assert run["config"]["parallel"]["grad_accum"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["grad_norm"] > 0.5 for r in rows), [r["grad_norm"] for r in rows]  # clipped: verified too
     spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]

@@ -20,10 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.comm import Communicator, ring
 from fourfold.comm.compress import BLOCK, Int8, PowerSGD, _dequantize, _layout, _quantize, make_compressor
-from fourfold.config import TrainConfig
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.testing import run_ranks
 from helpers import train_corpus
@@ -192,11 +191,11 @@ def test_compress_refusals_name_the_fix():
     with pytest.raises(ValueError, match="rank >= 1"):
         PowerSGD(rank=0)
     with pytest.raises(ValueError, match="ZeRO"):
-        TrainConfig(compress="int8", zero=2, allreduce="ring")
+        Layout(compress="int8", zero=2, allreduce="ring")
     with pytest.raises(ValueError, match="Leave --reduce-dtype auto"):
-        TrainConfig(compress="int8", reduce_dtype="bfloat16")
+        Layout(compress="int8", reduce_dtype="bfloat16")
     with pytest.raises(ValueError, match="powersgd_rank"):
-        TrainConfig(compress="powersgd", powersgd_rank=0)
+        Layout(compress="powersgd", powersgd_rank=0)
     with pytest.raises(ValueError, match="ZeRO"):
         parallelize(TinyGPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=1, d_model=8)), None,
                     compress="int8", zero=1, allreduce="ring")
@@ -222,4 +221,4 @@ def test_train_compresses_a_pipelines_gradients_and_verify_judges_them(tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dp = [r["bytes_by_axis"]["dp"] for r in rows]
     assert dp[1] < dp[0] / 3, dp  # step 1 exact (warm-up), then factors: far fewer bytes
-    assert json.loads((out / "run.json").read_text())["config"]["train"]["compress"] == "powersgd"
+    assert json.loads((out / "run.json").read_text())["config"]["parallel"]["compress"] == "powersgd"

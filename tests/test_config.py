@@ -71,7 +71,7 @@ def test_multi_node_needs_an_endpoint(capsys):
 
 def test_every_section_round_trips_through_a_dict():
     d = Config().to_dict()
-    assert set(d) == {"model", "train", "launch"}
+    assert set(d) == {"model", "train", "parallel", "launch"}
     assert d["train"]["steps"] == Config().train.steps
 
 
@@ -83,8 +83,8 @@ def test_every_section_round_trips_through_a_dict():
     ("[train]\nout = 5", "out must be text, got 5 (int) in"),
     ("[train]\nlr = inf", "lr must be a finite number, got inf in"),
     ('[train]\nout = ""', "out must name a directory, got an empty string"),
-    ("steps = 3\n[train]\nlr = 1e-3", "steps = 3 in {f} is outside any table; every key sits under [model], [train] "
-     "or [launch]. Put it under [train]."),
+    ("steps = 3\n[train]\nlr = 1e-3", "steps = 3 in {f} is outside any table; every key sits under [model], [train], "
+     "[parallel] or [launch]. Put it under [train]."),
     ("[train\nsteps = 3", "config {f} is not valid TOML: Expected ']' at the end of a table declaration"),
     ("[train]\nsteps = -1", "--config {f} (or a flag): steps must be >= 1, got steps=-1."),
 ])
@@ -149,3 +149,38 @@ def test_torchrun_never_reads_the_commands_flags():
     args = torchrun.parse_args(torchrun_args("fourfold.train", flags, LaunchConfig(nproc=2)))
     assert args.module and args.training_script == "fourfold.train"
     assert args.training_script_args == flags and args.nproc_per_node == "2"
+
+
+FLAGS = ["--nproc", "4", "--tp", "2", "--zero", "1", "--allreduce", "ring", "--boundaries", "1,blocks.2",
+         "--lr", "1e-05", "--max-grad-norm", "0.5", "--steps", "7"]
+
+
+def test_print_config_reads_back_to_the_same_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args([*FLAGS, "--print-config"])
+    assert e.value.code == 0
+    f = tmp_path / "run.toml"
+    f.write_text(capsys.readouterr().out)
+    assert parse_args(["--config", str(f)]) == parse_args(FLAGS)
+    assert parse_args(["--config", str(f)]).record() == parse_args(FLAGS).record()  # run.json's config
+
+
+def test_a_parallel_table_and_the_same_flags_give_the_same_run(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[parallel]\ntp = 2\nzero = 1\nallreduce = "ring"\nboundaries = [1, "blocks.2"]\n'
+                 "[launch]\nnproc = 4\n")
+    flags = ["--nproc", "4", "--tp", "2", "--zero", "1", "--allreduce", "ring", "--boundaries", "1,blocks.2"]
+    assert parse_args(["--config", str(f)]).record() == parse_args(flags).record()
+
+
+def test_a_file_from_before_the_parallel_table_loads_with_one_note(tmp_path, capsys):
+    f = tmp_path / "old.toml"
+    f.write_text('[train]\nsteps = 3\ntp = 2\nzero = 1\nallreduce = "ring"\n[launch]\nnproc = 2\n')
+    cfg = parse_args(["--config", str(f)])
+    assert (cfg.parallel.tp, cfg.parallel.zero, cfg.parallel.allreduce, cfg.train.steps) == (2, 1, "ring", 3)
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "tp, zero, allreduce in [train]" in err and "[parallel]" in err, err
+    f.write_text("[train]\ntp = 2\n[parallel]\ntp = 4\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f)])
+    assert "tp is set twice" in capsys.readouterr().err

@@ -296,7 +296,7 @@ def test_bad_layouts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"find_unused_parameters works with plain data parallelism, got zero=1"):
         parallelize(TinyGPT(CFG, seed=0), Mesh(), zero=1, find_unused_parameters=True)
     from fourfold.run.args import parse_args
-    assert parse_args(["--nproc", "2", "--find-unused-parameters"]).train.layout.find_unused_parameters
+    assert parse_args(["--nproc", "2", "--find-unused-parameters"]).parallel.find_unused_parameters
     with pytest.raises(SystemExit):  # before launch, from the flags (or TOML) alike
         parse_args(["--nproc", "4", "--pp", "2", "--find-unused-parameters"])
     from fourfold.models import tensor_plan

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from fourfold import parallelize
-from fourfold.config import TrainConfig
+from fourfold import Layout, parallelize
+from fourfold.config import Config, TrainConfig
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.run.optim import NonFiniteLoss, lr_at, update
 from helpers import batches, optimizer
@@ -149,11 +149,11 @@ def test_the_schedule_function_refuses_what_it_does_not_know():
 def test_bf16_reduced_gradients_are_judged_as_compressed_by_verify():
     from fourfold.run.verify import judged_as
 
-    assert judged_as(TrainConfig(reduce_dtype="bfloat16")) == judged_as(TrainConfig(compress="bf16")) == (
-        "compressed", "bf16")
-    assert judged_as(TrainConfig(dtype="float64")) == ("float64", None)
-    assert judged_as(TrainConfig(precision="bf16")) == ("bf16", None)
+    assert judged_as(Config(parallel=Layout(reduce_dtype="bfloat16"))) == judged_as(
+        Config(parallel=Layout(compress="bf16"))) == ("compressed", "bf16")
+    assert judged_as(Config(train=TrainConfig(dtype="float64"))) == ("float64", None)
+    assert judged_as(Config(parallel=Layout(precision="bf16"))) == ("bf16", None)
     # Gemma's norms compute in float32 whatever the dtype: a float64 Gemma is judged by float32's rounding
     # (a dp2 run's norm weights measured 3.6e-10 off one process, 1e-10 being float64's bound)
-    assert judged_as(TrainConfig(model="gemma", dtype="float64")) == ("float32", None)
-    assert judged_as(TrainConfig(model="llama", dtype="float64")) == ("float64", None)
+    assert judged_as(Config(train=TrainConfig(model="gemma", dtype="float64"))) == ("float32", None)
+    assert judged_as(Config(train=TrainConfig(model="llama", dtype="float64"))) == ("float64", None)

@@ -337,7 +337,7 @@ def test_plan_accumulates_where_a_layout_fits_only_so(capsys):
     assert accumulated and all(r[3] == "pp1" for r in accumulated), out  # a pipeline's micro-batches do that job
     cfg = parse_args(_command(out))
     first_k = next((int(c[5:]) for c in rows[0][4:6] if c.startswith("accum")), 1)
-    assert cfg.train.grad_accum == first_k and cfg.launch.world_size == 2
+    assert cfg.parallel.grad_accum == first_k and cfg.launch.world_size == 2
     assert main(["--gpus", "2", "--gpu-mem", "80GB", *flags[4:]]) == 0  # it all fits: nothing accumulated
     assert " accum" not in capsys.readouterr().out
     assert main([*flags, "--grad-accum", "2"]) == 2
@@ -560,7 +560,7 @@ def test_plan_prints_a_command_that_runs_the_model_and_batch_planned(capsys):
     flags = _command(out)
     cfg = parse_args(flags)
     first = next(line for line in out.splitlines() if line.strip().startswith("1 ")).split()
-    assert (f"dp{cfg.train.dp}", f"tp{cfg.train.tp}", f"pp{cfg.train.pp}") == tuple(first[1:4])
+    assert (f"dp{cfg.parallel.dp}", f"tp{cfg.parallel.tp}", f"pp{cfg.parallel.pp}") == tuple(first[1:4])
     assert cfg.launch.nnodes * cfg.launch.nproc == 16 and cfg.launch.nproc == 4
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.seq_len, cfg.train.batch_size,
             cfg.train.lr) == (2, 64, 2, 32, 8, 0.01)

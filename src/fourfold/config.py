@@ -12,10 +12,15 @@ A TOML file has one table per section::
     steps = 50
     batch_size = 16
 
-    [launch]
-    nproc = 2
+    [parallel]          # the Layout (fourfold.engine.layout): every parallel setting and its rules
+    tp = 2
+    zero = 1
+    allreduce = "ring"
 
-Every field is also a flag spelled with dashes (``--n-layer``, ``--batch-size``, ``--nproc``); the same name
+    [launch]
+    nproc = 4
+
+``fourfold train --print-config`` prints a run's whole configuration in this form. Every field is also a flag spelled with dashes (``--n-layer``, ``--batch-size``, ``--nproc``); the same name
 is used in the file, the flag, the docs and ``metrics.jsonl``. An unknown key or flag is refused with the
 nearest valid name.
 """
@@ -24,33 +29,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fourfold.engine.layout import Layout, ReduceDtype
+from fourfold.engine.layout import Layout
 from fourfold.launch import DEFAULT_HANG_S, DEFAULT_TIMEOUT_S
 from fourfold.models.gpt import GPTConfig
 from fourfold.models.hf import read_model_config
 from fourfold.torchrun import LaunchConfig
 
-__all__ = ["MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig"]
+__all__ = ["MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig", "to_toml"]
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
-def _layout_field(name: str) -> Any:
-    """A parallel setting: its default and help are the :class:`~fourfold.engine.layout.Layout`'s."""
-    f = Layout.__dataclass_fields__[name]
-    return field(default=f.default, metadata=f.metadata)
-
-
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train: steps, global batch, optimiser, layout, outputs."""
+    """How to train: the model, steps, global batch, data, optimiser, checkpoints, outputs."""
 
     model: str = field(default="tinygpt", metadata=_help(
         "what to train: tinygpt (sized by the [model] flags), gpt2, llama, mistral, qwen2, qwen3, gemma, "
@@ -82,31 +82,12 @@ class TrainConfig:
         "clip the gradients before each step so their global norm (the whole model's, as one process computes "
         "it, under any layout) is at most this; metrics.jsonl records grad_norm, and a non-finite norm stops "
         "the run before the step (0: off)"))
-    dp: int | None = _layout_field("dp")
-    tp: int = _layout_field("tp")
-    pp: int = _layout_field("pp")
-    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "zb"] = _layout_field("schedule")
-    microbatches: int = _layout_field("microbatches")
-    virtual: int = _layout_field("virtual")
-    grad_accum: int = _layout_field("grad_accum")
-    strategy: Literal["pipeline", "model"] = _layout_field("strategy")
-    sequence_parallel: bool = _layout_field("sequence_parallel")
-    allreduce: Literal["native", "naive", "master", "ring", "tree", "rabenseifner", "hierarchical", "auto"] = _layout_field("allreduce")
-    precision: Literal["full", "bf16"] = _layout_field("precision")
-    reduce_dtype: ReduceDtype = _layout_field("reduce_dtype")
-    compress: Literal["none", "bf16", "int8", "powersgd"] = _layout_field("compress")
-    powersgd_rank: int = _layout_field("powersgd_rank")
-    powersgd_warmup: int = _layout_field("powersgd_warmup")
     memory_check: bool = field(default=True, metadata=_help(
         "before launch, estimate each rank's memory (parameters, gradients, optimiser state, activations) and "
         "refuse a layout that would not fit, naming the largest term and the cheapest change that fits"))
     memory_limit: str | None = field(default=None, metadata=_help(
         "memory per rank to plan against, e.g. 80GB (default: the GPU's, or the machine's available memory "
         "shared by its ranks)"))
-    zero: int = _layout_field("zero")
-    bucket_mb: float = _layout_field("bucket_mb")
-    sync_batchnorm: bool = _layout_field("sync_batchnorm")
-    find_unused_parameters: bool = _layout_field("find_unused_parameters")
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "where to train: cuda:<local rank> with NCCL when available (auto), else cpu with gloo"))
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_help(
@@ -126,7 +107,6 @@ class TrainConfig:
         "out with --init-from a directory holding a tokenizer.json: that one"))
     data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
         "the integer type of a .bin file's token ids (a .npy says its own)"))
-    activation_checkpointing: str = _layout_field("activation_checkpointing")
     pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
         "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
         "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
@@ -163,7 +143,6 @@ class TrainConfig:
         "(docs: README); a mismatch exits with status 1 (0: off)"))
 
     def __post_init__(self) -> None:
-        self.layout  # noqa: B018 - the parallel settings' rules are the Layout's, checked as it is made
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
@@ -185,12 +164,6 @@ class TrainConfig:
                              "--pack bfd (or pad, first-fit), or drop them.")
         if self.tokens_per_step is not None and self.tokens_per_step < 1:
             raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
-        if self.precision == "bf16" and self.dtype != "float32":
-            raise ValueError(f"precision bf16 keeps float32 master weights, got dtype={self.dtype}. Pass --dtype "
-                             "float32 with --precision bf16.")
-        if self.reduce_dtype == "float32" and self.dtype == "float64":
-            raise ValueError("reduce_dtype float32 would round float64 gradients, got dtype=float64. Leave "
-                             "--reduce-dtype auto (or pass bfloat16 deliberately).")
         if self.memory_limit is not None:
             from fourfold.units import parse_bytes
 
@@ -241,11 +214,6 @@ class TrainConfig:
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 
-    @functools.cached_property
-    def layout(self) -> Layout:
-        """The run's parallel settings as one :class:`~fourfold.engine.layout.Layout` (what parallelize takes)."""
-        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
-
     def _check_init_from(self, families: tuple[str, ...]) -> None:
         """A Hugging Face directory sizes the model itself: its ``model_type`` must be ``model``, with no
         ``model_config`` beside it; a file must exist (its names and shapes are checked before launch)."""
@@ -286,9 +254,17 @@ class Config:
 
     model: GPTConfig = field(default_factory=GPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: Layout = field(default_factory=Layout)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
+        t, p = self.train, self.parallel  # the rules across sections; each section checked its own
+        if p.precision == "bf16" and t.dtype != "float32":
+            raise ValueError(f"precision bf16 keeps float32 master weights, got dtype={t.dtype}. Pass --dtype "
+                             "float32 with --precision bf16.")
+        if p.reduce_dtype == "float32" and t.dtype == "float64":
+            raise ValueError("reduce_dtype float32 would round float64 gradients, got dtype=float64. Leave "
+                             "--reduce-dtype auto (or pass bfloat16 deliberately).")
         if self.train.model == "tinygpt":
             return
         default = GPTConfig()
@@ -336,13 +312,32 @@ class Config:
         return record
 
 
-LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name in Layout.__dataclass_fields__)
-"""The [train] fields that are the run's :class:`~fourfold.engine.layout.Layout`."""
-
-
 TINYGPT_ONLY = ("vocab_size", "n_layer", "n_head", "d_model", "dropout", "tie_weights", "bias")
 """The [model] fields only TinyGPT reads (seq_len is every model's: the data's). Another model's vocabulary is
 its config's, checked against the data's before launch."""
+
+
+def to_toml(cfg: Config) -> str:
+    """``cfg`` as a TOML file that ``--config`` reads back to the same configuration: one table per section, every
+    field (a value left None is left out: its default)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]

@@ -210,7 +210,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
               file=sys.stderr, flush=True)
     count = num_parameters(model)
     example = None if t.model == "tinygpt" else loader.batch(0).inputs[:1].to(ctx.device)  # the split's check
-    engine = parallelize(model, ranks, t.layout, example=example).manual_seed(t.seed)
+    engine = parallelize(model, ranks, cfg.parallel, example=example).manual_seed(t.seed)
     if filling is not None:
         with filling as weights:
             engine.load_state_dict(weights)

@@ -223,8 +223,8 @@ def _build(name: str, w: Workload, device_mesh: Any, ranks: Any, lr: float, time
         tracer = Tracer(ranks.rank)
         tp_plan = None if plan == "full" else {f"{n}.{layer}": style for n in mlps
                                                 for layer, style in (("fc", "column"), ("proj", "row"))}
-        engine = parallelize(model, ranks.using(tracer=tracer, timeout_s=timeout_s), Layout(), plan=tp_plan,
-                             loss_fn=w.loss)
+        engine = parallelize(model, ranks.using(tracer=tracer, timeout_s=timeout_s), Layout(tp=ranks.mesh.tp),
+                             plan=tp_plan, loss_fn=w.loss)
         return _Variant(name, plan, engine.model, engine.step, torch.optim.SGD(engine.parameters(), lr=lr),
                         engine.layouts, tracer, engine)
     layouts: dict[str, Any] = {}

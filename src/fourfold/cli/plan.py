@@ -118,10 +118,11 @@ def _ranking(argv: list[str]) -> int:
         cfg = parse_args(rest)
         world = ns.gpus if paper else cfg.launch.world_size
         t = cfg.train
-        if t.grad_accum > 1:
+        p = cfg.parallel
+        if p.grad_accum > 1:
             raise ValueError(f"the ranking chooses gradient accumulation itself (the fewest micro-batches that fit, "
                              f"for a layout without a pipeline that does not fit without it), got --grad-accum "
-                             f"{t.grad_accum}. Drop it; fourfold plan --memory --grad-accum {t.grad_accum} ... shows "
+                             f"{p.grad_accum}. Drop it; fourfold plan --memory --grad-accum {p.grad_accum} ... shows "
                              "what it saves on one layout.")
         if paper:
             def link(text: str) -> CostModel:
@@ -173,7 +174,7 @@ def _ranking(argv: list[str]) -> int:
                                         why, runs_some))
         # sequence parallelism: where asked for, on every layout with tp; else tried where one does not fit
         splits_sequence = family is not None and family.splits_sequence
-        if t.sequence_parallel:
+        if p.sequence_parallel:
             candidates = [replace(c, sequence_parallel=c.tp > 1 and cfg.model.seq_len % c.tp == 0)
                           for c in candidates]
         seq = cfg.model.seq_len
@@ -407,13 +408,14 @@ def _main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     t = cfg.train
+    p = cfg.parallel
     available, where = per_rank_budget(cfg, world)
     layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
-        " model parallelism" if options["pp"] > 1 and t.strategy == "model" else
-        f" {t.schedule} x{options['microbatches']}" if options["pp"] > 1 else
+        " model parallelism" if options["pp"] > 1 and p.strategy == "model" else
+        f" {p.schedule} x{options['microbatches']}" if options["pp"] > 1 else
         f" grad-accum {options['microbatches']}" if options["microbatches"] > 1 else "") + (
         f" zero={options['zero']}" if options["zero"] else "") + (
-        f" checkpointing={t.activation_checkpointing}" if options["checkpoint_every"] else "") + (
+        f" checkpointing={p.activation_checkpointing}" if options["checkpoint_every"] else "") + (
         " sequence-parallel" if options["sequence_parallel"] else "")
     print(f"memory per rank, {t.model} on {world} rank(s), {layout}, batch {t.batch_size} x {cfg.model.seq_len}, "
           f"{t.dtype}:")

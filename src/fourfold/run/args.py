@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from fourfold.config import MODEL_HELP, SECTIONS, Config
+from fourfold.config import MODEL_HELP, SECTIONS, Config, to_toml
 from fourfold.data.tokenizers import absolute_spec
 from fourfold.run.resume import take_checkpoint_model
 
@@ -45,12 +45,13 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
                          "path.") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path} is not valid TOML: {e}.") from None
+    _moved_to_parallel(data, path)
     for section, values in data.items():
         if not isinstance(values, dict):  # a key above every table
             home = _SECTION_OF.get(section)
             hint = f" Put it under [{home}]." if home else _nearest(section, _SECTION_OF)
-            raise ValueError(f"{section} = {values!r} in {path} is outside any table; every key sits under [model], "
-                             f"[train] or [launch].{hint}")
+            raise ValueError(f"{section} = {values!r} in {path} is outside any table; every key sits under "
+                             f"{', '.join(f'[{s}]' for s in list(SECTIONS)[:-1])} or [{list(SECTIONS)[-1]}].{hint}")
         if section not in SECTIONS:
             raise ValueError(f"unknown section [{section}] in {path}.{_nearest(section, SECTIONS)}")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
@@ -62,13 +63,38 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
     return data
 
 
+def _moved_to_parallel(data: dict[str, Any], path: str | Path) -> None:
+    """A file written before the [parallel] table (its settings under [train]) still loads: they are moved
+    there, with one note naming the table."""
+    train, parallel = data.get("train"), data.get("parallel", {})
+    if not isinstance(train, dict) or not isinstance(parallel, dict):
+        return
+    moved = [k for k in train if k in _PARALLEL and k not in _TRAIN]
+    if not moved:
+        return
+    for key in moved:
+        if key in parallel:
+            raise ValueError(f"{key} is set twice in {path}, under [train] and [parallel]. Keep the one under "
+                             "[parallel].")
+        parallel[key] = train.pop(key)
+    data["parallel"] = parallel
+    print(f"fourfold: note: {', '.join(moved)} in [train] of {path} belong under [parallel] now; read from there "
+          "(move them to silence this note).", file=sys.stderr)
+
+
+_PARALLEL = {f.name for f in dataclasses.fields(SECTIONS["parallel"])}
+_TRAIN = {f.name for f in dataclasses.fields(SECTIONS["train"])}
+
 _SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 """Every key's table, for a key placed outside it."""
 
 
 def _flag_type(tp: Any) -> tuple[Any, list[str] | None]:
-    """(converter, choices) for a field type: int, float, str, bool, Literal[...], X | None."""
+    """(converter, choices) for a field type: int, float, str, bool, Literal[...], X | None, a tuple (comma
+    separated: ``--boundaries 1,3``)."""
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple:
+        return (lambda s: tuple(int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in s.split(","))), None
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)][0]
         conv, choices = _flag_type(inner)
@@ -176,6 +202,11 @@ def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) 
         if value is None:
             return None
         return check_value(name, value, next(a for a in args if a is not type(None)), file)
+    if typing.get_origin(tp) is tuple:  # a TOML list, or a flag's tuple: of ints and texts
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, str)) and not isinstance(v, bool)
+                                                           for v in value):
+            raise ValueError(f"{name} must be a list of block indices or names, got {value!r}{where}.")
+        return tuple(value)
     if typing.get_origin(tp) is Literal:
         if value not in args:
             raise ValueError(f"{name} must be one of {', '.join(map(str, args))}, got {value!r}{where}.")
@@ -248,11 +279,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> C
     parser = make_parser(prog, "Train a model (TinyGPT, GPT-2, Llama or your own: --model) on one process or "
                          "--nproc N ranks.",
                          usage=f"{prog} [--config FILE] [--FLAG VALUE ...]", epilog=TRAIN_EXAMPLES)
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [launch] tables")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [parallel], [launch] "
+                        "tables")
+    parser.add_argument("--print-config", action="store_true", help="print the effective configuration (defaults < "
+                        "--config < flags) as TOML that --config reads back to the same run, and exit")
     add_flags(parser)
     ns = parser.parse_args(argv)
     try:
-        return from_namespace(ns, ns.config)
+        cfg = from_namespace(ns, ns.config)
     except (ValueError, OSError) as e:
         parser.error(str(e))
         raise  # unreachable: error() exits
+    if ns.print_config:
+        print(to_toml(cfg), end="")
+        raise SystemExit(0)
+    return cfg

@@ -46,8 +46,8 @@ def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
     with _nowhere() as out:  # one directory for every candidate's checks
         for layout in candidates:
             try:  # the config's own checks, ZeRO's among them
-                train = replace(cfg.train, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
-                                microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
+                parallel = replace(cfg.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
+                                   microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
             except ValueError as e:
                 refused[layout] = str(e)
                 continue
@@ -55,7 +55,7 @@ def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
             key = replace(layout, zero=0)
             if key not in checked:
                 try:
-                    _preflight(replace(cfg, train=train), layout.world_size, out, scan_data=False)
+                    _preflight(replace(cfg, parallel=parallel), layout.world_size, out, scan_data=False)
                     checked[key] = None
                 except ValueError as e:
                     checked[key] = str(e)

@@ -23,13 +23,14 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
     """The run's loader (windows of the corpus, or with ``--pack`` its documents packed) for one dp rank, and
     what run.json records of the data."""
     t = cfg.train
+    p = cfg.parallel
     corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=is_main, wait=wait,
                         documents=t.pack != "none", text_key=t.text_key)
     if isinstance(corpus, Documents):
         budget = {"tokens_per_step": t.tokens_per_step} if t.tokens_per_step else {"docs_per_step": t.batch_size}
         loader: BatchLoader | DocumentLoader = DocumentLoader(
             corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
-            row_multiple=t.microbatches if t.pp > 1 else t.grad_accum, width_multiple=t.tp if t.sequence_parallel else 1,
+            row_multiple=p.microbatches if p.pp > 1 else p.grad_accum, width_multiple=p.tp if p.sequence_parallel else 1,
             truncate=t.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches),
             eval_docs=t.batch_size, **budget)
         size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}

@@ -36,7 +36,8 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     from fourfold.plan.estimate import estimate_memory, probe_activations
 
     t = cfg.train
-    mesh = Mesh.for_world(world_size, dp=t.dp, tp=t.tp, pp=t.pp)
+    p = cfg.parallel
+    mesh = Mesh.for_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp)
 
     def probed(model: Any) -> tuple[list[Any], Any, Any]:
         family = family_of(model)
@@ -66,12 +67,12 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
 
     # "microbatches": the pipeline's (model parallelism runs the whole shard as one), or without one gradient
     # accumulation's (a rank holds one at a time)
-    micro = (1 if t.strategy == "model" else t.microbatches) if mesh.pp > 1 else t.grad_accum
+    micro = (1 if p.strategy == "model" else p.microbatches) if mesh.pp > 1 else p.grad_accum
     options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size, "microbatches": micro,
-               "schedule": t.schedule, "virtual": t.virtual,
-               "strategy": t.strategy, "zero": t.zero if mesh.dp > 1 else 0,
-               "checkpoint_every": parse_policy(t.activation_checkpointing), "shards": shards,
-               "sequence_parallel": t.sequence_parallel, "probe": probe}
+               "schedule": p.schedule, "virtual": p.virtual,
+               "strategy": p.strategy, "zero": p.zero if mesh.dp > 1 else 0,
+               "checkpoint_every": parse_policy(p.activation_checkpointing), "shards": shards,
+               "sequence_parallel": p.sequence_parallel, "probe": probe}
 
     def estimate(opts: dict[str, Any]) -> list[Any]:
         return estimate_memory(model, blocks, **opts)

@@ -14,6 +14,7 @@ import functools
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -45,12 +46,13 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     """Every check that needs no process group, so bad input fails before any process starts. ``scan_data``:
     read a token file once through for its largest id (the launcher does; its ranks need not)."""
     t = cfg.train
+    p = cfg.parallel
     resolve_device(t.device)  # --device cuda on a machine without CUDA: refused first, not by every rank
-    mesh = t.layout.mesh(world_size)  # the layout's own rules were checked as it was made
+    mesh = cfg.parallel.mesh(world_size)  # the layout's own rules were checked as it was made
     stages = _check_pipeline(cfg, mesh) if mesh.pp > 1 else 1
     if t.model == "tinygpt":
-        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=t.sequence_parallel, within=mesh.dp * mesh.tp)
-    elif t.sequence_parallel and cfg.model.seq_len % mesh.tp:
+        check_tinygpt_tp(cfg.model, mesh.tp, sequence_parallel=p.sequence_parallel, within=mesh.dp * mesh.tp)
+    elif p.sequence_parallel and cfg.model.seq_len % mesh.tp:
         fit = cfg.model.seq_len - cfg.model.seq_len % mesh.tp
         raise ValueError(f"seq_len must be divisible by tp with sequence parallelism (each rank keeps T/tp tokens), "
                          f"got seq_len={cfg.model.seq_len} and tp={mesh.tp}. Pass --seq-len {fit or mesh.tp}, or "
@@ -68,8 +70,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
     if t.pack == "none" and t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
-    if t.pack == "none" and (t.batch_size // mesh.dp) % t.grad_accum:  # packed rows are padded to a multiple
-        each, k = mesh.dp * t.grad_accum, t.grad_accum
+    if t.pack == "none" and (t.batch_size // mesh.dp) % p.grad_accum:  # packed rows are padded to a multiple
+        each, k = mesh.dp * p.grad_accum, p.grad_accum
         raise ValueError(f"each data-parallel shard must divide into --grad-accum micro-batches, got {t.batch_size // mesh.dp} "
                          f"sequences per shard (batch_size={t.batch_size}, dp={mesh.dp}) and grad_accum={k}. Pass "
                          f"--batch-size {-(-t.batch_size // each) * each} or --grad-accum "
@@ -195,7 +197,7 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
     except TypeError as e:  # a fourfold_split that is not a Split
         raise ValueError(f"model {cfg.train.model!r}: {e}") from None
     # a factory may return one of fourfold's families, which run sequence parallelism
-    if cfg.train.sequence_parallel and not (family is not None and family.splits_sequence):
+    if cfg.parallel.sequence_parallel and not (family is not None and family.splits_sequence):
         raise ValueError(f"sequence_parallel is TinyGPT's and the Hugging Face families' (their plans run norms "
                          f"and residuals on sequence shards and know where attention mixes them), got model "
                          f"{cfg.train.model!r}, a {type(model).__name__}. Drop --sequence-parallel.")
@@ -220,8 +222,9 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
 def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
     """The schedule's stages (the model's blocks are checked against them by check_model)."""
     t = cfg.train
+    p = cfg.parallel
     # refuses combinations it cannot run, naming both numbers
-    schedule = pipeline_schedule(t.strategy, t.schedule, mesh.pp, t.microbatches, t.virtual)
+    schedule = pipeline_schedule(p.strategy, p.schedule, mesh.pp, p.microbatches, p.virtual)
     m = schedule.microbatches
     shard = t.batch_size // mesh.dp
     if shard % m and t.pack == "none":  # packed rows are padded to a multiple of the micro-batches
@@ -292,7 +295,7 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
     """Say so when a resumed run will not continue the checkpoint's run exactly: a training setting given
     another value, or what each rank keeps of its own, restored only under the checkpoint's layout: int8's and
     PowerSGD's state (errors fed back, factors), the dropout streams."""
-    t = cfg.train
+    p = cfg.parallel
     resume = resume_from(cfg)
     changed = changed_settings(cfg, resume) if resume is not None else []
     if resume is not None and changed:
@@ -301,8 +304,8 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
     if resume is None or (resume["world_size"] == world_size
                           and resume["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
         return  # below: what each rank keeps of its own, continued only under the checkpoint's layout
-    if mesh.dp > 1 and t.compress in ("int8", "powersgd"):
-        print(f"fourfold train: note: --compress {t.compress} keeps state on each rank (its errors fed back), "
+    if mesh.dp > 1 and p.compress in ("int8", "powersgd"):
+        print(f"fourfold train: note: --compress {p.compress} keeps state on each rank (its errors fed back), "
               f"restored only under the checkpoint's layout ({resume['world_size']} ranks, {resume['mesh']}): "
               "this run starts it afresh, so its losses follow an uninterrupted run's closely, not exactly.",
               file=sys.stderr, flush=True)
@@ -329,15 +332,17 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
     data parallelism (dp=1): the gradient sync's; a schedule other than interleaved: --virtual; a compression
     other than PowerSGD: its rank and warm-up."""
     t = cfg.train
+    p = cfg.parallel
     defaults = {f.name: f.default for f in dataclasses.fields(t)}
+    defaults_p = {f.name: f.default for f in dataclasses.fields(p)}
     why: dict[str, str] = {}
     if mesh.pp == 1:
         why.update(dict.fromkeys(PIPELINE_FLAGS, "pp=1: no pipeline"))
         why["microbatches"] = "pp=1: no pipeline; --grad-accum N cuts each step into N micro-batches without one"
-    elif t.strategy == "model":  # strategy model at pp=1 is refused by preflight
+    elif p.strategy == "model":  # strategy model at pp=1 is refused by preflight
         why.update(dict.fromkeys(PIPELINE_FLAGS, "--strategy model runs one micro-batch"))
-    elif t.schedule != "interleaved":
-        why["virtual"] = f"only --schedule interleaved reads it, got --schedule {t.schedule}"
+    elif p.schedule != "interleaved":
+        why["virtual"] = f"only --schedule interleaved reads it, got --schedule {p.schedule}"
     if t.lr_decay == "none":
         why["min_lr"] = "only --lr-decay linear or cosine reads it"
     if not t.eval_every:
@@ -346,11 +351,14 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
         why["text_key"] = "only a --data FILE.jsonl reads it"
     if mesh.dp == 1:
         why.update(dict.fromkeys(DATA_FLAGS, "dp=1: no gradient sync"))
-    elif t.compress != "powersgd":
+    elif p.compress != "powersgd":
         why.update(dict.fromkeys(("powersgd_rank", "powersgd_warmup"),
-                                 f"only --compress powersgd reads it, got --compress {t.compress}"))
-    return [f"--{n.replace('_', '-')} {getattr(t, n)} ({reason})" for n, reason in why.items()
-            if getattr(t, n) != defaults[n]]
+                                 f"only --compress powersgd reads it, got --compress {p.compress}"))
+    def section(n: str) -> Any:
+        return p if n in defaults_p else t
+
+    return [f"--{n.replace('_', '-')} {getattr(section(n), n)} ({reason})" for n, reason in why.items()
+            if getattr(section(n), n) != {**defaults, **defaults_p}[n]]
 
 
 def _unused_note(cfg: Config, mesh: Mesh) -> None:

@@ -17,6 +17,7 @@ from fourfold.comm.wait import gather_objects
 from fourfold.config import Config, TrainConfig
 from fourfold.data.loader import HELD_OUT
 from fourfold.data.tokenizers import absolute_spec
+from fourfold.engine.layout import Layout
 from fourfold.models.gpt import GPTConfig
 from fourfold.run.data import held_batches
 
@@ -157,9 +158,12 @@ def _value(key: str, value: Any) -> Any:
 def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
-    saved, here = manifest["config"].get("train", {}), cfg.to_dict()["train"]
+    # [train] and [parallel] as one table (a run before the [parallel] table recorded its settings under [train]);
     # a key the checkpoint's run did not record (an older fourfold's) had its default then
-    saved = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved}
+    config, recorded = cfg.to_dict(), manifest["config"]
+    here = {**config["train"], **config["parallel"]}
+    saved = {**{f.name: f.default for f in (*dataclasses.fields(TrainConfig), *dataclasses.fields(Layout))},
+             **recorded.get("parallel", {}), **recorded.get("train", {})}
     def shown(k: str, v: Any) -> str:
         return "the built-in corpus" if k == "data" and v is None else repr(v)
 

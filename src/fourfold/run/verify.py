@@ -122,7 +122,7 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
     from fourfold.run.data import make_loader
     from fourfold.run.optim import make_optimizer, update
 
-    engine = parallelize(build_model(cfg), None, Layout(precision=cfg.train.precision))  # one process, no strategy
+    engine = parallelize(build_model(cfg), None, Layout(precision=cfg.parallel.precision))  # one process, no strategy
     optimizer = make_optimizer(cfg, engine.parameters())
     loader, _ = make_loader(cfg, Path(cfg.train.out))  # the run's data and tokenizer, one dp rank
     losses, states = [], [engine.state_dict()]
@@ -195,27 +195,28 @@ def report(rows: list[VerifyRow], kind: str, what: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def judged_as(t: Any) -> tuple[str, str | None]:
+def judged_as(cfg: Config) -> tuple[str, str | None]:
     """(the tolerance kind a run is judged by, the lossy compression its gradients crossed the wire in, if any):
     ``--reduce-dtype bfloat16`` is ``--compress bf16`` by another name. A float64 model whose family computes
     its norms in float32 whatever the dtype (Gemma: :data:`fourfold.models.hf.FLOAT32_NORMS`) is judged as
     float32: a layout that cuts the batch adds their float32 gradients in another order."""
     from fourfold.models.hf import FLOAT32_NORMS
 
-    lossy = t.compress if t.compress != "none" else "bf16" if t.reduce_dtype == "bfloat16" else None
+    t, p = cfg.train, cfg.parallel
+    lossy = p.compress if p.compress != "none" else "bf16" if p.reduce_dtype == "bfloat16" else None
     dtype = "float32" if t.dtype == "float64" and t.model in FLOAT32_NORMS else t.dtype
-    return ("compressed" if lossy else "bf16" if t.precision == "bf16" else dtype), lossy
+    return ("compressed" if lossy else "bf16" if p.precision == "bf16" else dtype), lossy
 
 
 def verify(cfg: Config, losses: list[float], states: list[dict[str, Any]]) -> tuple[bool, str]:
     """Re-run ``len(states)`` steps on one process and compare: (all within tolerance, the report)."""
     ref_losses, ref_states = reference_run(cfg, len(states))
-    t = cfg.train
-    kind, lossy = judged_as(t)
+    t, p = cfg.train, cfg.parallel
+    kind, lossy = judged_as(cfg)
     rows = compare(losses[:len(states)], states, ref_losses, ref_states, kind)
     what = None
     if lossy:
-        what = (f"{'bf16' if t.precision == 'bf16' else t.dtype}, gradients compressed with {lossy}, the reference "
+        what = (f"{'bf16' if p.precision == 'bf16' else t.dtype}, gradients compressed with {lossy}, the reference "
                 "uncompressed")
     elif t.dtype == "float64" and kind == "float32":  # judged_as: a family with float32 norms
         what = f"float64, {t.model}'s norms in float32"
