@@ -216,7 +216,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             engine.load_state_dict(weights)
     optimizer = make_optimizer(cfg, engine.parameters())
     result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace,
-                         pipeline=_pipeline_run(engine))
+                         pipeline=engine.runner.record())
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
@@ -353,16 +353,6 @@ def _evaluate(engine: Engine, loader: BatchLoader | DocumentLoader, batches: int
             total += engine.evaluate(*args, **kwargs).item() * tokens
             weight += tokens
     return total / weight
-
-
-def _pipeline_run(engine: Engine) -> dict[str, Any] | None:
-    """The schedule the run used, as run.json records it beside the flags given (--strategy model runs
-    ``naive`` on one micro-batch whatever --microbatches says); None without a pipeline."""
-    if engine.pipeline is None:
-        return None
-    s = engine.pipeline.schedule
-    return {"schedule": s.name, "microbatches": s.microbatches, "virtual": s.virtual, "stages": s.stages,
-            "cut": [list(names) for names in engine.pipeline.cut]}
 
 
 def _synchronize(device: torch.device) -> None:

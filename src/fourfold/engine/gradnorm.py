@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm.wait import all_reduce
+from fourfold.engine.runner import Runner
 from fourfold.mesh import Mesh
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.data import DataParallel
@@ -32,8 +33,7 @@ class Engine(Protocol):
     """What the gradient norm reads of an engine (:class:`fourfold.engine.step.Engine`)."""
 
     layouts: dict[str, Any]
-    pipeline: Any
-    model: nn.Module
+    runner: Runner
     dp: DataParallel | None
     tracer: Tracer
     timeout_s: float
@@ -58,14 +58,7 @@ def copies(engine: Engine) -> dict[int, int]:
         layout = engine.layouts.get(name)
         return tp if layout is None or layout.dim is None else 1
 
-    if engine.pipeline is None:
-        return {id(p): over_tp(n) for n, p in engine.model.named_parameters()}
-    out: dict[int, int] = {}
-    for st in engine.pipeline.stages:
-        for local, p in st.named_parameters():
-            holders = st.tied[local][1] if local in st.tied else (st.index,)
-            out[id(p)] = over_tp(st.model_name(local)) * len(holders)
-    return out
+    return engine.runner.copies(over_tp)  # a pipeline's tied copies count once per stage holding one
 
 
 def pieces(engine: Engine) -> Iterator[tuple[torch.Tensor, int]]:

@@ -1,17 +1,19 @@
-"""The one training step every command runs: :class:`Engine`, built by :func:`fourfold.engine.parallelize.parallelize`.
+"""The one training step every command runs: :class:`Engine`, built by :func:`fourfold.parallelize`.
 
-The loop branches once, in :meth:`Engine.step`: a pipeline runs its schedule's F/B/W over micro-batches;
-otherwise one forward and one backward. The engine owns the end of backward: after the last backward it waits
-for the buckets, then (pipelines) sums tied copies across stages, then (sequence parallelism) sums partial
-gradients over tp. The loss all-reduce over dp starts then and is waited for only by :meth:`Loss.item`, after
-the optimiser step.
+The engine branches once, when it is built: its :class:`~fourfold.engine.runner.Runner` is a pipeline's
+schedule (:class:`~fourfold.engine.runner.Piped`) or the model's own forward and backward
+(:class:`~fourfold.engine.runner.Plain`), and the gradients' owner is plain data parallelism or ZeRO behind one
+interface (:class:`~fourfold.parallel.data.DataParallel`). The engine owns the end of backward: after the last
+backward the owner waits for its buckets, then (pipelines) tied copies are summed across stages, then (sequence
+parallelism) partial gradients over tp. The loss all-reduce over dp starts then and is waited for only by
+:meth:`Loss.item`, after the optimiser step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,20 +22,18 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.comm.wait import Pending, all_reduce, group_ranks
-from fourfold.data.packing import document_layout
 from fourfold.engine import gradnorm
-from fourfold.engine.batch import Batch, chunk, leaves, pad, rows
+from fourfold.engine.batch import Batch, pad, rows
 from fourfold.engine.checks import check_same_rows
 from fourfold.engine.layout import Layout
 from fourfold.engine.losses import LossFn
+from fourfold.engine.runner import Piped, Plain, Runner
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
-from fourfold.observe.memory import estimate_held, parameter_storages, saved_bytes_once
+from fourfold.observe.memory import estimate_held, parameter_storages
 from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
-from fourfold.parallel.pipeline.blocks import output_tensor
-from fourfold.parallel.pipeline.runtime import gather_stages
 from fourfold.parallel.rng import Streams
 from fourfold.parallel.tensor import (
     ColumnParallelLinear,
@@ -96,8 +96,10 @@ class Engine:
         self.precision = layout.precision
         self.grad_accum = layout.grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
         self.zero = dp.zero if dp is not None else 0
-        self._param_storages = parameter_storages(self.parameters())  # weights are not activations
-        self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
+        # the one branch: a pipeline's schedule, or the model's forward and backward (in grad_accum parts)
+        self.runner: Runner = (Piped(pipeline, self.gathered) if pipeline is not None else
+                               Plain(model, dp, layout.grad_accum, tracer, parameter_storages(
+                                   dp.optimizer_parameters() if dp is not None else model.parameters())))
         self._rows_checked = self._tokens_checked = False
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
@@ -128,8 +130,8 @@ class Engine:
              num_tokens: int | None = None) -> Loss:
         """Forward and backward of this rank's shard of the global batch; gradients synchronised in ``p.grad``.
 
-        The loop branches here once: a pipeline runs its schedule's F/B/W over micro-batches; otherwise one
-        forward and one backward. Gradients accumulate: zero them after the optimiser step.
+        The runner runs it: a pipeline's schedule's F/B/W over micro-batches, or one forward and one backward
+        (``grad_accum`` of them). Gradients accumulate: zero them after the optimiser step.
 
         With fourfold's own loss (no ``loss_fn`` given to :func:`~fourfold.parallelize`), the loss is the sum of
         the real targets' losses (``-100``, :data:`~fourfold.loss.IGNORE_INDEX`, skipped) divided by
@@ -167,14 +169,13 @@ class Engine:
         A validation set's last, partial batch needs no special care with fourfold's own loss: a shard whose
         rows the parts do not divide (even none, or replicas of unequal rows) is padded with rows of targets
         ``-100``, which add nothing to the loss nor to its count (in eval mode no row sees another)."""
-        held = self.pipeline.stages[0] if self.pipeline is not None else self.model
-        was = held.training
+        was = self.runner.training
         self.eval()
         try:
             with self._split_logits(), self._drawing():  # no dropout, but the streams' hooks still switch
                 loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
                 inputs, targets, documents = self._whole_parts(inputs, targets, documents, tokens)
-                loss = self._evaluate(inputs, targets, loss_fn, documents, tokens)
+                loss = self.runner.evaluate(inputs, targets, loss_fn, documents, tokens, self._compute)
         finally:
             self.train(was)
         return self._reduce_loss(loss, None, 1 if tokens else self.mesh.dp)
@@ -185,7 +186,7 @@ class Engine:
         ``grad_accum``), with rows nothing is predicted from: targets ``-100``, inputs 0, documents -1 (padding).
         A token-normalised loss is unchanged by them; a mean over rows (a loss_fn of the user's) would be, so
         such a batch is refused, naming the fix."""
-        m = self.pipeline.schedule.microbatches if self.pipeline is not None else self.grad_accum
+        m = self.runner.parts
         n = rows(inputs)
         extra = -n % m if n or not tokens else m  # an empty shard: padded, or (a loss_fn of yours) as before
         if not extra:
@@ -197,38 +198,6 @@ class Engine:
                              "partial batch exactly")
         return (pad(inputs, extra), pad(targets.long(), extra, IGNORE_INDEX),  # uint8 ids cannot hold -100
                 pad(documents, extra, -1) if documents is not None else None)
-
-    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-                  documents: torch.Tensor | None, tokens: bool) -> torch.Tensor:
-        if self.pipeline is not None:
-            with self.gathered():
-                value = self.pipeline.evaluate(inputs, targets, loss_fn=loss_fn, mean=not tokens,
-                                               around=self._around(documents))
-            return torch.tensor([value], dtype=torch.float64)
-        parts = self._parts(inputs, targets, documents)  # as step() cuts them: every rank as many forwards
-        total = torch.zeros(1, dtype=torch.float64)
-        # through the data-parallel wrapper, not syncing: ZeRO gathers what a forward needs, and no more
-        forward = self.dp if self.dp is not None else self.model
-        quiet = self.dp.forward_only() if self.dp is not None else contextlib.nullcontext()
-        with quiet:
-            for x, y, d in parts:
-                with document_layout(d), self._compute():
-                    loss = loss_fn(output_tensor(forward(x)), y)
-                total += loss.to(torch.float64).reshape(1).cpu() / (1 if tokens else len(parts))
-        return total
-
-    def _around(self, documents: torch.Tensor | None) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
-        """What a pipeline enters around micro-batch i's forward: mixed precision, and its documents made
-        current (cut as the pipeline cuts the inputs)."""
-        assert self.pipeline is not None
-        parts = self.pipeline.microbatches("documents", documents, need=False)
-
-        @contextlib.contextmanager
-        def around(i: int) -> Iterator[None]:
-            with self._compute(), document_layout(parts[i] if parts is not None else None):
-                yield
-
-        return around
 
     def _loss(self, inputs: Batch, targets: torch.Tensor, documents: torch.Tensor | None,
               num_tokens: int | None) -> tuple[LossFn, bool]:
@@ -320,72 +289,13 @@ class Engine:
               documents: torch.Tensor | None, tokens: bool) -> Loss:
         if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
             self.dp.grad_scale = 1.0 if tokens else 1.0 / self.dp.size
-        if self.pipeline is not None:  # F/B/W of every micro-batch; dp buckets and tied sums inside
-            result = self.pipeline.step(inputs, targets, loss_fn=loss_fn, mean=not tokens,
-                                        around=self._around(documents))
-            loss = torch.tensor([result.loss], dtype=torch.float64)
-        else:
-            result = None
-            loss, key = self._forward_backward(inputs, targets, loss_fn, documents, tokens)
+        loss, result, activation_bytes = self.runner.step(inputs, targets, loss_fn, documents, tokens, self._compute)
         if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
             # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
             sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if tokens else self.mesh.dp)
-        out_loss.activation_bytes = result.peak_activation_bytes if result is not None else self._activations[key]
+        out_loss.activation_bytes = activation_bytes
         return out_loss
-
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-                          documents: torch.Tensor | None, tokens: bool) -> tuple[torch.Tensor, Any]:
-        """No pipeline: one forward and backward, or with ``grad_accum`` k, k in turn over equal parts of the
-        batch, each mean loss divided by k (a token-normalised one is the global batch's already), the
-        gradients accumulating. dp synchronises them once, in the last backward (``no_sync`` before it); ZeRO-2
-        and -3 reduce-scatter every micro-batch's into the shards instead, so no rank ever holds the whole
-        gradient (nor, at stage 3, the whole model). The loss (float64, CPU) and the key of the activations
-        measured."""
-        parts = self._parts(inputs, targets, documents)
-        k = len(parts)
-        weights: set[int] | Callable[[], set[int]] = self._param_storages
-        if self.dp is not None and self.zero == 3:  # gathered afresh per unit
-            dp = self.dp
-
-            def moving() -> set[int]:
-                return self._param_storages | dp.storages()
-
-            weights = moving
-
-        total = torch.zeros(1, dtype=torch.float64)
-        for i, (x, y, d) in enumerate(parts):
-            quiet = self.dp.microbatch(last=i == k - 1) if self.dp is not None else contextlib.nullcontext()
-            key = (tuple((path, tuple(t.shape)) for path, t in leaves(x)), d is not None, torch.is_grad_enabled())
-            which = {"microbatch": i} if k > 1 else {}
-            with quiet:
-                with self.tracer.span("compute", "forward", **which), document_layout(d), \
-                        saved_bytes_once(self._activations, key, weights) as saved, self._compute():
-                    out = self.dp(x) if self.dp is not None else self.model(x)
-                    loss = loss_fn(output_tensor(out), y)  # a Hugging Face output: its .logits
-                    if k > 1 and not tokens:
-                        loss = loss / k
-                with self.tracer.span("compute", "backward", **which):
-                    loss.backward()  # bucket all-reduces start inside the last, as gradients become ready
-            total += loss.detach().to(torch.float64).reshape(1).cpu()
-            if saved is not None:  # this shape's first step: measured (the same bytes every step after)
-                self._activations[key] = sum(saved.values())
-        if self.dp is not None:
-            self.dp.finish()  # the engine owns the end of backward
-        return total, key
-
-    def _parts(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
-               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """The batch as the ``grad_accum`` equal micro-batches it is cut into (no pipeline), (inputs, targets,
-        documents) each; a batch they do not divide is refused."""
-        k = self.grad_accum
-        n = rows(inputs)  # a tensor, or a dict / list / tuple of them (fourfold.engine.batch)
-        if n % k:
-            raise ValueError(f"grad_accum={k} cuts this rank's batch into {k} equal micro-batches, got a batch of "
-                             f"{n} rows. Pass a batch of a multiple of {k} rows per rank (fourfold "
-                             f"train: --batch-size a multiple of dp x {k}).")
-        docs = documents.chunk(k) if documents is not None else [None] * k
-        return list(zip(chunk(inputs, k), chunk(targets, k), docs, strict=True))
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""
@@ -407,23 +317,16 @@ class Engine:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (its stages', its shards; a tied copy included), for the optimiser. Under
         ZeRO: this rank's flat segments of them (:meth:`ShardedDataParallel.shards`)."""
-        if self.dp is not None:
-            return self.dp.optimizer_parameters()
-        if self.pipeline is not None:
-            return self.pipeline.parameters()
-        return list(self.model.parameters())
+        return self.dp.optimizer_parameters() if self.dp is not None else self.runner.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the model's own names (shards are this rank's pieces)."""
-        if self.pipeline is not None:
-            yield from self.pipeline.named_parameters()
-        else:
-            yield from self.model.named_parameters()
+        yield from self.runner.named_parameters()
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's part of the model's state, under the model's names (tensor-parallel pieces as held).
         Under ZeRO read it inside :meth:`gathered`: stage 3 holds only segments between steps."""
-        return self.pipeline.state_dict() if self.pipeline is not None else self.model.state_dict()
+        return self.runner.state_dict()
 
     def gathered(self, write: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Under ZeRO, every parameter whole inside the block (a collective over dp); ``write=True``: what is
@@ -460,11 +363,7 @@ class Engine:
             if there is not None and there.dp != here.dp:
                 return {}  # another replica's copy: its ranks need not gather anything
             keep = there is None or there.tp == here.tp  # with ``to``, its pipeline group keeps; its tp peers help
-            if self.pipeline is None:  # (dp, tp) name a rank: kept on ``to`` alone
-                return self._whole(self.model.state_dict(), keep)
-            mine = [(st.index, self._whole(st.model_state_dict(), keep)) for st in self.pipeline.stages]
-        return gather_stages(mine, self.ranks.pp_group, dst=to, timeout_s=self.timeout_s,
-                             device=self.device) if keep else {}
+            return self.runner.whole_state(self._whole, keep, to, self.timeout_s, self.device)
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -502,7 +401,7 @@ class Engine:
         return gradnorm.clip_grad_norm_(self, max_norm, norm_type)
 
     def train(self, mode: bool = True) -> Engine:
-        (self.pipeline if self.pipeline is not None else self.model).train(mode)
+        self.runner.train(mode)
         return self
 
     def eval(self) -> Engine:
