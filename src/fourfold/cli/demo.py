@@ -37,7 +37,8 @@ from fourfold.files import drawn_row, median_row, steady
 from fourfold.models.build import DTYPES
 from fourfold.models.gpt import TinyGPT
 from fourfold.observe.trace import load_jsonl
-from fourfold.train import TrainResult, train
+from fourfold.run.summary import TrainResult
+from fourfold.train import train
 
 __all__ = ["main"]
 

@@ -1,15 +1,22 @@
-"""The lines a run's summary adds where one figure would mislead: each pipeline stage's blocks and the bubble
-beside its theory, and each rank's bytes where ranks send unequally (a single master's root, a pipeline's
-stages). Read by :meth:`fourfold.train.TrainResult.summary`."""
+"""What a run produced (:class:`TrainResult`) and its summary, with the lines it adds where one figure would
+mislead: each pipeline stage's blocks and the bubble beside its theory, and each rank's bytes where ranks send
+unequally (a single master's root, a pipeline's stages)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from fourfold.files import drawn_row, median_row, steady
+from fourfold.mesh import Mesh
 from fourfold.parallel.schedule import theory_bubble
 
-__all__ = ["block_range", "pipeline_line", "ranks_sent", "unequal"]
+__all__ = ["TrainResult", "block_range", "pipeline_line", "ranks_sent", "unequal"]
 
 
 def unequal(sent: Sequence[int]) -> bool:
@@ -63,3 +70,64 @@ def block_range(names: Sequence[str]) -> str:
         elif name:
             out.append(name)
     return ", ".join(out) or "(the whole model)"
+
+
+@dataclass
+class TrainResult:
+    """What a run produced, as seen by this rank."""
+
+    rank: int
+    mesh: Mesh
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    num_parameters: int = 0
+    label: str = "TinyGPT"  # the model, as the summary names it
+    out: Path | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # the final weights, on rank 0 only
+    snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)  # --verify: per step, rank 0
+    traced: bool = True  # --no-trace: no spans, so no bytes counted either
+    pipeline: dict[str, Any] | None = None  # the schedule run and the stages' cut (run.json's "pipeline")
+    sent_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # rank 0: each rank's bytes per axis
+    # in the drawn step (files.drawn_row: the one timeline.png shows)
+
+    def summary(self) -> str:
+        m = self.mesh
+        row = median_row(self.metrics)  # the typical step (after the first, which warms up): one step's figures
+        drawn = drawn_row(self.metrics)  # the step timeline.png draws (not the last, whose trace holds the end)
+        assert row is not None and drawn is not None
+        speed = f"median {row['tokens_per_s']:,.0f} tokens/s"
+        if "documents" in row:  # packed: what was learned from, and what padding cost
+            speed = (f"median {row['real_tokens_per_s']:,.0f} real tokens/s of {row['tokens_per_s']:,.0f} "
+                     f"({row['padding_fraction']:.1%} padding)")
+        ms = 1e3 * row["step_time_s"]
+        by_axis = {a: statistics.median(r["bytes_by_axis"][a] for r in steady(self.metrics))
+                   for a in ("dp", "tp", "pp")}
+        # a dp group that sent nothing counted used the backend's own all-reduce, whose bytes it does not report
+        axes = [f"{axis} {by_axis[axis] / 1024:,.1f} KB" if by_axis[axis] or axis != "dp" else
+                "dp not counted (--allreduce native)"
+                for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1]
+        if not self.traced:
+            axes = ["not counted (--no-trace)"] if axes else []
+        sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
+        uneven = [f"{axis}: {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
+                  for axis in ("dp", "tp", "pp") if getattr(m, axis) > 1 and self.traced
+                  and unequal([b[axis] for b in self.sent_by_rank.values()])]
+        if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
+            sent += f"each rank sent in step {drawn['step']}: {'; '.join(uneven)}\n"
+        steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"
+        evals = [r["eval_loss"] for r in self.metrics if "eval_loss" in r]
+        held = f", held-out loss {evals[-1]:.4f}" if evals else ""
+        return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
+                f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
+                f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
+                f"{pipeline_line(self.pipeline, drawn)}{self.outputs()}")
+
+    def outputs(self) -> str:
+        """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""
+        if self.out is None:
+            return ""
+        notes = {"trace.json": "trace.json (open in https://ui.perfetto.dev)",
+                 "checkpoints": "checkpoints/ (resume with --resume)"}
+        names = [notes.get(n, n) for n in ("metrics.jsonl", "trace.json", "timeline.png", "model.pt", "checkpoints",
+                                           "run.json") if (self.out / n).exists()]
+        return f"outputs in {self.out}: {', '.join(names)}"
