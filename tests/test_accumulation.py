@@ -1,4 +1,4 @@
-"""Gradient accumulation (``--grad-accum N``, ``parallelize(grad_accum=N)``): without a pipeline, each
+"""Gradient accumulation (``--grad-accum N``, ``Layout(grad_accum=N)``): without a pipeline, each
 data-parallel shard runs as N micro-batches, gradients synchronised once.
 
 The engine's layouts with accumulation equal one process in ``test_engine`` (dp 2 x tp 2 + sequence

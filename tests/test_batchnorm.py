@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.testing import run_ranks
 from helpers import max_error, one_process, optimizer
 
@@ -39,8 +39,8 @@ def _train(ctx, sync: bool, zero: int = 0, allreduce: str = "ring", compress: st
     ranks = Mesh.for_world(ctx.world_size, dp=2).build(30)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = parallelize(_model(), ranks, allreduce=allreduce, loss_fn=F.mse_loss, sync_batchnorm=sync,
-                             timeout_s=30, zero=zero, compress=compress)
+        engine = parallelize(_model(), ranks, Layout(allreduce=allreduce, sync_batchnorm=sync, zero=zero,
+                                                     compress=compress), loss_fn=F.mse_loss)
     opt = optimizer(engine.parameters())
     losses = []
     lo = ranks.coord.dp * B // 2
@@ -56,8 +56,8 @@ def _pipelined(ctx, microbatches: int) -> dict:
     x0 = _batches()[0][0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = parallelize(_model(), ranks, loss_fn=F.mse_loss, example=x0[:B // microbatches], timeout_s=30,
-                             strategy="model" if microbatches == 1 else "pipeline", microbatches=microbatches)
+        layout = Layout(pp=2, strategy="model" if microbatches == 1 else "pipeline", microbatches=microbatches)
+        engine = parallelize(_model(), ranks, layout, loss_fn=F.mse_loss, example=x0[:B // microbatches])
     opt = optimizer(engine.parameters())
     losses = []
     for x, y in _batches():

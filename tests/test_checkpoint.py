@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.checkpoint import CheckpointError, find_latest, load, save
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.testing import run_ranks
@@ -34,7 +34,8 @@ SAVE_AT = 2
 def _engine(ctx, name: str, dtype: torch.dtype = torch.float64, seed: int = 0):
     dp, tp, pp = LAYOUTS[name]
     ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
-    engine = parallelize(TinyGPT(CFG, seed=seed, dtype=dtype), ranks, schedule="1f1b", microbatches=2, timeout_s=30)
+    engine = parallelize(TinyGPT(CFG, seed=seed, dtype=dtype), ranks,
+                         Layout(dp=dp, tp=tp, pp=pp, schedule="1f1b", microbatches=2))
     return engine, optimizer(engine.parameters()), ranks.coord.dp, dp
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.data.documents import skewed_documents
 from fourfold.data.packing import DocumentLoader
 from fourfold.models import GPTConfig, TinyGPT
@@ -28,7 +28,7 @@ DOCS = skewed_documents(40, 40, vocab_size=64, short_ratio=0.25, seed=1)
 
 def _grads(model: nn.Module, policy: str, packed: bool) -> tuple[float, dict[str, torch.Tensor]]:
     torch.manual_seed(5)  # dropout draws the same masks in both runs, and again in the recompute
-    engine = parallelize(model, activation_checkpointing=policy)
+    engine = parallelize(model, None, Layout(activation_checkpointing=policy))
     b = DocumentLoader(DOCS, 16, 0, docs_per_step=12, packing="bfd").global_batch(0)
     if packed:
         loss = engine.step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens)
@@ -84,7 +84,7 @@ def test_bad_policies_and_models_without_blocks_are_refused():
         with pytest.raises(ValueError, match="none, full"):
             parse_policy(bad)
     with pytest.raises(ValueError, match="needs the model's blocks"):
-        parallelize(nn.Linear(4, 4), activation_checkpointing="full")
+        parallelize(nn.Linear(4, 4), None, Layout(activation_checkpointing="full"))
 
 
 LAYOUTS = {"dp2": (2, 1, 1, {}), "tp2 sp": (1, 2, 1, {"sequence_parallel": True}),
@@ -94,8 +94,8 @@ LAYOUTS = {"dp2": (2, 1, 1, {}), "tp2 sp": (1, 2, 1, {"sequence_parallel": True}
 
 def _train(ctx, label: str, dp: int, tp: int, pp: int, options: dict, policy: str) -> dict:
     ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, microbatches=4, timeout_s=30,
-                         activation_checkpointing=policy, **options)
+    layout = Layout(dp=dp, tp=tp, pp=pp, microbatches=4, activation_checkpointing=policy, **options)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, layout)
     opt = optimizer(engine.parameters())
     losses, peak = [], None
     for x, y in batches(CFG, steps=2):

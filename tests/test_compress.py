@@ -160,7 +160,7 @@ def _train(ctx, steps: int) -> dict:
     out = {}
     for name in ("none", "bf16", "int8", "powersgd"):
         ranks = Mesh.for_world(2, dp=2).build(30)
-        engine = parallelize(TinyGPT(CFG, seed=0), ranks, allreduce="ring", compress=name, timeout_s=30)
+        engine = parallelize(TinyGPT(CFG, seed=0), ranks, Layout(allreduce="ring", compress=name))
         losses = train_corpus(engine, steps, ctx.rank, 2)
         weights = torch.cat([p.detach().reshape(-1) for p in engine.parameters()])
         everyone = [torch.empty_like(weights) for _ in range(2)]
@@ -198,7 +198,7 @@ def test_compress_refusals_name_the_fix():
         Layout(compress="powersgd", powersgd_rank=0)
     with pytest.raises(ValueError, match="ZeRO"):
         parallelize(TinyGPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=1, d_model=8)), None,
-                    compress="int8", zero=1, allreduce="ring")
+                    Layout(compress="int8", zero=1, allreduce="ring"))
 
 
 @pytest.mark.slow

@@ -495,11 +495,11 @@ def _train_branchy(ctx, uses: tuple[bool, bool]) -> dict:
 
 def _engine_branchy(ctx) -> dict:
     """The same through fourfold.parallelize: rank 1 takes the branch every step, rank 0 never."""
-    from fourfold import Mesh, parallelize
+    from fourfold import Layout, Mesh, parallelize
 
     model = _Branchy()
     model.use_aux = ctx.rank == 1
-    engine = parallelize(model, Mesh.for_world(2, dp=2).build(20), find_unused_parameters=True, timeout_s=20)
+    engine = parallelize(model, Mesh.for_world(2, dp=2).build(20), Layout(find_unused_parameters=True))
     opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     for step in range(UNUSED_STEPS):
         engine.step(*_loader(ctx.rank, ctx.world_size).shard(step))
@@ -569,7 +569,7 @@ def test_find_unused_parameters_through_parallelize_trains_as_one_process_does(t
     want = _branchy_reference(2, UNUSED_CASES["used on rank 1 only"], UNUSED_STEPS)
     got = {n: t for n, t in two_ranks[0]["engine"]["params"].items() if n in want}
     assert set(got) == set(want)
-    failures = _compare(got, want, TOL64, "parallelize(find_unused_parameters=True), aux used on rank 1 only")
+    failures = _compare(got, want, TOL64, "Layout(find_unused_parameters=True), aux used on rank 1 only")
     assert not failures, "\n".join(failures)
 
 
@@ -673,11 +673,11 @@ def _stuck_during_sync(ctx, flag):
     with it, not wait 2 s each (the interpreter's exit waits for that queue)."""
     import time
 
-    from fourfold import Mesh, parallelize
+    from fourfold import Layout, Mesh, parallelize
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
-    engine = parallelize(TinyGPT(cfg, seed=0), Mesh.for_world(2, dp=2).build(), allreduce="ring", bucket_mb=1e-4,
-                         loss_fn=lm_loss, timeout_s=2)
+    engine = parallelize(TinyGPT(cfg, seed=0), Mesh.for_world(2, dp=2).build(2),
+                         Layout(allreduce="ring", bucket_mb=1e-4), loss_fn=lm_loss)
     if ctx.rank == 1:
         end = time.monotonic() + 60
         while not os.path.exists(flag) and time.monotonic() < end:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.checkpoint import load, save
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.parallel.rng import SHARDED, SHARED, Streams, stream_seed
@@ -182,8 +182,8 @@ def _run(ctx, model_name: str, dp: int, tp: int, pp: int, options: dict, checkpo
     model = TinyGPT(CFG, seed=0, dtype=torch.float64) if model_name == "tiny" else _gpt2(0.1)
     torch.manual_seed(1234 + ctx.rank)  # the caller's own generator, other on every rank: never drawn from
     caller = torch.get_rng_state()
-    engine = parallelize(model, ranks, seed=SEED, timeout_s=30, activation_checkpointing=checkpointing,
-                         **options)
+    engine = parallelize(model, ranks, Layout(dp=dp, tp=tp, pp=pp, activation_checkpointing=checkpointing,
+                                              **options)).manual_seed(SEED)
     seen: list[tuple[str, int]] = []
     if record:
         _record(engine.model if pp == 1 else nn.ModuleList(engine.pipeline.stages), seen)
@@ -209,8 +209,8 @@ def _draws(ctx) -> dict:
         out[f"{label} checkpointed"] = _run(ctx, model, 1, 2, 1, {"sequence_parallel": sp}, checkpointing="full")
     with warnings.catch_warnings(record=True) as caught:  # a plan function of yours that names no shards
         warnings.simplefilter("always")
-        parallelize(TinyGPT(CFG, seed=0), Mesh.for_world(ctx.world_size, tp=2).build(30), tp_plan=_plan_naming_none,
-                    sequence_parallel=True, timeout_s=30)
+        parallelize(TinyGPT(CFG, seed=0), Mesh.for_world(ctx.world_size, tp=2).build(30),
+                    Layout(tp=2, sequence_parallel=True), plan=_plan_naming_none)
     out["unnamed"] = [str(w.message) for w in caught]
     return out
 
@@ -302,8 +302,9 @@ def _pipeline(ctx) -> dict:
     ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
     out: dict = {}
     for policy in ("none", "full"):
-        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, seed=SEED, timeout_s=30,
-                             schedule="zb", microbatches=4, sequence_parallel=True, activation_checkpointing=policy)
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks,
+                             Layout(tp=2, pp=2, schedule="zb", microbatches=4, sequence_parallel=True,
+                                    activation_checkpointing=policy)).manual_seed(SEED)
         depths: list[int] = []
         for stage in engine.pipeline.stages:
             stage.register_forward_pre_hook(lambda *a, d=depths, s=engine.streams: d.append(s.depth))
@@ -322,7 +323,8 @@ def _pipeline(ctx) -> dict:
     for i in (3, 5):
         mlp[i].register_forward_pre_hook(lambda *a, i=i: seen.append((str(i), torch.initial_seed())))
     x, y = batches(CFG, steps=1)[0]
-    engine = parallelize(mlp, ranks, seed=SEED, timeout_s=30, boundaries=[3], microbatches=2, example=x[:4])
+    engine = parallelize(mlp, ranks, Layout(tp=2, pp=2, boundaries=(3,), microbatches=2),
+                         example=x[:4]).manual_seed(SEED)
     seen.clear()  # the split's check and trace ran the model whole, before any stream
     engine.step(x, y)
     c = ranks.coord
@@ -331,7 +333,7 @@ def _pipeline(ctx) -> dict:
     hf = _gpt2(0.1)
     (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
     try:
-        parallelize(hf, Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30), timeout_s=30)
+        parallelize(hf, Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30))
     except ValueError as e:
         out["refused"] = str(e)
     return out
@@ -359,7 +361,7 @@ def _resume(ctx, root: str) -> dict:
     ranks = Mesh.for_world(ctx.world_size, tp=2).build(30)
 
     def engine_and_optimizer():
-        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, seed=SEED, timeout_s=30)
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks).manual_seed(SEED)
         return engine, optimizer(engine.parameters())
 
     def steps(engine, opt, which):
@@ -386,7 +388,7 @@ def test_a_resumed_run_continues_its_dropout_streams(tmp_path):
         assert r["resumed"] == r["whole"][2:]  # bit for bit: the masks of step 3 are the uninterrupted run's
     # one process resumed from those ranks (another layout): torch's generator is reseeded from the seed and the
     # step, the same way every time, not left where the first steps' masks were drawn
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), Mesh(), timeout_s=30)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), Mesh())
     draws = []
     for _ in range(2):
         torch.manual_seed(SEED)

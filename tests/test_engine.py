@@ -29,8 +29,9 @@ import math
 import pytest
 import torch
 
-from fourfold import Mesh, Split, parallelize
+from fourfold import Layout, Mesh, Split, parallelize
 from fourfold.engine.step import bytes_by_axis
+from fourfold.mesh import RankMesh
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer
 from fourfold.testing import run_ranks
@@ -63,10 +64,10 @@ MAX_NORM = 0.7  # every layout clips its gradients by their global norm, as torc
 def _train_layout(ctx, dp: int, tp: int, pp: int, label: str, **options) -> dict:
     """One layout for 3 steps; rank 0 returns its losses, the gathered state, and the last step's bytes."""
     mesh = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp)
-    ranks = mesh.build(30)
     tracer = Tracer(ctx.rank)
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, microbatches=MICRO, tracer=tracer,
-                         timeout_s=30, **options)
+    ranks = mesh.build(30, tracer)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks,
+                         Layout(dp=dp, tp=tp, pp=pp, microbatches=MICRO, **options))
     opt = optimizer(engine.parameters())
     losses = []
     norms = []
@@ -197,7 +198,8 @@ def test_gradient_accumulation_is_the_whole_batchs_step_with_half_the_activation
     runs = {}
     for k in (1, 2):
         tracer = Tracer(0)
-        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=k, tracer=tracer)
+        engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), RankMesh.single(tracer),
+                             Layout(grad_accum=k))
         opt = optimizer(engine.parameters())
         losses, saved = [], []
         for x, y in STEPS:
@@ -213,9 +215,9 @@ def test_gradient_accumulation_is_the_whole_batchs_step_with_half_the_activation
     assert max_error(s2, s1)[1] <= TOL64
     assert (f1, f2) == (1, 2) and 0.4 < a2 / a1 < 0.6, (f1, f2, a1, a2)  # two forwards, each of half the batch
     with pytest.raises(ValueError, match="a batch of a multiple of 3 rows per rank"):
-        parallelize(TinyGPT(CFG, seed=0), grad_accum=3).step(*batches(CFG)[0])
+        parallelize(TinyGPT(CFG, seed=0), None, Layout(grad_accum=3)).step(*batches(CFG)[0])
     with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
-        parallelize(TinyGPT(CFG, seed=0), grad_accum=0)
+        parallelize(TinyGPT(CFG, seed=0), None, Layout(grad_accum=0))
 
 
 def test_evaluate_is_the_eval_mode_loss_and_leaves_training_as_it_was():
@@ -246,14 +248,14 @@ def test_evaluate_is_the_eval_mode_loss_and_leaves_training_as_it_was():
 def test_evaluate_pads_a_partial_batch_exactly_and_refuses_it_under_a_loss_fn_of_yours():
     from fourfold.loss import lm_loss
 
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=3)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), None, Layout(grad_accum=3))
     for n in (5, 1):  # 3 parts of a batch of 5 rows (1 padded), and of 1 (2 padded)
         x, y = (t[-n:] for t in EVAL_BATCH)
         assert abs(engine.evaluate(x, y).item() - reference_eval(CFG, engine.state_dict(), (x, y))) <= TOL64
         kept = y.clamp_min(0)  # targets a uint8 can hold; the padding rows' -100 it cannot
         for ids in (torch.int32, torch.uint8):
             assert engine.evaluate(x, kept.to(ids)).item() == engine.evaluate(x, kept).item(), ids
-    mine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), grad_accum=3, loss_fn=lm_loss)
+    mine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), None, Layout(grad_accum=3), loss_fn=lm_loss)
     with pytest.raises(ValueError, match="got 5 rows; with a loss_fn of your own .* Pass a multiple of 3 rows"):
         mine.evaluate(*(t[-5:] for t in EVAL_BATCH))
 
@@ -290,11 +292,11 @@ def test_one_process_clip_grad_norm_is_torchs(norm_type):
 
 def test_bad_layouts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="sequence_parallel needs tensor parallelism"):
-        parallelize(TinyGPT(CFG, seed=0), Mesh(), sequence_parallel=True)
+        parallelize(TinyGPT(CFG, seed=0), Mesh(), Layout(sequence_parallel=True))
     with pytest.raises(TypeError, match="mesh must be a RankMesh, a Mesh or None"):
         parallelize(TinyGPT(CFG, seed=0), "dp=2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"find_unused_parameters works with plain data parallelism, got zero=1"):
-        parallelize(TinyGPT(CFG, seed=0), Mesh(), zero=1, find_unused_parameters=True)
+        parallelize(TinyGPT(CFG, seed=0), Mesh(), Layout(zero=1, find_unused_parameters=True))
     from fourfold.run.args import parse_args
     assert parse_args(["--nproc", "2", "--find-unused-parameters"]).parallel.find_unused_parameters
     with pytest.raises(SystemExit):  # before launch, from the flags (or TOML) alike
@@ -321,7 +323,7 @@ def test_bytes_by_axis_sorts_spans_by_the_axis_that_sent_them():
 
 def _differently_built(ctx) -> None:
     ranks = Mesh.for_world(2, tp=2).build(30)
-    parallelize(TinyGPT(CFG, seed=ctx.rank), ranks, timeout_s=30)  # seeded by rank: two different models
+    parallelize(TinyGPT(CFG, seed=ctx.rank), ranks)  # seeded by rank: two different models
 
 
 @pytest.mark.slow
@@ -338,8 +340,8 @@ def _rows_by_global_rank(ctx) -> dict:
     """Each rank given rows by its global rank, as DistributedSampler would: under tp and under pp."""
     out = {}
     for label, layout in (("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
-        engine = parallelize(TinyGPT(CFG, seed=0), Mesh.for_world(2, **layout).build(30), microbatches=2,
-                             timeout_s=30)
+        mesh = Mesh.for_world(2, **layout)
+        engine = parallelize(TinyGPT(CFG, seed=0), mesh.build(30), Layout(microbatches=2).for_mesh(mesh))
         x, y = batches(CFG, steps=2)[ctx.rank]
         try:
             engine.step(x, y)
@@ -384,15 +386,17 @@ def _tabular(ctx) -> dict:
     import torch.nn.functional as F
 
     out = {}
-    for label, layout, options in (("dp2 accum2", {"dp": 2}, {"grad_accum": 2}),
-                                   ("tp2", {"tp": 2}, {"tp_plan": {"mlp.0": "column", "mlp.2": "row"}}),
-                                   ("pp2", {"pp": 2}, {"split": Split(blocks=["mlp.0", "mlp.1", "mlp.2"], before=lambda m, b:
-                                                          torch.cat([b["num"], m.cat_emb(b["cat"])], -1))})):
+    for label, layout, settings, options in (
+            ("dp2 accum2", {"dp": 2}, {"grad_accum": 2}, {}),
+            ("tp2", {"tp": 2}, {}, {"plan": {"mlp.0": "column", "mlp.2": "row"}}),
+            ("pp2", {"pp": 2}, {}, {"split": Split(blocks=["mlp.0", "mlp.1", "mlp.2"], before=lambda m, b:
+                                                   torch.cat([b["num"], m.cat_emb(b["cat"])], -1))})):
         ranks = Mesh.for_world(2, **layout).build(30)
         dp, r = ranks.mesh.dp, ranks.coord.dp
         example = {k: v[:1] for k, v in _tabular_batches()[0][0].items()}
         try:
-            engine = parallelize(_Tabular(), ranks, loss_fn=F.cross_entropy, example=example, timeout_s=30, **options)
+            engine = parallelize(_Tabular(), ranks, Layout(microbatches=1, **settings).for_mesh(ranks.mesh),
+                                 loss_fn=F.cross_entropy, example=example, **options)
             opt = optimizer(engine.parameters())
             losses = []
             for x, y in _tabular_batches():
@@ -423,7 +427,7 @@ def _loss_edges(ctx) -> dict:
     from fourfold.comm.wait import settle_pending
 
     ranks = Mesh.for_world(2, dp=2).build(30)
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, timeout_s=30)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks)
     x, y = (shard(t, ranks.coord.dp, 2) for t in STEPS[0])
     dropped = engine.step(x, y)
     work = dropped.work.work  # the dp all-reduce, in flight until read

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.engine.parallelize import model_blocks
 from fourfold.models import GPTConfig, TinyGPT, shard_plan
 from fourfold.observe.memory import held_bytes
@@ -52,7 +52,8 @@ def _measure(ctx) -> list[dict]:
     out = []
     for label, dp, tp, pp, options in LAYOUTS:
         ranks = Mesh.for_world(4, dp=dp, tp=tp, pp=pp).build(30)
-        engine = parallelize(TinyGPT(CFG, seed=0), ranks, microbatches=MICRO, timeout_s=30, **options)
+        layout = Layout(dp=dp, tp=tp, pp=pp, microbatches=MICRO, **options)
+        engine = parallelize(TinyGPT(CFG, seed=0), ranks, layout)
         opt = optimizer(engine.parameters())
         x, y = batches(CFG, batch=BATCH, steps=1)[0]
         loss = engine.step(shard(x, ranks.coord.dp, dp), shard(y, ranks.coord.dp, dp))

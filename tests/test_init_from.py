@@ -284,7 +284,7 @@ def _unfilled(ctx, folders: list[str]) -> list[dict]:
     """README's recipe: a Hugging Face model never whole on any rank, each rank filling its tp x pp part."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fourfold import Mesh, parallelize
+    from fourfold import Layout, Mesh, parallelize
     from fourfold.models.weights import StoredWeights, empty_parameters, zero_pages
 
     out = []
@@ -294,8 +294,8 @@ def _unfilled(ctx, folders: list[str]) -> list[dict]:
         zero_pages(model)
         ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
         with StoredWeights(folder, model) as stored:
-            engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long),
-                                 timeout_s=30)
+            engine = parallelize(model, ranks, Layout(tp=2, pp=2, microbatches=2),
+                                 example=torch.zeros(1, 8, dtype=torch.long))
             engine.load_state_dict(stored)
         held = sum(t.numel() for t in engine.local_state_dict().values())
         state = engine.state_dict()

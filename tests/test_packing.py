@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.data.documents import Documents, open_documents, skewed_documents
 from fourfold.data.packing import DocumentLayout, DocumentLoader, document_layout, pack, pieces
 from fourfold.data.tokenizers import ByteTokenizer
@@ -221,7 +221,7 @@ MODELS = {2: ("tiny", "gpt2", "llama", "mistral", "qwen2"), 4: ("tiny",)}
 
 def _one_step(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:
     ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
-    engine = parallelize(build(name), ranks, microbatches=MICRO, timeout_s=30, **options)
+    engine = parallelize(build(name), ranks, Layout(dp=dp, tp=tp, pp=pp, microbatches=MICRO, **options))
     ld = DocumentLoader(DOCS, T, seed=3, dp_rank=ranks.coord.dp, dp_size=dp, docs_per_step=12, packing="bfd",
                         row_multiple=MICRO if pp > 1 else 1, width_multiple=tp if "sequence_parallel" in options else 1)
     b = ld.shard(0)

@@ -1,4 +1,4 @@
-"""Mixed precision (``parallelize(precision="bf16")``, ``--precision bf16``): float32 master weights and optimiser
+"""Mixed precision (``Layout(precision="bf16")``, ``--precision bf16``): float32 master weights and optimiser
 state, forward under bfloat16 autocast; gradients reduced in float32 or, by choice, bfloat16 (half the bytes).
 
 Tolerances: bf16 keeps 8 bits of mantissa, so a layout is held to the one-process bf16 run's losses within
@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
 from fourfold.testing import run_ranks
@@ -23,7 +23,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
 def _train_corpus(precision: str, steps: int = 200) -> tuple[list[float], TinyGPT]:
     cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
-    engine = parallelize(TinyGPT(cfg, seed=0), None, precision=precision)
+    engine = parallelize(TinyGPT(cfg, seed=0), None, Layout(precision=precision))
     return train_corpus(engine, steps), engine.model
 
 
@@ -38,7 +38,7 @@ def test_bf16_trains_like_float32_with_float32_masters():
 
 
 def test_bf16_forward_computes_in_bf16():
-    engine = parallelize(TinyGPT(CFG, seed=0), None, precision="bf16")
+    engine = parallelize(TinyGPT(CFG, seed=0), None, Layout(precision="bf16"))
     seen = []
     engine.model.blocks[0].mlp.fc.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     x, y = batches(CFG, steps=1)[0]
@@ -49,18 +49,18 @@ def test_bf16_forward_computes_in_bf16():
 
 def test_bf16_refuses_a_float64_model():
     with pytest.raises(ValueError, match="float32 master weights"):
-        parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), None, precision="bf16")
+        parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), None, Layout(precision="bf16"))
 
 
 def _layouts(ctx) -> list[dict]:
     out = []
     for label, options in (("dp2 ring fp32-reduce", {"allreduce": "ring"}),
-                           ("dp2 ring bf16-reduce", {"allreduce": "ring", "reduce_dtype": torch.bfloat16}),
+                           ("dp2 ring bf16-reduce", {"allreduce": "ring", "reduce_dtype": "bfloat16"}),
                            ("dp2 zero2 ring bf16-reduce", {"allreduce": "ring", "zero": 2,
-                                                           "reduce_dtype": torch.bfloat16})):
-        ranks = Mesh.for_world(2, dp=2).build(30)
+                                                           "reduce_dtype": "bfloat16"})):
         tracer = Tracer(ctx.rank)
-        engine = parallelize(TinyGPT(CFG, seed=0), ranks, precision="bf16", tracer=tracer, timeout_s=30, **options)
+        ranks = Mesh.for_world(2, dp=2).build(30, tracer)
+        engine = parallelize(TinyGPT(CFG, seed=0), ranks, Layout(precision="bf16", **options))
         opt = optimizer(engine.parameters())
         losses, sent = [], []
         for x, y in batches(CFG):
@@ -80,7 +80,7 @@ def _spawned() -> list[list[dict]]:
 
 
 def _one_process() -> list[float]:
-    engine = parallelize(TinyGPT(CFG, seed=0), None, precision="bf16")
+    engine = parallelize(TinyGPT(CFG, seed=0), None, Layout(precision="bf16"))
     opt = optimizer(engine.parameters())
     losses = []
     for x, y in batches(CFG):

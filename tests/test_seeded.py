@@ -46,7 +46,7 @@ def test_seeded_weights_are_the_whole_builds_in_any_order_and_follow_the_familys
 
 def _filled_by_layers(ctx, config: dict) -> dict:
     """tp2 x pp2: each rank fills its part of a fresh Llama from the seed, recording the units it made."""
-    from fourfold import Mesh, parallelize
+    from fourfold import Layout, Mesh, parallelize
     from fourfold.models.hf import build_hf, seeded
     from fourfold.models.seeded import SeededInit
 
@@ -56,7 +56,8 @@ def _filled_by_layers(ctx, config: dict) -> dict:
     model = build_hf("llama", overrides=config, seed=5, dtype=torch.float64, filled=False)
     weights = seeded(model, 5)
     ranks = Mesh.for_world(ctx.world_size, tp=2, pp=2).build(30)
-    engine = parallelize(model, ranks, microbatches=2, example=torch.zeros(1, 8, dtype=torch.long), timeout_s=30)
+    engine = parallelize(model, ranks, Layout(tp=2, pp=2, microbatches=2),
+                         example=torch.zeros(1, 8, dtype=torch.long))
     engine.load_state_dict(weights)
     return {"made": sorted(set(made)), "pp": ranks.coord.pp, "state": engine.state_dict(to=0)}
 

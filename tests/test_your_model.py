@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.loss import lm_loss
 from fourfold.models import GPTConfig
 from fourfold.models.hf import FLOAT32_NORMS
@@ -142,9 +142,9 @@ def build(name: str) -> nn.Module:
 
 
 def _train(ctx, name: str, label: str, dp: int, tp: int, pp: int, options: dict) -> dict:
-    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
     tracer = Tracer(ctx.rank)
-    engine = parallelize(build(name), ranks, microbatches=MICRO, timeout_s=30, tracer=tracer, **options)
+    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30, tracer)
+    engine = parallelize(build(name), ranks, Layout(dp=dp, tp=tp, pp=pp, microbatches=MICRO, **options))
     opt = optimizer(engine.parameters())
     losses = []
     for x, y in batches(DATA):
@@ -176,7 +176,7 @@ def _refused(ctx) -> list[str]:
            "model.layers.*.mlp.down_proj": "row"}
     got = []
     try:
-        parallelize(build("llama"), Mesh(tp=2).build(30), tp_plan=mlp, sequence_parallel=True, timeout_s=30)
+        parallelize(build("llama"), Mesh(tp=2).build(30), Layout(tp=2, sequence_parallel=True), plan=mlp)
         got.append("parallelized")
     except ValueError as e:
         got.append(str(e))

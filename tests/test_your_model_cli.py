@@ -128,9 +128,9 @@ def _ranks(ctx, runs: dict, configs: dict[str, str], out: str) -> dict:
         seen.append(tuple(logits.shape))
         return lm_loss(logits, targets)
 
-    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks, loss_fn=mine, timeout_s=30)
+    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks, loss_fn=mine)
     results["loss_fn"] = (engine.step(ids[:, :-1], ids[:, 1:]).item(), seen)
-    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks, timeout_s=30)
+    engine = parallelize(build_hf("gpt2", overrides=GPT2, dtype=torch.float64), ranks)
     step_loss = engine.step(ids[:, :-1], ids[:, 1:]).item()
     direct = engine.model(ids, labels=ids)
     results["labels"] = (step_loss, direct.loss.item(), tuple(output_tensor(direct).shape))

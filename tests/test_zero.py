@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (``parallelize(zero=k)``, :mod:`fourfold.parallel.zero`) equal plain data parallelism and one
+"""ZeRO stages 1-3 (``Layout(zero=k)``, :mod:`fourfold.parallel.zero`) equal plain data parallelism and one
 process, send exactly the bytes the theory says, and hold what the formula says.
 
 Two spawns (module-level caches): 4 ranks (dp=4 every stage, ring and native; dp=2 x pp=2 every schedule at
@@ -18,12 +18,14 @@ import tempfile
 import pytest
 import torch
 
-from fourfold import Mesh, parallelize
+from fourfold import Layout, Mesh, parallelize
 from fourfold.engine.step import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.memory import held_bytes
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.zero import ShardedDataParallel, padded, theory_bytes
+from fourfold.parallel.buckets import padded
+from fourfold.parallel.shards import theory_bytes
+from fourfold.parallel.zero import ShardedDataParallel
 from fourfold.testing import run_ranks
 from helpers import TOL64, batches, max_error, optimizer, reference_eval, reference_run, shard
 
@@ -32,10 +34,10 @@ MAX_NORM = 0.7  # every run clips its gradients' global norm as torch clips one 
 
 
 def _train(ctx, dp: int, tp: int, pp: int, label: str, between: bool = False, **options) -> dict:
-    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30)
     tracer = Tracer(ctx.rank)
-    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks, microbatches=2, tracer=tracer,
-                         timeout_s=30, **options)
+    ranks = Mesh.for_world(ctx.world_size, dp=dp, tp=tp, pp=pp).build(30, tracer)
+    engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64), ranks,
+                         Layout(dp=dp, tp=tp, pp=pp, microbatches=2, **options))
     opt = optimizer(engine.parameters())
     losses, sent, held, traced, norms = [], [], None, 0, []
     x, y = batches(CFG, steps=1, seed=99)[0]
@@ -96,8 +98,9 @@ def _resumed(ctx, root: str) -> dict:
     steps = batches(CFG)
     losses = []
     for zero, todo in ((3, steps[:2]), (1, steps[2:])):
-        engine = parallelize(TinyGPT(CFG, seed=0 if zero == 3 else 5, dtype=torch.float64), ranks, timeout_s=30, zero=zero,
-                             allreduce="ring")  # then seed 5: the checkpoint must decide the weights
+        # then seed 5: the checkpoint must decide the weights
+        engine = parallelize(TinyGPT(CFG, seed=0 if zero == 3 else 5, dtype=torch.float64), ranks,
+                             Layout(zero=zero, allreduce="ring"))
         opt = optimizer(engine.parameters())
         if zero == 1:
             load(f"{root}/step-000002", engine, opt)
@@ -204,6 +207,6 @@ def test_padding_and_theory():
 
 def test_zero_needs_a_reduce_scatter():
     with pytest.raises(ValueError, match="allreduce ring or native"):
-        parallelize(TinyGPT(CFG, seed=0), None, zero=2, allreduce="tree")
+        parallelize(TinyGPT(CFG, seed=0), None, Layout(zero=2, allreduce="tree"))
     with pytest.raises(ValueError, match="zero must be 0"):
-        parallelize(TinyGPT(CFG, seed=0), None, zero=4)
+        parallelize(TinyGPT(CFG, seed=0), None, Layout(zero=4))

@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.loss import lm_loss, lm_loss_sum
+from fourfold.comm.wait import all_reduce
+from fourfold.loss import IGNORE_INDEX, lm_loss, lm_loss_sum
 from fourfold.mesh import RankMesh
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.tensor import ColumnParallelLinear, heads, vocab_parallel_cross_entropy
 
-__all__ = ["LossFn", "Losses", "losses"]
+__all__ = ["LossFn", "Losses", "check_num_tokens", "count_tokens", "losses"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,3 +63,29 @@ def _split_logits_loss(split_heads: Sequence[ColumnParallelLinear], loss_fn: Los
         return vocab_parallel_cross_entropy(logits, targets, group, tracer=tracer, reduction=reduction)
 
     return split_loss
+
+
+def check_num_tokens(num_tokens: int, device: torch.device, timeout_s: float) -> None:
+    """The first ``num_tokens`` given must be the same on every rank: the global batch's count (a rank's own
+    count would scale its gradients by the replicas' differing counts, silently). A collective, once."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    both = all_reduce(torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=device), None,
+                      timeout_s, op="num_tokens check all-reduce", awaited="every rank of",
+                      reduce_op=dist.ReduceOp.MAX)
+    most, least = int(both[0]), -int(both[1])
+    if most != least:
+        raise ValueError(f"num_tokens must be the whole global batch's count of real targets, the same on every "
+                         f"rank, got counts from {least} to {most} (this rank {num_tokens}). Sum each rank's "
+                         "count over the data-parallel replicas (dist.all_reduce), or leave num_tokens out: the "
+                         "engine counts them")
+
+
+def count_tokens(targets: torch.Tensor, ranks: RankMesh, device: torch.device, timeout_s: float) -> torch.Tensor:
+    """The real targets of the global batch (at least 1: a batch with none has loss 0, not one process's NaN):
+    this rank's, summed over dp before any forward. A tensor where the targets are, read by the loss without
+    a device sync."""
+    n = (targets != IGNORE_INDEX).sum().reshape(1).to(device)
+    if ranks.dp_group is not None and ranks.mesh.dp > 1:
+        all_reduce(n, ranks.dp_group, timeout_s, op="token count all-reduce", awaited="the data-parallel group of")
+    return n.clamp_min(1).reshape(())

@@ -111,6 +111,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     family = family_of(model)
     _check_model(model, ranks, layout, family)
     streams = _streams(ranks, seed) if m.world_size > 1 else None
+    split = split if split is not None else (family.split(model) if family and family.split else None)
     with untouched(model):  # the split's check and the pipeline's trace run the model on examples
         pieces, examples = resolve(model, ranks, layout, split, example, family)
         model = apply_tp(model, ranks, layout, plan, family, streams)
@@ -140,14 +141,13 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
 
 def resolve(model: nn.Module, ranks: RankMesh, layout: Layout, split: Split | None, example: Batch | None,
             family: Family | None) -> tuple[list[Any] | None, list[torch.Tensor] | None]:
-    """The pipeline's pieces (the split's, given or the family's), checked against ``model(example)`` on the
-    whole model before anything is cut; with the example inputs they were checked on. (None, None) without a
+    """The pipeline's pieces (the split's: given, or the model family's), checked against ``model(example)`` on
+    the whole model before anything is cut; with the example inputs they were checked on. (None, None) without a
     pipeline, or for a model whose blocks the pipeline finds itself."""
     if ranks.mesh.pp == 1:
         return None, None
     if example is not None and not isinstance(example, torch.Tensor):
         raise TypeError(PIPELINE_TENSOR.format(what="inputs", got=type(example).__name__))
-    split = split if split is not None else (family.split(model) if family and family.split else None)
     if split is None:
         return None, None
     examples = examples_for(model, example, family, ranks.mesh.tp if layout.sequence_parallel else 1)

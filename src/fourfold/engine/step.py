@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm.wait import Pending, all_reduce, group_ranks
+from fourfold.comm.wait import Pending, group_ranks
 from fourfold.engine import gradnorm
 from fourfold.engine.batch import Batch, pad, rows
 from fourfold.engine.checks import check_same_rows
 from fourfold.engine.layout import Layout
-from fourfold.engine.losses import LossFn
+from fourfold.engine.losses import LossFn, check_num_tokens, count_tokens
 from fourfold.engine.runner import Piped, Plain, Runner
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
@@ -232,42 +232,18 @@ class Engine:
         if num_tokens is not None:
             if num_tokens < 0:
                 raise ValueError(f"num_tokens must be >= 0 (the global batch's real targets), got {num_tokens}.")
-            self._check_num_tokens(int(num_tokens))
+            if not self._tokens_checked:
+                self._tokens_checked = True
+                check_num_tokens(int(num_tokens), self._device, self.timeout_s)
             count: int | torch.Tensor = max(int(num_tokens), 1)  # none: loss 0, as when counted here
         else:
-            count = self._count_tokens(targets)
+            count = count_tokens(targets, self.ranks, self._device, self.timeout_s)
         sum_loss = self.sum_loss_fn
 
         def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return sum_loss(logits, y.long()) / count  # int32 ids (numpy's, a tokenizer's) as int64
 
         return token_loss, True
-
-    def _check_num_tokens(self, num_tokens: int) -> None:
-        """The first ``num_tokens`` given must be the same on every rank: the global batch's count (a rank's own
-        count would scale its gradients by the replicas' differing counts, silently). A collective, once."""
-        if self._tokens_checked or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        self._tokens_checked = True
-        both = all_reduce(torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=self._device), None,
-                          self.timeout_s, op="num_tokens check all-reduce", awaited="every rank of",
-                          reduce_op=dist.ReduceOp.MAX)
-        most, least = int(both[0]), -int(both[1])
-        if most != least:
-            raise ValueError(f"num_tokens must be the whole global batch's count of real targets, the same on every "
-                             f"rank, got counts from {least} to {most} (this rank {num_tokens}). Sum each rank's "
-                             "count over the data-parallel replicas (dist.all_reduce), or leave num_tokens out: the "
-                             "engine counts them")
-
-    def _count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
-        """The real targets of the global batch (at least 1: a batch with none has loss 0, not one process's NaN):
-        this rank's, summed over dp before any forward. A tensor where the targets are, read by the loss without
-        a device sync."""
-        n = (targets != IGNORE_INDEX).sum().reshape(1).to(self._device)
-        if self.ranks.dp_group is not None and self.mesh.dp > 1:
-            all_reduce(n, self.ranks.dp_group, self.timeout_s, op="token count all-reduce",
-                       awaited="the data-parallel group of")
-        return n.clamp_min(1).reshape(())
 
     @contextlib.contextmanager
     def _split_logits(self) -> Iterator[None]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,10 +40,10 @@ from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce, counte
 from fourfold.comm.compress import Compressor
 from fourfold.comm.wait import bounded_wait, collective, gather_objects
 from fourfold.observe.trace import Tracer
+from fourfold.parallel.buckets import Bucket, group_params, make_bucket
 
-__all__ = ["FIRST_BUCKET_BYTES", "Bucket", "DataParallel", "check_find_unused", "sync_gradients"]
+__all__ = ["DataParallel", "check_find_unused", "sync_gradients"]
 
-FIRST_BUCKET_BYTES = 2**20
 
 
 def check_find_unused(zero: int, pp: int) -> None:
@@ -79,22 +78,6 @@ def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | No
                 "must use every parameter in each step, or the replicas drift apart.")
         allreduce(p.grad, algorithm, comm=comm, tracer=tracer, check=check)
         p.grad.div_(size)
-
-
-@dataclass(eq=False)
-class Bucket:
-    """Parameters whose gradients are reduced together, packed into one flat buffer."""
-
-    index: int
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    flat: torch.Tensor
-    ready: set[int] = field(default_factory=set)    # ids of the parameters whose gradient is in ``flat``
-    handle: Any = None                              # the in-flight all-reduce (Work or Future)
-    zero: Any = None                                # ZeRO: the parameters' flat buffer and this rank's shard
-    wire: torch.Tensor | None = None                # what the collective reduces (flat, or a reduce_dtype copy)
 
 
 class DataParallel(nn.Module):
@@ -246,7 +229,7 @@ class DataParallel(nn.Module):
             self.finish()  # the last gradient of this backward: wait here, as backward ends
 
     def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
-        return [_bucket(i, members) for i, members in enumerate(_group(named, cap_bytes))]
+        return [make_bucket(i, members) for i, members in enumerate(group_params(named, cap_bytes))]
 
     def _pack(self, p: torch.Tensor) -> Bucket:
         """Copy ``p``'s gradient, scaled, into its bucket (the hook runs after accumulation); its bucket."""
@@ -380,43 +363,6 @@ class DataParallel(nn.Module):
         if b.wire is not None and b.wire is not b.flat:
             b.flat.copy_(b.wire)  # reduced in reduce_dtype, kept in the parameters' dtype
         b.wire = None
-
-
-def _group(named: list[tuple[str, nn.Parameter]], cap_bytes: int,
-           first_cap: int = FIRST_BUCKET_BYTES) -> list[list[tuple[str, nn.Parameter]]]:
-    """Parameters, last-registered first (roughly the order backward produces gradients), in groups of at most
-    ``cap_bytes`` (the first at most ``first_cap``; a larger parameter gets a group of its own); one dtype and
-    device per group."""
-    groups: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named):
-        nbytes = p.numel() * p.element_size()
-        same_kind = groups and groups[-1][0][1].dtype == p.dtype and groups[-1][0][1].device == p.device
-        # The first bucket is small (at most 1 MiB, as DDP does): it fills early in backward, so communication
-        # starts early even when the whole model would fit in one bucket.
-        cap = min(cap_bytes, first_cap) if len(groups) == 1 else cap_bytes
-        if not groups or not same_kind or size + nbytes > cap:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, p))
-        size += nbytes
-    return groups
-
-
-def padded(numel: int, multiple: int) -> int:
-    """``numel`` rounded up to a multiple of ``multiple`` (ZeRO: every rank's segment the same length)."""
-    return -(-numel // multiple) * multiple
-
-
-def _bucket(index: int, members: list[tuple[str, nn.Parameter]], multiple: int = 1) -> Bucket:
-    """One bucket of ``members``, its flat buffer padded with zeros to a multiple of ``multiple`` elements."""
-    offsets, total = [], 0
-    for _, p in members:
-        offsets.append(total)
-        total += p.numel()
-    first = members[0][1]
-    flat = torch.zeros(padded(total, multiple), dtype=first.dtype, device=first.device)
-    return Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, total, flat)
 
 
 def _check_same_layout(named: list[tuple[str, nn.Parameter]], comm: Communicator) -> None:

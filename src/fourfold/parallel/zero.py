@@ -29,118 +29,20 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm import Communicator, ring
-from fourfold.comm.wait import bounded_wait
-from fourfold.observe.trace import Tracer
-from fourfold.parallel.data import Bucket, DataParallel, _bucket, _group, padded
+from fourfold.parallel.buckets import Bucket, allocate, flat_of, group_params, make_bucket, release
+from fourfold.parallel.data import DataParallel
+from fourfold.parallel.shards import flatten, gather_flat, reduce_scatter
 
-__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel", "ZeroBucket", "gather_flat", "padded", "reduce_scatter",
-           "theory_bytes"]
+__all__ = ["ZERO_ALGORITHMS", "ShardedDataParallel"]
 
 ZERO_ALGORITHMS = ("ring", "native")
 """The algorithms that have a reduce-scatter and an all-gather half (the others are all-reduce only)."""
-
-
-@dataclass(eq=False)
-class ZeroBucket:
-    """One bucket's parameters, flat: ``params`` holds them all (the model's parameters are views of it) and
-    ``shard`` is this rank's segment, the tensor the optimiser updates."""
-
-    params: torch.Tensor
-    shard: nn.Parameter
-    offset: int
-    length: int
-    stage: int
-    gathered: bool = True
-    handle: Any = None  # an all-gather in flight (a Work or a Future)
-
-    @property
-    def own(self) -> torch.Tensor:
-        return self.params[self.offset:self.offset + self.length]
-
-    def free(self) -> None:
-        """Stage 3: release the whole parameters (their storage shrinks to nothing; the views stay valid)."""
-        if self.stage == 3 and self.gathered:
-            _release(self.params)
-            self.gathered = False
-
-    def allocate(self) -> None:
-        """Stage 3: the whole parameters' storage back, this rank's segment copied in, ready to gather."""
-        if not self.gathered:
-            _allocate(self.params)
-            self.own.copy_(self.shard.detach())
-
-
-def flatten(params: Sequence[nn.Parameter], offsets: Sequence[int], numel: int, group_rank: int, size: int,
-            stage: int) -> ZeroBucket:
-    """Move ``params`` into one flat buffer of ``numel`` elements (padded with zeros) and make each parameter a
-    view of its slice; this rank's segment becomes the optimiser's shard (its own copy under stage 3)."""
-    flat = _flat_of([p.detach() for p in params], offsets, numel)
-    for p, offset in zip(params, offsets, strict=True):
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-    length = numel // size
-    own = flat[group_rank * length:(group_rank + 1) * length]
-    shard = nn.Parameter(own.clone() if stage == 3 else own)
-    return ZeroBucket(flat, shard, group_rank * length, length, stage)
-
-
-def reduce_scatter(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tracer: Tracer | None,
-                   index: int) -> torch.Tensor:
-    """Sum ``flat`` over the group, keeping only this rank's segment: returns it (a view of ``flat`` for the
-    ring, a new tensor for the backend's collective). ``flat``'s other segments become scratch."""
-    start = tracer.now_ns() if tracer is not None else 0
-    before = comm.stats.sent_bytes
-    length = flat.numel() // comm.size
-    if algorithm == "native":
-        out = torch.empty(length, dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_single(out, flat, group=comm.group, async_op=True)
-        bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op=f"native reduce-scatter of bucket {index}",
-                     awaited="the data-parallel group of", group_ranks=comm.global_ranks,
-                     hint="A peer is dead, stuck, or skipped a backward.")
-    else:
-        offset, _ = ring.reduce_scatter(comm, flat)
-        out = flat[offset:offset + length]
-    _record(tracer, f"reduce_scatter:{algorithm}", start, comm, before, index, flat)
-    return out
-
-
-def gather_flat(comm: Communicator, flat: torch.Tensor, algorithm: str, *, tracer: Tracer | None = None,
-                index: int = 0) -> None:
-    """All-gather ``flat`` (a multiple of G elements) whose segment r group rank r holds."""
-    start = tracer.now_ns() if tracer is not None else 0
-    before = comm.stats.sent_bytes
-    if algorithm == "native":
-        length = flat.numel() // comm.size
-        own = flat[comm.rank * length:(comm.rank + 1) * length].clone()
-        work = dist.all_gather_single(flat, own, group=comm.group, async_op=True)
-        bounded_wait(work, comm.timeout_s, rank=comm.global_rank, op=f"native all-gather of bucket {index}",
-                     awaited="the data-parallel group of", group_ranks=comm.global_ranks,
-                     hint="A peer is dead, stuck, or skipped a step.")
-    else:
-        ring.all_gather(comm, flat)
-    _record(tracer, f"all_gather:{algorithm}", start, comm, before, index, flat)
-
-
-def _record(tracer: Tracer | None, name: str, start: int, comm: Communicator, before: int, index: int,
-            flat: torch.Tensor) -> None:
-    if tracer is not None and tracer.enabled:
-        tracer.record("comm", name, start, tracer.now_ns(), bytes=comm.stats.sent_bytes - before, bucket=index,
-                      numel=flat.numel(), dtype=str(flat.dtype).replace("torch.", ""))
-
-
-def theory_bytes(bucket_numels: Iterable[int], itemsize: int, size: int, gathers: int = 1) -> int:
-    """Bytes one rank sends per step with fourfold's ring: one reduce-scatter and ``gathers`` all-gathers of
-    every bucket, each sending (G-1)/G of its padded elements. ``gathers``: 1 for stages 1-2 and under a
-    pipeline, 2 for stage 3 without one (forward and backward)."""
-    total = sum(padded(n, size) for n in bucket_numels)
-    return (1 + gathers) * (size - 1) * (total // size) * itemsize
 
 
 class ShardedDataParallel(DataParallel):
@@ -180,7 +82,7 @@ class ShardedDataParallel(DataParallel):
         for b in self.buckets:
             b.zero = flatten(b.params, b.offsets, b.flat.numel(), rank, size, zero)
             if zero >= 2:
-                _release(b.flat)  # allocated when backward packs into it, freed once reduced
+                release(b.flat)  # allocated when backward packs into it, freed once reduced
         for b in self.buckets:
             b.zero.free()  # stage 3: from here on a rank holds its segments only
         self._order = [self.buckets[self._unit_bucket[id(u)]] for u in self._units if id(u) in self._unit_bucket]
@@ -201,17 +103,17 @@ class ShardedDataParallel(DataParallel):
         for unit in reversed(self._units):
             mine = [(names[id(p)], p) for p in unit.parameters() if id(p) in names and id(p) not in taken]
             taken.update(id(p) for _, p in mine)
-            for g in _group(mine, 2**62, 2**62):  # one per dtype
+            for g in group_params(mine, 2**62, 2**62):  # one per dtype
                 groups.append(g)
                 owners.append(unit)
         for subset in ([(n, p) for n, p in named if id(p) not in taken],
                        [(n, p) for n, p in named if id(p) in self._late]):
-            for g in _group(subset, cap_bytes):
+            for g in group_params(subset, cap_bytes):
                 groups.append(g)
                 owners.append(None)
         self._units_by_bucket = {i: u for i, u in enumerate(owners) if u is not None}
         self._unit_bucket = {id(u): i for i, u in self._units_by_bucket.items()}
-        return [_bucket(i, g, self.size) for i, g in enumerate(groups)]
+        return [make_bucket(i, g, self.size) for i, g in enumerate(groups)]
 
     def shards(self) -> list[nn.Parameter]:
         """This rank's segments, one flat parameter per bucket: what the optimiser updates."""
@@ -253,7 +155,7 @@ class ShardedDataParallel(DataParallel):
     def _pack(self, p: torch.Tensor) -> Bucket:
         bucket, _ = self._where[id(p)]
         if bucket.flat.untyped_storage().nbytes() == 0:  # stages 2-3: this step's first gradient in it
-            _allocate(bucket.flat)
+            allocate(bucket.flat)
             bucket.flat[bucket.numel:].zero_()  # padding: adds nothing
         super()._pack(p)
         p.grad = None  # the bucket holds it; the model's parameters keep no gradient of their own
@@ -282,12 +184,12 @@ class ShardedDataParallel(DataParallel):
                         self._pack(p)
         for b in self.buckets:
             if b.flat.untyped_storage().nbytes() == 0:  # no gradient packed (find_unused_parameters): zeros
-                _allocate(b.flat)
+                allocate(b.flat)
                 b.flat.zero_()
         super().finish()
         for b in self.buckets:
             if self.zero >= 2:
-                _release(b.flat)
+                release(b.flat)
             b.zero.free()
         self._fresh = self._fresh and not stale  # an optimiser step may follow: the next forward gathers again
 
@@ -428,7 +330,7 @@ class ShardedDataParallel(DataParallel):
             zb, state = b.zero, {}
             for key, first in got[0].items():  # type: ignore[union-attr]
                 if isinstance(first, torch.Tensor) and first.shape == b.params[0].shape:
-                    whole = _flat_of([g[key].to(zb.shard.device) for g in got], b.offsets,  # type: ignore[index]
+                    whole = flat_of([g[key].to(zb.shard.device) for g in got], b.offsets,  # type: ignore[index]
                                      b.flat.numel())
                     state[key] = whole[zb.offset:zb.offset + zb.length].clone()
                 else:
@@ -439,25 +341,6 @@ class ShardedDataParallel(DataParallel):
         """The parameters' storages as they are now (stage 3 allocates them afresh at every gather)."""
         return {b.zero.params.untyped_storage().data_ptr() for b in self.buckets}
 
-
-
-def _flat_of(tensors: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> torch.Tensor:
-    """A new flat tensor of ``numel`` elements (zeros past the last: padding) holding ``tensors`` at
-    ``offsets``."""
-    first = tensors[0]
-    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        for t, offset in zip(tensors, offsets, strict=True):
-            flat[offset:offset + t.numel()].copy_(t.reshape(-1))
-    return flat
-
-
-def _release(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _allocate(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
 def _on_backward(out: Any, fn: Callable[[], None]) -> None:
