@@ -32,7 +32,8 @@ from fourfold.parallel.model import MultiDeviceModel, model_parallel
 from fourfold.parallel.pipeline.p2p import HEADER_INTS
 from fourfold.parallel.pipeline.runtime import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.split import partition, plan, split_model
-from fourfold.parallel.schedule import make_schedule, peak_in_flight
+from fourfold.parallel.schedule import make_schedule
+from fourfold.parallel.timeline import peak_in_flight
 from fourfold.testing import RankError, run_ranks
 from helpers import TOL64, batches, optimizer, reference_run
 

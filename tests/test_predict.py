@@ -13,7 +13,7 @@ from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.models import shard_plan
 from fourfold.models.gpt import GPTConfig, TinyGPT
-from fourfold.parallel.schedule import theory_bubble
+from fourfold.parallel.timeline import theory_bubble
 from fourfold.plan.calibrate import action_overhead, calibrate
 from fourfold.plan.costs import UnitCosts, flop_units, measure_units
 from fourfold.plan.estimate import estimate_memory

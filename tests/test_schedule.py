@@ -30,12 +30,10 @@ from fourfold.parallel.schedule import (
     naive,
     one_f_one_b,
     parse_actions,
-    peak_in_flight,
-    simulate,
-    theory_bubble,
     validate,
     zero_bubble,
 )
+from fourfold.parallel.timeline import peak_in_flight, simulate, theory_bubble
 
 COSTS = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (1.0, 0.5, 0.5), (2.0, 1.0, 3.0), (1.0, 3.0, 1.0)]
 

@@ -178,7 +178,7 @@ PIPELINES = {  # name: (flags, what it is)
 
 def _pipelines(root: Path, flags: list[str]) -> int:
     """Part 3: the same layers on 2 pipeline ranks, three ways; bubble and activation memory per rank."""
-    from fourfold.parallel.schedule import theory_bubble
+    from fourfold.parallel.timeline import theory_bubble
     from fourfold.train import main as train_main
 
     print("\nfourfold demo 3/5: the model's layers split over 2 ranks (pipeline parallelism): model parallel "

@@ -20,16 +20,8 @@ import math
 import sys
 from pathlib import Path
 
-from fourfold.parallel.schedule import (
-    SCHEDULES,
-    Schedule,
-    Timeline,
-    format_grid,
-    make_schedule,
-    peak_in_flight,
-    simulate,
-    theory_bubble,
-)
+from fourfold.parallel.schedule import SCHEDULES, Schedule, format_grid, make_schedule
+from fourfold.parallel.timeline import Timeline, peak_in_flight, simulate, theory_bubble
 
 __all__ = ["draw", "main", "report"]
 

@@ -47,7 +47,8 @@ from torch import nn
 from fourfold.comm.auto import CostModel, cost
 from fourfold.comm.auto import predict as allreduce_time
 from fourfold.observe.trace import Span
-from fourfold.parallel.schedule import Action, Timeline, pipeline_schedule, simulate
+from fourfold.parallel.schedule import Action, pipeline_schedule
+from fourfold.parallel.timeline import Timeline, simulate
 from fourfold.plan.costs import UnitCosts
 from fourfold.plan.estimate import (
     Probe,

@@ -14,7 +14,7 @@ import torch
 
 from fourfold.files import drawn_row, median_row, steady
 from fourfold.mesh import Mesh
-from fourfold.parallel.schedule import theory_bubble
+from fourfold.parallel.timeline import theory_bubble
 
 __all__ = ["TrainResult", "block_range", "pipeline_line", "ranks_sent", "unequal"]
 
