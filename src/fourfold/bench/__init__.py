@@ -8,8 +8,9 @@
     fourfold bench zero --nproc 2          ZeRO-1/2/3 vs FSDP2 (fully_shard) vs DDP: step time, memory per rank
     fourfold bench predict                 the simulator's predicted step time beside the measured, per layout
 
-Each benchmark is one module here on the shared :mod:`fourfold.bench.harness`; a rank runs
-``python -m fourfold.bench.NAME``.
+Each benchmark is one module here on the shared :mod:`fourfold.bench.harness` (the training-step ones also on
+:mod:`fourfold.bench.workloads`; ``tp`` and ``pp`` keep their report beside them, ``tp_report``, ``pp_report``);
+a rank runs ``python -m fourfold.bench.NAME``.
 """
 
 from __future__ import annotations

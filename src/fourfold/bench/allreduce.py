@@ -45,6 +45,7 @@ from fourfold.bench.harness import (
     machine,
     parse_size,
     run_or_launch,
+    save_png,
     start_rank,
     write_report,
 )
@@ -354,10 +355,7 @@ def _lab_verdicts(here: dict[str, dict], g: int, node_size: int, nbytes: int) ->
 
 
 def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
 
     fig = Figure(figsize=(8, 5))
     ax = fig.add_subplot()
@@ -372,8 +370,7 @@ def _chart(rows: list[dict], g: int, model: Any, path: Path) -> None:
            title=f"all-reduce on G={g} ranks, gloo on CPU")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    GRAD_RTOL,
     add_output_flags,
     add_round_flags,
     check_rounds,
@@ -55,18 +56,21 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     paired_ratio,
     run_or_launch,
     run_record,
+    save_png,
     start_rank,
     timed_rounds,
     write_report,
 )
+from fourfold.bench.workloads import GPT_SIZES, Workload, add_size_flags, gpt, mlp
 
 __all__ = ["TARGETS", "main", "parse_variant"]
 
 DEFAULT_VARIANTS = "none,ddp,native,ring,ddp@4,native@4,ring@4"
 TARGETS = (("gpt", "native", 1.05), ("gpt", "ring", 1.20))
 """(model, fourfold variant, limit on its median step time / DDP's at the same bucket size), at G=2."""
-GRAD_RTOL = 1e-5  # float32: |ours - ddp| <= 1e-5 * max|g_ddp| per parameter (~80 ulps of the largest entry)
 _COLUMNS = ("forward", "backward", "optimizer", "comm", "wait", "hidden")  # per (round, rank), from the spans
+_SIZES = (*GPT_SIZES, ("gpt-batch", 8, "global batch in sequences"), ("mlp-width", 2048, "MLP layer width"),
+          ("mlp-layers", 4, "MLP Linear(width, width) layers"), ("mlp-batch", 64, "MLP global batch in rows"))
 
 
 class Variant(NamedTuple):
@@ -113,14 +117,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"a bucket size of its own (default: {DEFAULT_VARIANTS})")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB for ddp and fourfold "
                    "(default: 25, DDP's default)")
-    p.add_argument("--gpt-layers", type=int, default=4, help="TinyGPT n_layer (default: 4)")
-    p.add_argument("--gpt-d-model", type=int, default=256, help="TinyGPT d_model (default: 256)")
-    p.add_argument("--gpt-heads", type=int, default=4, help="TinyGPT n_head (default: 4)")
-    p.add_argument("--gpt-seq-len", type=int, default=128, help="TinyGPT seq_len (default: 128)")
-    p.add_argument("--gpt-batch", type=int, default=8, help="global batch in sequences (default: 8)")
-    p.add_argument("--mlp-width", type=int, default=2048, help="MLP layer width (default: 2048)")
-    p.add_argument("--mlp-layers", type=int, default=4, help="MLP Linear(width, width) layers (default: 4)")
-    p.add_argument("--mlp-batch", type=int, default=64, help="MLP global batch in rows (default: 64)")
+    add_size_flags(p, _SIZES)
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
     add_output_flags(p, "dp")
     return p
@@ -146,53 +143,6 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench dp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
     return run_or_launch("dp", argv, _parser(), _check, _run)
-
-
-class Workload(NamedTuple):
-    """A model and its data: ``build()`` the same weights on every call, ``shard(k)`` this rank's rows of
-    round k's global batch, ``loss(model(x), y)``."""
-
-    name: str
-    describe: str
-    build: Callable[[], Any]
-    shard: Callable[[int], tuple[Any, Any]]
-    loss: Callable[[Any, Any], Any]
-
-
-def _workload(name: str, ns: argparse.Namespace, rank: int, g: int) -> Workload:
-    import torch
-    from torch import nn
-
-    if name == "gpt":
-        from fourfold.data import BatchLoader, load_corpus
-        from fourfold.models import GPTConfig, TinyGPT
-        from fourfold.models.gpt import lm_loss
-
-        cfg = GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads, d_model=ns.gpt_d_model)
-        loader = BatchLoader(load_corpus(), ns.gpt_batch, cfg.seq_len, seed=0, dp_rank=rank, dp_size=g)
-        return Workload("gpt", f"TinyGPT L={cfg.n_layer} C={cfg.d_model} H={cfg.n_head} T={cfg.seq_len}, batch "
-                        f"{ns.gpt_batch} ({ns.gpt_batch // g}/rank)", lambda: TinyGPT(cfg, seed=0),
-                        loader.shard, lm_loss)
-
-    width, rows = ns.mlp_width, ns.mlp_batch // g
-
-    def build() -> nn.Module:
-        layers: list[nn.Module] = []
-        for i in range(ns.mlp_layers):
-            layers += [nn.Linear(width, width, device="meta")] + ([nn.GELU()] if i < ns.mlp_layers - 1 else [])
-        model = nn.Sequential(*layers).to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(0)  # our own generator: every copy equal, torch's global RNG untouched
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * width ** -0.5 if p.dim() == 2 else torch.zeros(p.shape))
-        return model
-
-    def shard(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(k * g + rank)
-        return torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen)  # (B/G, W) x2
-
-    return Workload("mlp", f"MLP {ns.mlp_layers} x Linear({width}, {width}), batch {ns.mlp_batch} ({rows}/rank)",
-                    build, shard, nn.functional.mse_loss)
 
 
 @dataclass(eq=False)
@@ -282,7 +232,7 @@ def _run(ns: argparse.Namespace) -> None:
     say(f"G={g}, variants {', '.join(v.name for v in ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
     for name in ns.models:
-        workloads.append(_measure(_workload(name, ns, ctx.rank, g), ns, ranks, say))
+        workloads.append(_measure((gpt if name == "gpt" else mlp)(ns, ctx.rank, g), ns, ranks, say))
         if main_rank:
             print(_table(workloads[-1]), flush=True)
     if main_rank:
@@ -436,10 +386,7 @@ def _report(ns: argparse.Namespace, g: int, workloads: list[dict[str, Any]], ela
 
 
 def _chart(workloads: list[dict[str, Any]], g: int, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
 
     fig = Figure(figsize=(4 + 3 * len(workloads), 4.5))
     for i, w in enumerate(workloads):
@@ -461,8 +408,7 @@ def _chart(workloads: list[dict[str, Any]], g: int, path: Path) -> None:
         ax.title.set_fontsize(9)
     fig.suptitle("data parallel step, gloo on CPU: grey none, orange DDP, blue fourfold (label: x DDP)", fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

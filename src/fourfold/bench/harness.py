@@ -1,6 +1,7 @@
 """What every ``fourfold bench`` shares: launching the ranks, a rank's start, sizes and times as text, the
-least-squares fit, and the report (``bench.json`` + ``bench.png``). One file per benchmark builds on it:
-``allreduce``, ``dp``, ``tp``, ``pp`` (each runs its variants through the same engine users train with).
+least-squares fit, the gradient check's tolerance, and the report (``bench.json`` + ``bench.png``). One file
+per benchmark builds on it: ``allreduce``, ``dp``, ``tp``, ``pp`` (each runs its variants through the same
+engine users train with); the models and data the training-step ones run are :mod:`fourfold.bench.workloads`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fourfold.files import write_text_atomic
+from fourfold.files import atomic_path, write_text_atomic
 from fourfold.units import format_bytes, parse_bytes
 
-__all__ = ["add_output_flags", "fit_alpha_beta", "fit_line", "fmt_time", "format_bytes", "launch_ranks", "machine", "name_list",
-           "paired_ratio", "parse_size", "run_or_launch", "run_record", "start_rank", "timed_rounds", "write_report"]
+__all__ = ["GRAD_RTOL", "add_output_flags", "fit_alpha_beta", "fit_line", "fmt_time", "format_bytes", "launch_ranks",
+           "machine", "name_list", "paired_ratio", "parse_size", "run_or_launch", "run_record", "save_png",
+           "start_rank", "timed_rounds", "write_report"]
+
+GRAD_RTOL = 1e-5  # float32: |ours - reference| <= 1e-5 * max|g_reference| per parameter (~80 ulps of the largest)
 
 
 def parse_size(text: str) -> int:
@@ -219,6 +223,14 @@ def write_report(out: Path, result: dict[str, Any], elapsed: float, chart: Calla
         print("chart skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
     else:
         print(f"wrote {out / f'{name}.png'}", flush=True)
+
+
+def save_png(fig: Any, path: Path) -> None:
+    """A matplotlib ``Figure`` drawn to ``path`` as a PNG, atomically (every benchmark's chart ends here)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with atomic_path(path) as tmp:
+        FigureCanvasAgg(fig).print_png(str(tmp))
 
 
 def machine(g: int) -> dict[str, Any]:

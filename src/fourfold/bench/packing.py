@@ -27,6 +27,7 @@ from fourfold.bench.harness import (
     paired_ratio,
     run_or_launch,
     run_record,
+    save_png,
     start_rank,
     timed_rounds,
     write_report,
@@ -167,10 +168,7 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
 
 
 def _chart(rows: list[dict[str, Any]], bound: float | None, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
 
     fig = Figure(figsize=(8, 3.8))
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -186,8 +184,7 @@ def _chart(rows: list[dict[str, Any]], bound: float | None, path: Path) -> None:
     for a in (ax, bx):
         a.title.set_fontsize(9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ median over ``--rounds``.
 The bubble of a fourfold variant comes from its :class:`~fourfold.observe.trace.Tracer` spans, per timed step: the
 step's window runs from the first span on any rank to the last compute span on any rank (one clock: the
 ranks share a machine and ``perf_counter``); rank r's bubble is 1 - (its F and B time) / window, the
-definition of :func:`~fourfold.parallel.schedule.simulate`'s. Beside it: the runtime's own
+definition of :func:`~fourfold.parallel.timeline.simulate`'s. Beside it: the runtime's own
 ``StepResult.wait_by_rank`` (time blocked in receives / the rank's own step, which leaves out a rank's idle
 tail once its last action is done), the textbook (p-1)/(m+p-1), and ``simulate`` with the measured median F
 and B times (mean over ranks) and ``comm`` = the one-way time of one activation message (header + payload,
@@ -47,8 +47,6 @@ A benchmark, not a test: it prints figures and refuses nothing but bad flags and
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -58,8 +56,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fourfold.bench.dp import GRAD_RTOL
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    GRAD_RTOL,
     add_output_flags,
     add_round_flags,
     check_rounds,
@@ -68,25 +66,17 @@ from fourfold.bench.harness import (  # the harness imports torch lazily too
     name_list,
     paired_ratio,
     run_or_launch,
-    run_record,
     start_rank,
     timed_rounds,
-    write_report,
 )
+from fourfold.bench.pp_report import BUBBLE_POINTS, MEMORY_SLACK, TARGET_RATIO, report, table
+from fourfold.bench.workloads import GPT_SIZES, add_size_flags, gpt_config
 
 __all__ = ["BUBBLE_POINTS", "MEMORY_SLACK", "TARGET_RATIO", "VARIANTS", "main"]
 
 VARIANTS = ("fourfold-gpipe", "torch-gpipe", "fourfold-1f1b", "torch-1f1b")
-TARGET_RATIO = 1.05
-"""The limit on a fourfold variant's median step time / torch's with the same schedule, at pp = 2."""
-BUBBLE_POINTS = 0.05
-"""How far (absolute) the measured bubble may lie from (p-1)/(m+p-1)."""
-MEMORY_SLACK = 0.10
-"""1F1B's peak activation bytes on each rank must be <= (p/m) * GPipe's * (1 + MEMORY_SLACK)."""
 LOSS_RTOL = 1e-5  # float32: |loss - the reference's| <= 1e-5 * |reference|
-_SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_model"),
-          ("gpt-heads", 4, "TinyGPT n_head"), ("gpt-seq-len", 128, "TinyGPT seq_len"),
-          ("gpt-batch", 16, "batch in sequences, every rank the same"),
+_SIZES = (*GPT_SIZES, ("gpt-batch", 16, "batch in sequences, every rank the same"),
           ("microbatches", 8, "micro-batches per step, m"))
 
 
@@ -98,8 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                     "measure the bubble and the activation memory.")
     add_round_flags(p, nproc="pp", rounds=20, warmup=3, checks="losses and gradients")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
-    for flag, default, what in _SIZES:
-        p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
+    add_size_flags(p, _SIZES)
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
     add_output_flags(p, "pp", "bench.json and the PNGs")
     return p
@@ -107,8 +96,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(ns: argparse.Namespace) -> argparse.Namespace:
     """Turn the flags into values (``ns.variants``: names, ``ns.config``: the GPTConfig) or raise ValueError."""
-    from fourfold.models import GPTConfig
-
     ns.variants = name_list(ns.variants, VARIANTS, "variants", "fourfold-1f1b,torch-1f1b")
     check_rounds(ns, "a pipeline of one stage has nothing to overlap", "every variant against the first")
     small = {flag: getattr(ns, flag.replace("-", "_")) for flag, _, _ in _SIZES}
@@ -121,8 +108,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.gpt_layers + 2 < ns.nproc:
         raise ValueError(f"pp must be at most the model's blocks (embed, {ns.gpt_layers} layers, head), got "
                          f"nproc {ns.nproc}. Pass --gpt-layers {ns.nproc - 2} or more.")
-    ns.config = GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads,
-                          d_model=ns.gpt_d_model, tie_weights=False)
+    ns.config = gpt_config(ns, tie_weights=False)
     return ns
 
 
@@ -274,8 +260,8 @@ def _run(ns: argparse.Namespace) -> None:
               "check": checks}
     _timelines(variants, ns.warmup + ns.rounds - 1, Path(ns.out), rank)
     if rank == 0:
-        print(_table(result), flush=True)
-        _report(ns, result, time.monotonic() - started, load_before)
+        print(table(result), flush=True)
+        report(ns, result, time.monotonic() - started, load_before)
     barrier("finish the benchmark")
     ctx.close()
 
@@ -326,7 +312,8 @@ def _row(v: _Variant, times: dict[str, Any], timed: range, p: int, m: int, comm_
 def _bubble(v: _Variant, timed: range, p: int, m: int, comm_s: float) -> dict[str, Any]:
     """Measured (trace), the runtime's own, simulated and textbook bubbles of a fourfold variant. A collective."""
     from fourfold.comm.wait import gather_objects
-    from fourfold.parallel.schedule import make_schedule, simulate, theory_bubble
+    from fourfold.parallel.schedule import make_schedule
+    from fourfold.parallel.timeline import simulate, theory_bubble
 
     origin = v.tracer.origin_ns  # perf_counter_ns is one clock for every process of a machine: times compare
     mine = [(s.rank, s.kind, s.name, s.args.get("what"), s.args.get("stage"), s.microbatch, s.step,
@@ -381,95 +368,6 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["x_torch_paired"] = paired_ratio(r["times_s"], twin["times_s"])
 
 
-def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The project's targets, each with its value, its limit and whether it is met."""
-    p, m, out = result["pp"], result["microbatches"], []
-    rows = {r["variant"]: r for r in result["rows"]}
-    for r in rows.values():
-        if r["x_torch"] is not None and p == 2:
-            out.append({"target": f"pp=2 m={m} {r['variant']}: step time <= {TARGET_RATIO}x torch-{r['schedule']}",
-                        "value": r["x_torch"], "limit": TARGET_RATIO, "met": r["x_torch"] <= TARGET_RATIO,
-                        "paired": r["x_torch_paired"]})
-        if "bubble" in r:
-            b = r["bubble"]
-            out.append({"target": f"pp={p} {r['variant']}: measured bubble within {BUBBLE_POINTS * 100:g} points "
-                        f"of (p-1)/(m+p-1) = {b['theory']:.1%}", "value": b["measured"],
-                        "limit": [b["theory"] - BUBBLE_POINTS, b["theory"] + BUBBLE_POINTS],
-                        "met": abs(b["measured"] - b["theory"]) <= BUBBLE_POINTS})
-    if "fourfold-gpipe" in rows and "fourfold-1f1b" in rows:
-        gpipe = rows["fourfold-gpipe"]["memory"]["peak_activation_bytes_by_rank"]
-        one = rows["fourfold-1f1b"]["memory"]["peak_activation_bytes_by_rank"]
-        for rank, (g, o) in enumerate(zip(gpipe, one, strict=True)):
-            limit = p / m * g * (1 + MEMORY_SLACK)
-            out.append({"target": f"pp={p} rank {rank}: 1F1B peak activation bytes <= (p/m) x GPipe's + "
-                        f"{MEMORY_SLACK:.0%}", "value": o, "limit": limit, "met": o <= limit,
-                        "fraction_of_gpipe": o / g})
-    return out
-
-
-def _table(result: dict[str, Any]) -> str:
-    p = result["pp"]
-    lines = [f"\npp={p}, m={result['microbatches']}, batch {result['batch']}, stages: {result['stages']}",
-             f"{'variant':<15} {'median':>9} {'min':>9} {'x torch':>7} {'paired':>6} {'bubble':>7} {'theory':>7} "
-             f"{'simul.':>7} {'by rank (trace)':>16} {'waits':>6} {'by rank (waits)':>16} {'peak act. MiB/rank':>20}"]
-
-    def ranks(xs: list[float], spec: str) -> str:
-        return " ".join(format(x, spec) for x in xs)
-
-    for r in result["rows"]:
-        b, mem = r.get("bubble"), r.get("memory")
-        lines.append(
-            f"{r['variant']:<15} {fmt_time(r['median_s']):>9} {fmt_time(r['min_s']):>9} "
-            f"{'-' if r['x_torch'] is None else format(r['x_torch'], '.3f'):>7} "
-            f"{'-' if r['x_torch_paired'] is None else format(r['x_torch_paired'], '.3f'):>6} "
-            + (f"{b['measured']:>7.1%} {b['theory']:>7.1%} {b['simulated']:>7.1%} "
-               f"{ranks(b['measured_by_rank'], '.3f'):>16} {b['runtime_wait']:>6.1%} "
-               f"{ranks(b['runtime_wait_by_rank'], '.3f'):>16} "
-               f"{ranks([n / 2 ** 20 for n in mem['peak_activation_bytes_by_rank']], '.2f'):>20}" if b else
-               f"{'-':>7} {'-':>7} {'-':>7} {'-':>16} {'-':>6} {'-':>16} {'-':>20}"))
-    for r in result["rows"]:
-        if "bubble" in r:
-            b = r["bubble"]
-            lines.append(f"{r['variant']}: median F {ranks([f * 1e3 for f in b['f_s_by_rank']], '.2f')} ms, B "
-                         f"{ranks([x * 1e3 for x in b['b_s_by_rank']], '.2f')} ms by rank; step window "
-                         f"{fmt_time(b['window_median_s'])}, simulated {fmt_time(b['simulated_makespan_s'])}; "
-                         f"a transfer in the run takes {fmt_time(b['comm_in_situ_s'])} (mean; median "
-                         f"{fmt_time(b['comm_in_situ_median_s'])}), simulated with the mean: bubble "
-                         f"{b['simulated_in_situ']:.1%}, {fmt_time(b['simulated_in_situ_makespan_s'])}; ranks "
-                         f"computing at once: {b['concurrency']:.2f} on average")
-    cores = os.cpu_count() or 1
-    if p > cores:
-        lines.append(f"note: {p} ranks on {cores} cores: at most {cores} compute at once, so every rank idles at "
-                     f"least {1 - cores / p:.0%} of the step whatever the schedule, and compute spans stretch while "
-                     "ranks share a core: the trace's bubble measures the cores here; compare the schedules by "
-                     "'simul.' (their order, with the measured costs)")
-    for c in result["check"]:
-        lines.append(f"check, step 1: {c['variant']:<15} loss {c['loss']:.7f} vs {c['reference']} "
-                     f"{c['reference_loss']:.7f} (rel. diff {c['loss_rel_diff']:.2g}); worst gradient "
-                     f"{c['grad_rel_diff']:.2g} of max |g| {'ok' if c['ok'] else 'FAILED'}")
-    return "\n".join(lines)
-
-
-def _report(ns: argparse.Namespace, result: dict[str, Any], elapsed: float,
-            load_before: tuple[float, float, float]) -> None:
-    """Rank 0: the targets, bench.json and bench.png."""
-    verdicts = _targets(result)
-    print("\ntargets:")
-    for t in verdicts:
-        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else f"{t['value']:,}"
-        limit = (f"{t['limit'][0]:.3f}..{t['limit'][1]:.3f}" if isinstance(t["limit"], list)
-                 else f"{t['limit']:.3f}" if t["limit"] < 100 else f"{t['limit']:,.0f}")
-        extra = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else \
-            f"; {t['fraction_of_gpipe']:.3f} of GPipe's" if "fraction_of_gpipe" in t else ""
-        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){extra}")
-    write_report(Path(ns.out), {
-        **run_record(ns, result["pp"], elapsed, load_before),
-        "settings": {"model": dataclasses.asdict(ns.config), "variants": ns.variants, "rounds": ns.rounds,
-                     "warmup": ns.warmup, "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
-                     "timing": "slowest rank per step (pipeline step + optimizer), median over rounds"},
-        **result, "targets": verdicts}, elapsed, lambda path: _chart(result, path))
-
-
 def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> None:
     """The measured timeline of one step of each fourfold variant (a collective; rank 0 draws)."""
     from fourfold.comm.wait import gather_spans
@@ -491,40 +389,7 @@ def _timelines(variants: list[_Variant], step: int, out: Path, rank: int) -> Non
                      color_by="microbatch")
             print(f"wrote {path}", flush=True)
         except ImportError:
-            pass  # said once by _report
-
-
-def _chart(result: dict[str, Any], path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
-
-    rows, p = result["rows"], result["pp"]
-    fig = Figure(figsize=(10, 4.5))
-    ax = fig.add_subplot(1, 2, 1)
-    ms = [r["median_s"] * 1e3 for r in rows]
-    bars = ax.bar([r["variant"] for r in rows], ms, color=["C0" if r["framework"] == "fourfold" else "C1"
-                                                           for r in rows],
-                  yerr=[[m - r["min_s"] * 1e3 for m, r in zip(ms, rows, strict=True)],
-                        [r["max_s"] * 1e3 - m for m, r in zip(ms, rows, strict=True)]], capsize=3)
-    ax.bar_label(bars, [f"{r['x_torch']:.2f}x" if r["x_torch"] else "" for r in rows], fontsize=8)
-    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    ax.set(ylabel="median step time (ms; bars: min..max)", title=f"step, pp={p}, m={result['microbatches']}")
-    ax = fig.add_subplot(1, 2, 2)
-    ours = [r for r in rows if "bubble" in r]
-    kinds = (("measured", "measured (trace)"), ("simulated", "simulate(f, b, comm)"), ("theory", "(p-1)/(m+p-1)"))
-    for k, (key, label) in enumerate(kinds):
-        ax.bar([i + (k - 1) * 0.27 for i in range(len(ours))], [r["bubble"][key] * 100 for r in ours], 0.27,
-               label=label)
-    ax.set_xticks(range(len(ours)), [r["variant"] for r in ours], fontsize=8)
-    ax.set(ylabel="bubble (% of the step, mean over ranks)", title="fourfold's bubble")
-    ax.legend(fontsize=8)
-    fig.suptitle("pipeline step, gloo on CPU: blue fourfold (label: x torch), orange torch.distributed.pipelining",
-                 fontsize=9)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+            pass  # said once by the report
 
 
 if __name__ == "__main__":

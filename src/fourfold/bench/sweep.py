@@ -108,10 +108,9 @@ def _flat_ring(table: list[dict[str, Any]]) -> list[tuple[str, bool]]:
 
 
 def _chart(table: list[dict[str, Any]], names: list[str], nbytes: int, link: str, gpus: int, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from fourfold.files import atomic_path
+    from fourfold.bench.harness import save_png
 
     fig = Figure(figsize=(12, 5))
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -140,5 +139,4 @@ def _chart(table: list[dict[str, Any]], names: list[str], nbytes: int, link: str
         a.grid(True, alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+    save_png(fig, path)

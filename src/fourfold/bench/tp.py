@@ -53,37 +53,31 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from fourfold.bench.dp import GRAD_RTOL, Workload, _workload
 from fourfold.bench.harness import (  # the harness imports torch lazily too
+    GRAD_RTOL,
     add_output_flags,
     add_round_flags,
     check_rounds,
-    fmt_time,
     format_bytes,
     name_list,
     paired_ratio,
     run_or_launch,
-    run_record,
     start_rank,
     timed_rounds,
-    write_report,
 )
+from fourfold.bench.tp_report import TARGET_RATIO, report, table
+from fourfold.bench.workloads import GPT_SIZES, Workload, add_size_flags, gpt, gpt_config, mlp_blocks
 
 __all__ = ["TARGET_RATIO", "VARIANTS", "main", "plan_theory"]
 
 VARIANTS = ("single", "fourfold-mlp", "dtensor-mlp", "fourfold-full", "dtensor-full")
-TARGET_RATIO = 1.05
-"""The limit on a fourfold variant's median step time / the DTensor variant's with the same plan, at tp = 2."""
 LOSS_RTOL = 1e-5  # float32: |loss - single's| <= 1e-5 * |single's|
 SHARDS = {"none": "nothing: the whole model and batch on every rank",
           "mlp": "each MLP block: fc by columns, proj by rows",
           "full": "MLP + attention (qkv by heads, proj by rows) + embedding, tied head and loss by vocabulary"}
-_SIZES = (("gpt-layers", 4, "TinyGPT n_layer"), ("gpt-d-model", 256, "TinyGPT d_model"),
-          ("gpt-heads", 4, "TinyGPT n_head"), ("gpt-seq-len", 128, "TinyGPT seq_len"),
-          ("gpt-batch", 8, "TinyGPT batch in sequences, every rank the same"),
+_SIZES = (*GPT_SIZES, ("gpt-batch", 8, "TinyGPT batch in sequences, every rank the same"),
           ("mlp-width", 2048, "MLP width W; each block is W -> 4W -> W"),
           ("mlp-blocks", 2, "MLP blocks, two Linear layers each"),
           ("mlp-batch", 64, "MLP batch in rows, every rank the same"))
@@ -124,8 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp (default: gpt,mlp)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}; single is "
                    "always run; the mlp model has only the mlp plan (default: all)")
-    for flag, default, what in _SIZES:
-        p.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default: {default})")
+    add_size_flags(p, _SIZES)
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: 1e-3)")
     add_output_flags(p, "tp")
     return p
@@ -133,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(ns: argparse.Namespace) -> argparse.Namespace:
     """Turn the flags into values (``ns.models``, ``ns.variants``: names) or raise ValueError."""
-    from fourfold.models import GPTConfig
     from fourfold.models.gpt_plan import check_tinygpt_tp
 
     ns.models = name_list(ns.models, ("gpt", "mlp"), "models", "gpt")
@@ -145,8 +137,7 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"sizes must be >= 1, got {', '.join(f'--{f} {n}' for f, n in small.items() if n < 1)}. "
                          f"The defaults: {', '.join(f'--{f} {d}' for f, d, _ in _SIZES)}.")
     if "gpt" in ns.models:
-        check_tinygpt_tp(GPTConfig(seq_len=ns.gpt_seq_len, n_layer=ns.gpt_layers, n_head=ns.gpt_heads,
-                                   d_model=ns.gpt_d_model), ns.nproc)
+        check_tinygpt_tp(gpt_config(ns), ns.nproc)
     if "mlp" in ns.models and 4 * ns.mlp_width % ns.nproc:
         raise ValueError(f"4*mlp-width (the hidden width) must be divisible by tp, got {4 * ns.mlp_width} and "
                          f"{ns.nproc}. Use --mlp-width {-(-ns.mlp_width // ns.nproc) * ns.nproc} or an nproc that "
@@ -157,35 +148,6 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``fourfold bench tp ...``: launch the ranks (parent) or run the benchmark (a rank)."""
     return run_or_launch("tp", argv, _parser(), _check, _run)
-
-
-def _mlp(ns: argparse.Namespace) -> Workload:
-    """``--mlp-blocks`` TinyGPT MLP blocks of width W (W -> 4W -> W, GELU), MSE against random targets."""
-    import torch
-    from torch import nn
-
-    from fourfold.models import GPTConfig
-    from fourfold.models.gpt import MLP
-
-    cfg, width = GPTConfig(d_model=ns.mlp_width, n_head=1), ns.mlp_width
-
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            model = nn.Sequential(*(MLP(cfg) for _ in range(ns.mlp_blocks)))
-        model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(0)  # every copy equal; torch's global RNG untouched
-        for name, param in model.named_parameters():
-            fan_in = param.shape[-1]
-            nn.init.normal_(param, std=fan_in ** -0.5, generator=gen) if name.endswith("weight") else \
-                nn.init.zeros_(param)
-        return model
-
-    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(k)  # round k's batch, the same on every rank
-        return torch.randn(ns.mlp_batch, width, generator=gen), torch.randn(ns.mlp_batch, width, generator=gen)
-
-    return Workload("mlp", f"MLP {ns.mlp_blocks} x (Linear({width}, {4 * width}), GELU, Linear({4 * width}, "
-                    f"{width})), batch {ns.mlp_batch} rows", build, batch, nn.functional.mse_loss)
 
 
 @dataclass(eq=False)
@@ -411,12 +373,12 @@ def _run(ns: argparse.Namespace) -> None:
     say(f"tp={p}, variants {', '.join(ns.variants)}, {ns.warmup} warm-up + {ns.rounds} rounds")
     workloads = []
     for name in ns.models:
-        w = _workload("gpt", ns, 0, 1) if name == "gpt" else _mlp(ns)  # rank 0 of 1: the whole batch
+        w = gpt(ns, 0, 1) if name == "gpt" else mlp_blocks(ns)  # rank 0 of 1: the whole batch
         workloads.append(_measure(w, ns, device_mesh, ranks, say))
         if main_rank:
-            print(_table(workloads[-1], p), flush=True)
+            print(table(workloads[-1], p), flush=True)
     if main_rank:
-        _report(ns, p, workloads, time.monotonic() - started, load_before)
+        report(ns, p, workloads, time.monotonic() - started, load_before)
     barrier("finish the benchmark")
     ctx.close()
 
@@ -456,106 +418,6 @@ def _measure(w: Workload, ns: argparse.Namespace, device_mesh: Any, ranks: Any,
 def _pairs(counts: Counts) -> list[list[Any]]:
     """``{(phase, op): n}`` as JSON: ``[[phase, op, n], ...]``, sorted."""
     return sorted([phase, op, n] for (phase, op), n in counts.items())
-
-
-def _fwd_bwd(pairs: list[list[Any]]) -> str:
-    """``[[phase, op, n], ...]`` -> ``"10+9"`` (forward + backward collectives)."""
-    return "+".join(str(sum(n for ph, _, n in pairs if ph == phase)) for phase in ("forward", "backward"))
-
-
-def _table(result: dict[str, Any], p: int) -> str:
-    def mb(n: float) -> str:
-        return f"{n / 2 ** 20:.2f}"
-
-    lines = [f"\n{result['describe']}, {result['parameters'] / 1e6:.2f} M parameters, tp={p}",
-             f"{'variant':<13} {'median':>9} {'min':>9} {'x dtensor':>9} {'paired':>6} {'x single':>8} {'MiB/rank':>8} "
-             f"{'sharded':>7} {'repl.':>6} {'shard*tp':>8} {'coll f+b':>8} {'tracer':>6} {'theory':>6} "
-             f"{'per block':>9}"]
-    for r in result["rows"]:
-        m, c = r["memory"], r["collectives"]
-        frac = "-" if m["sharded_fraction"] is None else f"{m['sharded_fraction'] * p:.3f}"
-        per_block = "-" if "tracer" not in c else "= theory" if c["tracer_per_block"] == c["theory_per_block"] \
-            else "DIFFERS"
-        lines.append(f"{r['variant']:<13} {fmt_time(r['median_s']):>9} {fmt_time(r['min_s']):>9} "
-                     f"{'-' if r['x_dtensor'] is None else format(r['x_dtensor'], '.3f'):>9} "
-                     f"{'-' if r['x_dtensor_paired'] is None else format(r['x_dtensor_paired'], '.3f'):>6} "
-                     f"{r['x_single']:>8.3f} {mb(m['total']):>8} {mb(m['sharded']):>7} {mb(m['replicated']):>6} "
-                     f"{frac:>8} {_fwd_bwd(c['counted']):>8} "
-                     f"{_fwd_bwd(c['tracer']) if 'tracer' in c else '-':>6} {_fwd_bwd(c['theory']):>6} "
-                     f"{per_block:>9}")
-    for c in result["check"]:
-        lines.append(f"check, step 1: {c['variant']:<13} loss {c['loss']:.6f} (rel. diff {c['loss_rel_diff']:.2g}); "
-                     f"worst gradient {c['grad_rel_diff']:.2g} of max |g| on rank {c['grad_worst_rank']} "
-                     f"({c['grad_worst_param']}) "
-                     f"{'ok' if c['ok'] else 'FAILED'}")
-    return "\n".join(lines)
-
-
-def _targets(workloads: list[dict[str, Any]], p: int) -> list[dict[str, Any]]:
-    """The project's targets, each with its value and whether it is met."""
-    out = []
-    for w in workloads:
-        for r in w["rows"]:
-            c, m = r["collectives"], r["memory"]
-            if r["variant"].startswith("fourfold"):
-                if r["x_dtensor"] is not None and p == 2:
-                    out.append({"target": f"{w['model']} {r['variant']}: step time <= {TARGET_RATIO}x dtensor-"
-                                f"{r['plan']}", "value": r["x_dtensor"], "limit": TARGET_RATIO,
-                                "met": r["x_dtensor"] <= TARGET_RATIO, "paired": r["x_dtensor_paired"]})
-                out.append({"target": f"{w['model']} {r['variant']}: collectives per block and step (tracer) = "
-                            "theory", "value": _fwd_bwd(c["tracer"]), "limit": _fwd_bwd(c["theory"]),
-                            "met": c["tracer_per_block"] == c["theory_per_block"] and c["tracer"] == c["theory"]})
-            if r["plan"] != "none":
-                out.append({"target": f"{w['model']} {r['variant']}: sharded parameter bytes per rank = 1/tp of "
-                            "the full ones", "value": m["sharded_fraction"], "limit": 1 / p,
-                            "met": m["sharded"] * p == m["full_sharded"]})
-    return out
-
-
-def _report(ns: argparse.Namespace, p: int, workloads: list[dict[str, Any]], elapsed: float,
-            load_before: tuple[float, float, float]) -> None:
-    """Rank 0: the targets, bench.json and bench.png."""
-    verdicts = _targets(workloads, p)
-    print("\ntargets:")
-    for t in verdicts:
-        value = f"{t['value']:.3f}" if isinstance(t["value"], float) else t["value"]
-        limit = f"{t['limit']:.3f}" if isinstance(t["limit"], float) else t["limit"]
-        miss = "" if t["met"] or not isinstance(t["value"], float) else f" ({t['value'] / t['limit'] - 1:+.1%})"
-        paired = f"; paired by round {t['paired']:.3f}" if t.get("paired") is not None else ""
-        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {value} (limit {limit}){miss}{paired}")
-    result = {**run_record(ns, p, elapsed, load_before),
-              "settings": {"tp": p, "variants": ns.variants, "rounds": ns.rounds, "warmup": ns.warmup,
-                           "optimizer": f"SGD(lr={ns.lr:g})", "dtype": "float32",
-                           "timing": "slowest rank per step (forward+backward+optimizer), median over rounds"},
-              "workloads": workloads, "targets": verdicts}
-    write_report(Path(ns.out), result, elapsed, lambda path: _chart(workloads, p, path))
-
-
-def _chart(workloads: list[dict[str, Any]], p: int, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
-
-    fig = Figure(figsize=(3 + 3.5 * len(workloads), 4.5))
-    for i, w in enumerate(workloads):
-        ax = fig.add_subplot(1, len(workloads), i + 1)
-        names = [r["variant"] for r in w["rows"]]
-        ms = [r["median_s"] * 1e3 for r in w["rows"]]
-        whiskers = [[m - r["min_s"] * 1e3 for m, r in zip(ms, w["rows"], strict=True)],
-                    [r["max_s"] * 1e3 - m for m, r in zip(ms, w["rows"], strict=True)]]
-        colors = ["0.6" if n == "single" else "C0" if n.startswith("fourfold") else "C1" for n in names]
-        bars = ax.bar(names, ms, color=colors, yerr=whiskers, capsize=3)
-        ax.bar_label(bars, [f"{r['x_dtensor']:.2f}x" if r["x_dtensor"] else "" for r in w["rows"]], fontsize=8)
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-        ax.set(ylabel="median step time (ms; bars: min..max)",
-               title=f"{w['model']}: {w['parameters'] / 1e6:.2f} M params, tp={p}")
-        ax.title.set_fontsize(9)
-    fig.suptitle("tensor-parallel step, gloo on CPU: grey single, blue fourfold (label: x DTensor), orange DTensor",
-                 fontsize=9)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from fourfold.bench.harness import (
     paired_ratio,
     run_or_launch,
     run_record,
+    save_png,
     start_rank,
     timed_rounds,
     write_report,
@@ -232,10 +233,7 @@ def _report(ns: argparse.Namespace, g: int, rows: list[dict[str, Any]], worst: f
 
 
 def _chart(rows: list[dict[str, Any]], g: int, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from fourfold.files import atomic_path
 
     fig = Figure(figsize=(10, 4.2))
     xs = range(len(rows))
@@ -257,8 +255,7 @@ def _chart(rows: list[dict[str, Any]], g: int, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.suptitle("ZeRO: fourfold (blue) vs PyTorch FSDP2 and DDP (orange), gloo on CPU", fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(fig).print_png(str(tmp))
+    save_png(fig, path)
 
 
 if __name__ == "__main__":
