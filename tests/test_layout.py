@@ -78,6 +78,10 @@ def test_every_old_keyword_has_a_home():
         parallelize(TinyGPT(CFG), None, Layout(), zero=1)
     with pytest.raises(TypeError, match="unexpected keyword arguments \\['schedul'\\]"):
         parallelize(TinyGPT(CFG), None, schedul="1f1b")
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['tp'\\]"):  # sizes never were keywords
+        parallelize(TinyGPT(CFG), None, tp=2)
+    with pytest.raises(TypeError, match="plan= and the older tp_plan= together"):
+        parallelize(TinyGPT(CFG), None, plan={}, tp_plan={})
     with pytest.raises(ValueError, match="the mesh must be the layout's"):
         parallelize(TinyGPT(CFG), None, Layout(tp=2))
 

@@ -151,6 +151,7 @@ def test_bf16_reduced_gradients_are_judged_as_compressed_by_verify():
 
     assert judged_as(Config(parallel=Layout(reduce_dtype="bfloat16"))) == judged_as(
         Config(parallel=Layout(compress="bf16"))) == ("compressed", "bf16")
+    assert judged_as(Config(parallel=Layout(reduce_dtype="float16"))) == ("compressed", "fp16")
     assert judged_as(Config(train=TrainConfig(dtype="float64"))) == ("float64", None)
     assert judged_as(Config(parallel=Layout(precision="bf16"))) == ("bf16", None)
     # Gemma's norms compute in float32 whatever the dtype: a float64 Gemma is judged by float32's rounding

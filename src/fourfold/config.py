@@ -228,7 +228,7 @@ class TrainConfig:
             raise ValueError(f"init_from's config.json must be of a family fourfold has a plan for ({', '.join(families)}), "
                              f"got model_type={kind!r} in {self.init_from!r}. Pass a model of your own as "
                              "--model MODULE:FACTORY with --init-from its .safetensors file.")
-        if self.model != kind:  # (fourfold train's flags left out, the directory's family is taken: cli.args)
+        if self.model != kind:  # (fourfold train's flags left out, the directory's family is taken: run.args)
             raise ValueError(f"init_from holds a {kind} model (its config.json's model_type), got model="
                              f"{self.model!r}. Pass --model {kind}, or leave --model out.")
         if self.model_config is not None:

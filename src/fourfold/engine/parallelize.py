@@ -68,7 +68,10 @@ __all__ = ["MOVED", "TensorPlan", "apply_ac", "apply_dp", "apply_pp", "apply_tp"
            "resolve"]
 
 MOVED = {
-    **{f.name: f"Layout({f.name}=...)" for f in dataclasses.fields(Layout)},
+    **{name: f"Layout({name}=...)" for name in (
+        "sequence_parallel", "schedule", "microbatches", "virtual", "strategy", "allreduce", "bucket_mb",
+        "sync_batchnorm", "find_unused_parameters", "activation_checkpointing", "zero", "precision", "reduce_dtype",
+        "compress", "balance", "grad_accum", "boundaries")},
     "tp_plan": "plan=",
     "seed": "engine.manual_seed(seed)",
     "tracer": "Mesh(...).build(tracer=...) (or RankMesh.single(tracer=...))",
@@ -106,6 +109,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     :meth:`Engine.manual_seed`; one process draws from your generator, as plain PyTorch does.
     """
     ranks, layout, compressor, seed = _resolve_arguments(mesh, layout, moved)
+    if "tp_plan" in moved and plan is not None:
+        raise TypeError("parallelize() got plan= and the older tp_plan= together. Pass plan= alone.")
     plan = moved.get("tp_plan", plan)
     m, tracer = ranks.mesh, ranks.recorder
     family = family_of(model)
@@ -316,7 +321,8 @@ def _resolve_arguments(mesh: RankMesh | Mesh | None, layout: Layout | None, move
         layout.check_mesh(ranks.mesh)
         return ranks, layout.for_mesh(ranks.mesh), None, moved.get("seed")
     compressor = given.get("compress") if isinstance(given.get("compress"), Compressor) else None
-    if compressor is not None:  # an object of the caller's (a PowerSGD of its rank): used as it is
+    if compressor is not None:  # an object of the caller's (a PowerSGD of its rank): used as it is; the layout
+        # records its kind only (not a PowerSGD's rank and warm-up, nor a custom compressor's name)
         given["compress"] = compressor.name if compressor.name in COMPRESSIONS else "int8"
     if isinstance(given.get("reduce_dtype"), torch.dtype):
         given["reduce_dtype"] = str(given["reduce_dtype"]).removeprefix("torch.")

@@ -2,7 +2,7 @@
 
 Each data-parallel bucket (:class:`~fourfold.parallel.data.Bucket`) is padded to a multiple of the group size
 G and cut into G equal segments; rank r owns segment r of every bucket. The optimiser is given the owned
-segments (:attr:`ZeroBucket.shard`, flat parameters) instead of the model's parameters, so its state is
+segments (:attr:`~fourfold.parallel.shards.ZeroBucket.shard`, flat parameters) instead of the model's parameters, so its state is
 1/G of the model's on each rank (stage 1). The gradient sync is the ring all-reduce's first half: a
 **reduce-scatter** leaves each rank the sum of its own segment only, written into ``shard.grad``; the other
 half, an **all-gather** of the updated segments, runs before the next forward and rebuilds every parameter
@@ -21,7 +21,7 @@ phases are :mod:`fourfold.comm.ring`'s (counted and drawn like the all-reduce), 
 
 Per rank and step, with Ψ the parameters' elements (each bucket padded to a multiple of G): the reduce-scatter
 and the all-gather each send (G-1)Ψ/G elements, so stages 1-2 send 2(G-1)Ψ/G (the all-reduce's volume) and
-stage 3 3(G-1)Ψ/G (one more gather, for backward); :func:`theory_bytes` is the exact figure.
+stage 3 3(G-1)Ψ/G (one more gather, for backward); :func:`~fourfold.parallel.shards.theory_bytes` is the exact figure.
 """
 
 from __future__ import annotations

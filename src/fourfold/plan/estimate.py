@@ -1,6 +1,6 @@
 """Memory per rank, known before launch: what ``fourfold plan --memory`` prints and every run checks first.
 
-    blocks = list(model.blocks)                                   # compose.model_blocks(model, split)
+    blocks = list(model.blocks)                                   # engine.pieces.model_blocks(model, split)
     probe = probe_activations(model, blocks, seq_len=64, shards=shard_plan(model))
     rows = estimate_memory(model, blocks, dp=2, tp=2, pp=2, batch_size=16, microbatches=4, schedule="1f1b",
                            zero=1, shards=shard_plan(model), probe=probe)

@@ -78,6 +78,8 @@ def _moved_to_parallel(data: dict[str, Any], path: str | Path) -> None:
                              "[parallel].")
         parallel[key] = train.pop(key)
     data["parallel"] = parallel
+    if "RANK" in os.environ:  # a rank of a launched run: its launcher said it already
+        return
     print(f"fourfold: note: {', '.join(moved)} in [train] of {path} belong under [parallel] now; read from there "
           "(move them to silence this note).", file=sys.stderr)
 

@@ -339,7 +339,7 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
     if mesh.pp == 1:
         why.update(dict.fromkeys(PIPELINE_FLAGS, "pp=1: no pipeline"))
         why["microbatches"] = "pp=1: no pipeline; --grad-accum N cuts each step into N micro-batches without one"
-    elif p.strategy == "model":  # strategy model at pp=1 is refused by preflight
+    elif p.strategy == "model":  # strategy model at pp=1 is refused by the Layout
         why.update(dict.fromkeys(PIPELINE_FLAGS, "--strategy model runs one micro-batch"))
     elif p.schedule != "interleaved":
         why["virtual"] = f"only --schedule interleaved reads it, got --schedule {p.schedule}"

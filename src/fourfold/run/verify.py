@@ -203,7 +203,8 @@ def judged_as(cfg: Config) -> tuple[str, str | None]:
     from fourfold.models.hf import FLOAT32_NORMS
 
     t, p = cfg.train, cfg.parallel
-    lossy = p.compress if p.compress != "none" else "bf16" if p.reduce_dtype == "bfloat16" else None
+    narrow = {"bfloat16": "bf16", "float16": "fp16"}  # gradients reduced in fewer bits than they are kept in
+    lossy = p.compress if p.compress != "none" else narrow.get(p.reduce_dtype)
     dtype = "float32" if t.dtype == "float64" and t.model in FLOAT32_NORMS else t.dtype
     return ("compressed" if lossy else "bf16" if p.precision == "bf16" else dtype), lossy
 
