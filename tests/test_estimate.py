@@ -277,7 +277,7 @@ def test_the_check_before_launch_estimates_the_run_as_given(flags, want):
     from fourfold.config import Config, TrainConfig
 
     cfg = Config(model=GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16),
-                 train=TrainConfig(batch_size=16, **flags))
+                 train=TrainConfig(batch_size=16), parallel=Layout(**flags))
     rows, options, estimate, _ = layout_memory(cfg, 2 if flags.get("pp") else 1)
     assert {k: options[k] for k in want} == want
     assert rows == estimate(options)

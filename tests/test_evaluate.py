@@ -107,7 +107,7 @@ def test_the_held_out_loss_counts_each_token_once_whatever_packed_batch_it_fell_
 
     from fourfold.data.loader import Batch
     from fourfold.observe.trace import Tracer
-    from fourfold.train import _evaluate
+    from fourfold.run.metrics import held_out_loss as _evaluate
 
     ids = torch.zeros(1, 4, dtype=torch.long)
     batches = [Batch(ids, ids, torch.zeros(1, 4, dtype=torch.long), num_tokens=10),
