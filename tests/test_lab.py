@@ -184,7 +184,7 @@ def test_sweep_fits_both_links_and_predicts_every_algorithm(tmp_path):
 
 
 def test_a_lab_keeps_its_cost_model_apart_from_this_machines(monkeypatch):
-    from fourfold.cli.lab import _node_env
+    from fourfold.lab.run import _node_env
 
     monkeypatch.delenv("FOURFOLD_COST_MODEL", raising=False)
     env = _node_env(Lab(4, "250mbit"), 1, 2)
