@@ -94,7 +94,6 @@ class Engine:
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
         self.precision = layout.precision
-        self.grad_accum = layout.grad_accum  # no pipeline: micro-batches per step, their gradients accumulated
         self.zero = dp.zero if dp is not None else 0
         # the one branch: a pipeline's schedule, or the model's forward and backward (in grad_accum parts)
         self.runner: Runner = (Piped(pipeline, self.gathered) if pipeline is not None else
