@@ -93,7 +93,6 @@ class Engine:
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._partial_grads = partial_grads
-        self.precision = layout.precision
         self.zero = dp.zero if dp is not None else 0
         # the one branch: a pipeline's schedule, or the model's forward and backward (in grad_accum parts)
         self.runner: Runner = (Piped(pipeline, self.gathered) if pipeline is not None else
@@ -274,7 +273,7 @@ class Engine:
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""
-        if self.precision == "bf16":
+        if self.layout.precision == "bf16":
             return torch.autocast(self._device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
