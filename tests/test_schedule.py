@@ -404,7 +404,7 @@ def test_schedule_command_refuses_huge_sizes_at_once(capsys):
 
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
 def test_an_action_sends_exactly_the_messages_other_ranks_wait_for(name, virtual):
-    from fourfold.parallel.schedule import _inputs
+    from fourfold.parallel.schedule.order import _inputs
 
     s = make_schedule(name, 2, 4, virtual)
     sent = {(a.stage, a.op, a.microbatch) for row in s.ranks for a in row if s.sends(a)}

@@ -27,7 +27,7 @@ from fourfold.observe.trace import Tracer
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.pipeline.blocks import output_tensor
-from fourfold.parallel.pipeline.runtime import gather_stages
+from fourfold.parallel.pipeline.state import gather_stages
 
 __all__ = ["Piped", "Plain", "Runner"]
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism: ``split`` (cut a model into stages, checked against its own forward), ``runtime``
 (one executor for any :mod:`~fourfold.parallel.schedule`), ``p2p`` (messages between stages), ``backward``
-(the B/W split of zero-bubble schedules).
+(the B/W split of zero-bubble schedules), ``figures`` (a step's loss, bubble and memory, gathered over pp),
+``state`` (the stages' state dicts merged).
 """
 
 from __future__ import annotations

@@ -50,15 +50,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.comm.wait import bounded_wait, broadcast_object, gather_objects, group_ranks
+from fourfold.comm.wait import broadcast_object
 from fourfold.launch import DEFAULT_TIMEOUT_S
 from fourfold.loss import lm_loss
 from fourfold.observe.memory import parameter_storages, saved_bytes_once
 from fourfold.observe.trace import Tracer
 from fourfold.parallel import split_backward
 from fourfold.parallel.pipeline.backward import Call, activation_grads, weight_grads, weight_grads_are_local
+from fourfold.parallel.pipeline.figures import RankFigures, StepResult, gather_step
 from fourfold.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Links, PipelineError, describe
 from fourfold.parallel.pipeline.split import Balance, Stage, TensorSpec, plan, split_model
+from fourfold.parallel.pipeline.state import gather_stages
 from fourfold.parallel.schedule import Action, Schedule, validate
 
 __all__ = ["Pipeline", "PipelineError", "StepResult", "build_pipeline"]
@@ -67,26 +69,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 PIPELINE_TENSOR = ("a pipeline's {what} must be one tensor (its stages send tensors), got {got}. Pack them into one "
                    "tensor for pp, or train this model with dp and tp, which take a dict, list or tuple of tensors.")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One step, measured. ``*_by_rank``: every rank of the pipeline group (gathered at the step's end)."""
-
-    loss: float                     # mean loss over the batch (computed on the last stage; every rank has it)
-    bubble: float                   # this rank: 1 - its F, B, W time / the slowest rank's step (idle, tail too)
-    busy: float                     # this rank: time in F, B, W / its own step time
-    step_s: float
-    wait_s: float
-    compute_s: float
-    peak_activation_bytes: int      # this rank: the most saved-activation bytes held at once
-    peak_in_flight: int             # this rank: the most (stage, micro-batch) held at once
-    sent_bytes: int                 # headers included
-    messages: int
-    bubble_by_rank: tuple[float, ...] = ()
-    peak_activation_bytes_by_rank: tuple[int, ...] = ()
-    peak_in_flight_by_rank: tuple[int, ...] = ()
-    wait_by_rank: tuple[float, ...] = ()  # time blocked on receives and sends / the rank's own step
 
 
 @dataclass
@@ -433,86 +415,15 @@ class Pipeline:
         self._s.compute_ns += t1 - t0
         self._record("compute", a.op, t0, t1, microbatch=a.microbatch, stage=a.stage)
 
+
     def _result(self, start: int, end: int) -> StepResult:
-        s = self._s
-        step_ns = max(end - start, 1)
-        mine = torch.tensor([s.loss.item() if s.loss is not None else 0.0, self.links.wait_ns / step_ns, s.peak_bytes,
-                             s.peak_in_flight, s.compute_ns, step_ns], dtype=torch.float64, device=self.device)
-        everyone = [torch.empty_like(mine) for _ in self.ranks]
-        work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
-        bounded_wait(work, self.timeout_s, rank=self.rank, op="step end", awaited="gather the step's loss and "
-                     "figures with the pipeline group of", group_ranks=self.ranks)
-        rows = [t.tolist() for t in everyone]
-        last = self.schedule.owner(self.schedule.stages - 1)
-        # The bubble as the schedule's simulation defines it: the share of the step a rank is not computing, the
-        # step being the slowest rank's (the ranks start together: the last step ended in this gather). A rank's
-        # wait in receives alone leaves out its idle tail, which a model-parallel rank spends waiting for the
-        # others to finish (in the tied weights' sum, or here).
-        window = max(r[5] for r in rows)
-        bubbles = tuple(max(0.0, 1.0 - r[4] / window) for r in rows)
-        return StepResult(
-            loss=rows[last][0], bubble=bubbles[self.pp_rank],
-            busy=s.compute_ns / step_ns, step_s=step_ns / 1e9, wait_s=self.links.wait_ns / 1e9,
-            compute_s=s.compute_ns / 1e9, peak_activation_bytes=s.peak_bytes, peak_in_flight=s.peak_in_flight,
-            sent_bytes=self.links.sent_bytes, messages=self.links.messages, bubble_by_rank=bubbles,
-            peak_activation_bytes_by_rank=tuple(int(r[2]) for r in rows),
-            peak_in_flight_by_rank=tuple(int(r[3]) for r in rows), wait_by_rank=tuple(r[1] for r in rows))
-
-
-Parts = list[tuple[int, dict[str, torch.Tensor]]]
-STATE_TAG = 1 << 30
-"""The first tag of a state dict's tensors sent to one rank (then one each): above every pipeline message's
-(:meth:`Links._tag`)."""
-
-
-def gather_stages(parts: Parts, group: dist.ProcessGroup | None, dst: int | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Every rank's ``(stage index, that stage's state under the model's names)`` parts, merged in stage order
-    (so in the model's key order, interleaved stages included), on every rank of ``group`` (or on global rank
-    ``dst`` alone, the tensors crossing on ``device``, the group's; the others get ``{}``). A collective."""
-    if dst is None:
-        everyone = gather_objects(list(parts), group, op="gather the pipeline's state_dict")
-    else:
-        everyone = _gather_onto(parts, group, dst, timeout_s, torch.device(device))
-    out: dict[str, torch.Tensor] = {}
-    for _, part in sorted((item for got in everyone for item in got), key=lambda item: item[0]):
-        out.update(part)
-    return out
-
-
-def _gather_onto(parts: Parts, group: dist.ProcessGroup | None, dst: int, timeout_s: float,
-                 device: torch.device) -> list[Parts]:
-    """Every rank's ``parts`` on ``dst`` (``[]`` elsewhere), the tensors sent one at a time: only their names,
-    shapes and dtypes travel pickled, so ``dst`` holds each received tensor once (a pickled gather holds every
-    rank's pickle, padded to the largest, beside what it unpickles). Each tensor has a tag of its own, its place
-    in its sender's list (:func:`_tensors`)."""
-    me = dist.get_rank()
-    shapes = [(index, [(k, tuple(v.shape), v.dtype) for k, v in part.items()]) for index, part in parts]
-    everyone = gather_objects(shapes, group, op="gather the names and shapes of the pipeline's state_dict", dst=dst)
-    if me != dst:  # one tensor at a time
-        for j, (k, v) in enumerate(_tensors(parts)):
-            t = v.contiguous().to(device)
-            bounded_wait(dist.isend(t, dst, group=group, tag=STATE_TAG + j), timeout_s, rank=me,
-                         op=f"send {k} (state_dict)", awaited="send to", peer=dst, tensor=t, direction="send")
-        return []
-    received: dict[int, Parts] = {me: list(parts)}
-    posted = []  # every receive posted at once, so no sender waits for the ranks before it to be received
-    for src, theirs in zip(group_ranks(group), everyone, strict=True):
-        if src != me:
-            received[src] = [(index, {k: torch.empty(shape, dtype=dtype, device=device) for k, shape, dtype in listed})
-                             for index, listed in theirs]
-            posted += [(src, k, t, dist.irecv(t, src, group=group, tag=STATE_TAG + j))
-                       for j, (k, t) in enumerate(_tensors(received[src]))]
-    for src, k, t, work in posted:
-        bounded_wait(work, timeout_s, rank=me, op=f"receive {k} (state_dict)", awaited="receive from", peer=src,
-                     tensor=t, direction="recv")
-    return [[(index, {k: t.cpu() for k, t in part.items()}) for index, part in received[src]]
-            for src in group_ranks(group)]
-
-
-def _tensors(parts: Parts) -> list[tuple[str, torch.Tensor]]:
-    """``parts``' tensors in one list, stage by stage: the order a sender sends them and its receiver tags them."""
-    return [(k, t) for _, part in parts for k, t in part.items()]
+        s, links = self._s, self.links
+        mine = RankFigures(loss=s.loss.item() if s.loss is not None else 0.0, wait_ns=links.wait_ns,
+                           peak_bytes=s.peak_bytes, peak_in_flight=s.peak_in_flight, compute_ns=s.compute_ns,
+                           step_ns=max(end - start, 1), sent_bytes=links.sent_bytes, messages=links.messages)
+        return gather_step(mine, last=self.schedule.owner(self.schedule.stages - 1), pp_rank=self.pp_rank,
+                           group=self.group, ranks=self.ranks, rank=self.rank, timeout_s=self.timeout_s,
+                           device=self.device)
 
 
 def build_pipeline(model: nn.Module | Sequence[nn.Module], schedule: Schedule,
