@@ -912,7 +912,7 @@ def test_a_tensor_parallel_layout_that_fits_only_with_sequence_parallelism_is_ra
 def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_the_flags_given():
     """Given --sequence-parallel (or a --config file), the command for a layout without tp must not carry it:
     train refuses sequence parallelism at tp 1. The layout's own flags say when it is on."""
-    from fourfold.cli.plan import _user_flags
+    from fourfold.cli.ranking import _user_flags
 
     assert _user_flags(["--sequence-parallel", "--model", "gpt2"], Candidate(dp=2)) == ["--model", "gpt2"]
     assert _user_flags(["--config", "run.toml"], Candidate(dp=2, zero=1)) == ["--config", "run.toml",
@@ -921,6 +921,6 @@ def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_th
 
 
 def test_plan_shows_a_tiny_models_step_in_microseconds_not_zero_ms():
-    from fourfold.cli.plan import _time
+    from fourfold.cli.ranking import _time
 
     assert [_time(s) for s in (47.7e-6, 0.0, 0.0123, 12.0)] == ["47.7 us", "0.0 ms", "12.3 ms", "12.0 s"]
