@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from fourfold import Layout
-from fourfold.config import Config, TrainConfig
+from fourfold.config import Config, OutputConfig, TrainConfig
 from fourfold.run.preflight import preflight
 
 
@@ -28,7 +28,8 @@ def test_grad_accum_with_a_pipeline_is_refused_naming_microbatches():
 
 
 def test_a_shard_that_does_not_cut_into_the_micro_batches_is_refused_before_launch(tmp_path):
-    cfg = Config(train=TrainConfig(batch_size=6, out=str(tmp_path / "run")), parallel=Layout(grad_accum=4))
+    cfg = Config(train=TrainConfig(batch_size=6), output=OutputConfig(out=str(tmp_path / "run")),
+                 parallel=Layout(grad_accum=4))
     with pytest.raises(ValueError, match=r"3 sequences per shard .*Pass --batch-size 8 or --grad-accum 3"):
         preflight(cfg, 2)
 

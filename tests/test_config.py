@@ -21,9 +21,9 @@ def test_file_then_flags_override(tmp_path):
     cfg = parse_args(["--config", str(f), "--steps", "3", "--no-trace"])
     assert cfg.model.n_layer == 2 and cfg.model.d_model == 64
     assert cfg.train.steps == 3  # flag beats file
-    assert cfg.train.lr == 0.01 and cfg.train.dtype == "float64"
+    assert cfg.optim.lr == 0.01 and cfg.train.dtype == "float64"  # lr under [train]: an older file, still read
     assert cfg.launch.nproc == 2
-    assert cfg.train.trace is False
+    assert cfg.output.trace is False
 
 
 def test_unknown_key_in_file_names_the_nearest(tmp_path):
@@ -71,7 +71,7 @@ def test_multi_node_needs_an_endpoint(capsys):
 
 def test_every_section_round_trips_through_a_dict():
     d = Config().to_dict()
-    assert set(d) == {"model", "train", "parallel", "launch"}
+    assert set(d) == {"model", "data", "parallel", "optim", "train", "checkpoint", "output", "launch"}
     assert d["train"]["steps"] == Config().train.steps
 
 
@@ -83,8 +83,8 @@ def test_every_section_round_trips_through_a_dict():
     ("[train]\nout = 5", "out must be text, got 5 (int) in"),
     ("[train]\nlr = inf", "lr must be a finite number, got inf in"),
     ('[train]\nout = ""', "out must name a directory, got an empty string"),
-    ("steps = 3\n[train]\nlr = 1e-3", "steps = 3 in {f} is outside any table; every key sits under [model], [train], "
-     "[parallel] or [launch]. Put it under [train]."),
+    ("steps = 3\n[train]\nlr = 1e-3", "steps = 3 in {f} is outside any table; every key sits under [model], [data], "
+     "[parallel], [optim], [train], [checkpoint], [output] or [launch]. Put it under [train]."),
     ("[train\nsteps = 3", "config {f} is not valid TOML: Expected ']' at the end of a table declaration"),
     ("[train]\nsteps = -1", "--config {f} (or a flag): steps must be >= 1, got steps=-1."),
 ])
@@ -133,9 +133,9 @@ def test_non_finite_and_empty_flags_are_refused(capsys, flags, message):
 
 def test_a_float_field_takes_a_toml_integer(tmp_path):
     f = tmp_path / "run.toml"
-    f.write_text("[train]\nlr = 1\n")
+    f.write_text("[optim]\nlr = 1\n")
     cfg = parse_args(["--config", str(f)])
-    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
 
 
 def test_torchrun_never_reads_the_commands_flags():
@@ -179,7 +179,7 @@ def test_a_file_from_before_the_parallel_table_loads_with_one_note(tmp_path, cap
     cfg = parse_args(["--config", str(f)])
     assert (cfg.parallel.tp, cfg.parallel.zero, cfg.parallel.allreduce, cfg.train.steps) == (2, 1, "ring", 3)
     err = capsys.readouterr().err
-    assert err.count("note:") == 1 and "tp, zero, allreduce in [train]" in err and "[parallel]" in err, err
+    assert err.count("note:") == 1 and "tp, zero, allreduce under [parallel]" in err and "[parallel]" in err, err
     f.write_text("[train]\ntp = 2\n[parallel]\ntp = 4\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(f)])

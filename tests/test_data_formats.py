@@ -85,7 +85,7 @@ def test_json_lines_keep_their_text_under_the_key_text_key_names(tmp_path, capsy
     out = tmp_path / "run"
     assert train_mod.main([*TINY, "--data", str(path), "--text-key", "content", "--pack", "bfd", "--no-trace",
                            "--out", str(out)]) == 0
-    assert json.loads((out / "run.json").read_text())["config"]["train"]["text_key"] == "content"
+    assert json.loads((out / "run.json").read_text())["config"]["data"]["text_key"] == "content"
     assert train_mod.main([*TINY, "--text-key", "content", "--no-trace", "--out", str(tmp_path / "builtin")]) == 0
     assert "--text-key content (only a --data FILE.jsonl reads it)" in capsys.readouterr().err
 

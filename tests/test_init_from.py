@@ -125,19 +125,19 @@ def test_a_directory_names_the_model_and_its_tokenizer_for_the_flags_left_out(tm
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
 
-    def train(*flags: str):
-        return parse_args(["--init-from", str(tmp_path), *flags]).train
+    def cfg(*flags: str):
+        return parse_args(["--init-from", str(tmp_path), *flags])
 
-    assert (train().model, train().tokenizer) == ("llama", "bytes")  # no tokenizer.json there
+    assert (cfg().train.model, cfg().data.tokenizer) == ("llama", "bytes")  # no tokenizer.json there
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert train().tokenizer == str(tmp_path / "tokenizer.json")
-    assert train("--tokenizer", "bpe:300").tokenizer == "bpe:300"
-    assert train("--tokenizer", "bytes").tokenizer == "bytes"  # given: kept, even the default's value
+    assert cfg().data.tokenizer == str(tmp_path / "tokenizer.json")
+    assert cfg("--tokenizer", "bpe:300").data.tokenizer == "bpe:300"
+    assert cfg("--tokenizer", "bytes").data.tokenizer == "bytes"  # given: kept, even the default's value
     ids = tmp_path / "ids.npy"
     ids.write_bytes(b"")  # token ids are used as they are: no tokenizer
-    assert train("--data", str(ids)).tokenizer == "bytes"
+    assert cfg("--data", str(ids)).data.tokenizer == "bytes"
     with pytest.raises(SystemExit):  # given, the family must be the directory's
-        train("--model", "gpt2")
+        cfg("--model", "gpt2")
 
 
 def test_an_init_from_run_exports_to_a_directory_from_pretrained_loads_and_resumes_without_the_flag(tmp_path, capsys):

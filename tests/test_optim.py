@@ -16,22 +16,26 @@ import pytest
 import torch
 
 from fourfold import Layout, parallelize
-from fourfold.config import Config, TrainConfig
+from fourfold.config import Config, OptimConfig, TrainConfig
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.run.optim import NonFiniteLoss, lr_at, update
 from helpers import batches, optimizer
 
 
+def _config(steps: int = 20, **optim) -> Config:
+    return Config(train=TrainConfig(steps=steps), optim=OptimConfig(**optim))
+
+
 def test_the_learning_rate_warms_up_then_decays_to_min_lr_at_the_last_step():
-    t = TrainConfig(steps=10, lr=1.0, warmup_steps=4, lr_decay="cosine", min_lr=0.1)
+    t = _config(steps=10, lr=1.0, warmup_steps=4, lr_decay="cosine", min_lr=0.1)
     lrs = [lr_at(t, s) for s in range(1, 11)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # warm-up: lr * step / warmup_steps
     assert lrs[9] == pytest.approx(0.1) and lrs[6] == pytest.approx(0.55)  # halfway through the decay: the middle
     assert all(a > b for a, b in zip(lrs[3:], lrs[4:], strict=False))  # falling from the peak
-    linear = TrainConfig(steps=10, lr=1.0, warmup_steps=4, lr_decay="linear", min_lr=0.1)
+    linear = _config(steps=10, lr=1.0, warmup_steps=4, lr_decay="linear", min_lr=0.1)
     assert [lr_at(linear, s) for s in (4, 7, 10)] == pytest.approx([1.0, 0.55, 0.1])
-    assert {lr_at(TrainConfig(steps=10, lr=0.5), s) for s in range(1, 11)} == {0.5}  # the default: constant
-    assert lr_at(TrainConfig(steps=3, lr=1.0, warmup_steps=3, lr_decay="cosine"), 3) == 1.0  # all warm-up
+    assert {lr_at(_config(steps=10, lr=0.5), s) for s in range(1, 11)} == {0.5}  # the default: constant
+    assert lr_at(_config(steps=3, lr=1.0, warmup_steps=3, lr_decay="cosine"), 3) == 1.0  # all warm-up
 
 
 @pytest.mark.parametrize("options, match", [
@@ -44,7 +48,7 @@ def test_the_learning_rate_warms_up_then_decays_to_min_lr_at_the_last_step():
 ])
 def test_bad_schedules_and_norms_are_refused_with_the_fix(options, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**options)
+        _config(**options)
 
 
 def test_min_lr_without_a_decay_is_named_unread():
@@ -52,7 +56,7 @@ def test_min_lr_without_a_decay_is_named_unread():
     from fourfold.mesh import Mesh
     from fourfold.run.preflight import unused_flags
 
-    got = unused_flags(Config(train=TrainConfig(min_lr=1e-4)), Mesh())
+    got = unused_flags(Config(optim=OptimConfig(min_lr=1e-4)), Mesh())
     assert got == ["--min-lr 0.0001 (only --lr-decay linear or cosine reads it)"]
 
 
@@ -64,7 +68,7 @@ def test_a_non_finite_gradient_norm_stops_before_the_optimiser_step():
     before = [p.detach().clone() for p in engine.parameters()]
     engine.parameters()[0].grad[0, 0] = math.inf  # type: ignore[index]
     with pytest.raises(NonFiniteLoss, match="step 3: the gradients' norm is inf; training stopped before"):
-        update(engine, opt, TrainConfig(max_grad_norm=1.0), 3)
+        update(engine, opt, _config(max_grad_norm=1.0), 3)
     assert all(torch.equal(a, p) for a, p in zip(before, engine.parameters(), strict=True))  # untouched
 
 
@@ -86,23 +90,23 @@ def test_clipping_and_the_schedule_through_a_pipeline_run_verify_on_one_process(
     assert [r["lr"] for r in rows] == pytest.approx([0.01, 0.0055, 0.001])  # warm-up 1 step, then cosine
     assert all(r["grad_norm"] > 0.5 for r in rows), [r["grad_norm"] for r in rows]  # every step clipped
     run = json.loads((out / "run.json").read_text())
-    assert run["config"]["train"]["max_grad_norm"] == 0.5 and run["config"]["train"]["lr_decay"] == "cosine"
+    assert run["config"]["optim"]["max_grad_norm"] == 0.5 and run["config"]["optim"]["lr_decay"] == "cosine"
 
 
 def test_a_resume_names_a_changed_schedule_and_the_decays_new_end():
     from fourfold.config import Config
     from fourfold.run.resume import changed_settings
 
-    was = Config(train=TrainConfig(steps=10, lr_decay="cosine", max_grad_norm=1.0))
+    was = _config(steps=10, lr_decay="cosine", max_grad_norm=1.0)
     manifest = {"config": was.to_dict()}
     assert changed_settings(was, manifest) == []
-    now = Config(train=TrainConfig(steps=20, lr_decay="cosine", max_grad_norm=0.5))
+    now = _config(steps=20, lr_decay="cosine", max_grad_norm=0.5)
     assert changed_settings(now, manifest) == [
         "max_grad_norm 0.5 (was 1.0)", "steps 20 (was 10: the learning rate's decay now ends there)"]
-    older = Config(train=TrainConfig(steps=10)).to_dict()  # a checkpoint of a fourfold without these settings
+    older = _config(steps=10).to_dict()  # a checkpoint of a fourfold without these settings
     for key in ("warmup_steps", "lr_decay", "min_lr", "max_grad_norm"):
-        del older["train"][key]
-    assert changed_settings(Config(train=TrainConfig(steps=10, max_grad_norm=1.0)), {"config": older}) == [
+        del older["optim"][key]
+    assert changed_settings(_config(steps=10, max_grad_norm=1.0), {"config": older}) == [
         "max_grad_norm 1.0 (was 0.0)"]  # what it ran with then: the defaults
     constant = Config(train=TrainConfig(steps=20))  # no decay: more steps are the same run, continued
     assert changed_settings(constant, {"config": Config(train=TrainConfig(steps=10)).to_dict()}) == []

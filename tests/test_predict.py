@@ -563,7 +563,7 @@ def test_plan_prints_a_command_that_runs_the_model_and_batch_planned(capsys):
     assert (f"dp{cfg.parallel.dp}", f"tp{cfg.parallel.tp}", f"pp{cfg.parallel.pp}") == tuple(first[1:4])
     assert cfg.launch.nnodes * cfg.launch.nproc == 16 and cfg.launch.nproc == 4
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.seq_len, cfg.train.batch_size,
-            cfg.train.lr) == (2, 64, 2, 32, 8, 0.01)
+            cfg.optim.lr) == (2, 64, 2, 32, 8, 0.01)
     assert flags.count("--dp") == 1 and flags.count("--zero") <= 1
     assert main(["--gpus", "4", "--top", "1", *SMALL]) == 0  # one machine: run here
     cfg = parse_args(_command(capsys.readouterr().out))

@@ -460,10 +460,10 @@ def test_a_tokenizer_file_recorded_as_typed_is_the_same_setting_recorded_absolut
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tok.json").write_text("{}")
     cfg = parse_args(["--tokenizer", "tok.json"])
-    assert cfg.train.tokenizer == str(tmp_path / "tok.json")
-    older = {"config": {"train": {**cfg.to_dict()["train"], "tokenizer": "tok.json"}}}
+    assert cfg.data.tokenizer == str(tmp_path / "tok.json")
+    older = {"config": {"train": {**cfg.to_dict()["train"], "tokenizer": "tok.json"}}}  # before [data] too
     assert changed_settings(cfg, older) == []
-    assert parse_args(["--tokenizer", "bpe:300"]).train.tokenizer == "bpe:300"  # not a file: as given
+    assert parse_args(["--tokenizer", "bpe:300"]).data.tokenizer == "bpe:300"  # not a file: as given
 
 
 @pytest.mark.timeout(240)

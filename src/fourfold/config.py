@@ -2,23 +2,38 @@
 defaults, then a TOML file, then command-line flags (and a resumed run's model settings, left out, from its
 checkpoint) by :mod:`fourfold.run.args`.
 
-A TOML file has one table per section::
+A TOML file has one table per section, model / data / parallel / optim / train / checkpoint / output / launch::
 
     [model]
     n_layer = 4
     d_model = 128
 
-    [train]
-    steps = 50
-    batch_size = 16
+    [data]
+    data = "corpus.txt"
 
     [parallel]          # the Layout (fourfold.engine.layout): every parallel setting and its rules
     tp = 2
     zero = 1
     allreduce = "ring"
 
+    [optim]
+    lr = 3e-3
+
+    [train]
+    steps = 50
+    batch_size = 16
+
+    [checkpoint]
+    checkpoint_every = 10
+
+    [output]
+    out = "runs/tp2"
+
     [launch]
     nproc = 4
+
+A file written before the sections, with their keys under ``[train]``, still loads (one note names each key's
+table). Each section checks its own fields as it is made; :class:`Config` the rules across sections.
 
 ``fourfold train --print-config`` prints a run's whole configuration in this form. Every field is also a flag spelled with dashes (``--n-layer``, ``--batch-size``, ``--nproc``); the same name
 is used in the file, the flag, the docs and ``metrics.jsonl``. An unknown key or flag is refused with the
@@ -41,7 +56,8 @@ from fourfold.models.gpt import GPTConfig
 from fourfold.models.hf import read_model_config
 from fourfold.torchrun import LaunchConfig
 
-__all__ = ["MODEL_HELP", "SECTIONS", "Config", "LaunchConfig", "TrainConfig", "to_toml"]
+__all__ = ["MODEL_HELP", "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "LaunchConfig", "OptimConfig",
+           "OutputConfig", "TrainConfig", "recorded_settings", "to_toml"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -50,7 +66,8 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train: the model, steps, global batch, data, optimiser, checkpoints, outputs."""
+    """How to train: the model, steps, global batch, seed, dtype, device, evaluation and verification, memory and
+    time limits."""
 
     model: str = field(default="tinygpt", metadata=_help(
         "what to train: tinygpt (sized by the [model] flags), gpt2, llama, mistral, qwen2, qwen3, gemma, "
@@ -71,17 +88,6 @@ class TrainConfig:
     seed: int = field(default=0, metadata=_help("seed for the initial weights and the batch order"))
     dtype: Literal["float32", "float64"] = field(default="float32", metadata=_help(
         "parameter and activation dtype (float64 for exact comparisons)"))
-    lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    warmup_steps: int = field(default=0, metadata=_help(
-        "raise the learning rate linearly over the first N steps, to --lr at step N"))
-    lr_decay: Literal["none", "linear", "cosine"] = field(default="none", metadata=_help(
-        "after the warm-up, lower the learning rate from --lr to --min-lr at the last step (--steps)"))
-    min_lr: float = field(default=0.0, metadata=_help("with --lr-decay linear|cosine: the last step's learning rate"))
-    max_grad_norm: float = field(default=0.0, metadata=_help(
-        "clip the gradients before each step so their global norm (the whole model's, as one process computes "
-        "it, under any layout) is at most this; metrics.jsonl records grad_norm, and a non-finite norm stops "
-        "the run before the step (0: off)"))
     memory_check: bool = field(default=True, metadata=_help(
         "before launch, estimate each rank's memory (parameters, gradients, optimiser state, activations) and "
         "refuse a layout that would not fit, naming the largest term and the cheapest change that fits"))
@@ -95,43 +101,6 @@ class TrainConfig:
     hang_threshold: float = field(default=DEFAULT_HANG_S, metadata=_help(
         "seconds a rank may wait in one operation before the hang doctor looks for the rank that never "
         "arrived; a stopped or deadlocked one ends the run, named (0: off)"))
-    data: str | None = field(default=None, metadata=_help(
-        "what to train on: a text file, a folder of them, a .jsonl of {\"text\": ...} lines, or token ids in a "
-        ".npy / .bin (memory-mapped; larger than memory is fine). Default: the built-in corpus, the Python "
-        "standard library's source"))
-    text_key: str = field(default="text", metadata=_help(
-        "with --data FILE.jsonl: the key of each record's text (\"content\", say)"))
-    tokenizer: str = field(default="bytes", metadata=_help(
-        "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
-        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). Left "
-        "out with --init-from a directory holding a tokenizer.json: that one"))
-    data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
-        "the integer type of a .bin file's token ids (a .npy says its own)"))
-    pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
-        "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
-        "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
-        "(packed into rows of --seq-len, attention kept inside each document); --batch-size then counts "
-        "documents"))
-    tokens_per_step: int | None = field(default=None, metadata=_help(
-        "with --pack: each step takes documents until their tokens would pass this budget (instead of "
-        "--batch-size documents)"))
-    truncate_documents: bool = field(default=False, metadata=_help(
-        "with --pack: keep only a document's first --seq-len tokens (default: split it into rows, none lost)"))
-    out: str = field(default="runs/train", metadata=_help(
-        "output directory: metrics.jsonl, trace.json, trace-rank*.jsonl, model.pt"))
-    overwrite: bool = field(default=False, metadata=_help(
-        "replace the outputs of an earlier run in OUT (refused otherwise, so no run is lost)"))
-    trace: bool = field(default=True, metadata=_help("record per-rank spans and write trace.json"))
-    save: bool = field(default=True, metadata=_help("save the final weights to OUT/model.pt"))
-    progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
-    checkpoint_every: int = field(default=0, metadata=_help(
-        "save a training checkpoint (model, optimiser, RNG, step) to OUT/checkpoints every N steps and at the "
-        "end (0: only at the end)"))
-    keep: int = field(default=2, metadata=_help("training checkpoints to keep, the newest"))
-    resume: str | None = field(default=None, metadata=_help(
-        "continue from the newest complete checkpoint of this run directory (or this checkpoint) up to "
-        "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
-        "are the checkpoint's"))
     eval_every: int = field(default=0, metadata=_help(
         "every N steps and at the last, the loss on held-out data (--eval-batches x --batch-size windows or "
         "documents spread evenly through the data, which training then never reads), forward only in eval mode: "
@@ -152,33 +121,10 @@ class TrainConfig:
         if self.verify < 0 or self.verify > self.steps:
             raise ValueError(f"verify must be between 0 and steps, got verify={self.verify}, steps={self.steps}. "
                              f"Pass --verify {min(max(self.verify, 0), self.steps)}.")
-        if self.checkpoint_every < 0 or self.keep < 1:
-            raise ValueError(f"checkpoint_every must be >= 0 and keep >= 1, got checkpoint_every="
-                             f"{self.checkpoint_every}, keep={self.keep}.")
-        if self.resume is not None and self.verify:
-            raise ValueError(f"verify re-runs a run's first steps from its initial weights; a resumed run starts "
-                             f"from a checkpoint, got verify={self.verify} with resume={self.resume!r}. Drop "
-                             "--verify, or verify the run that wrote the checkpoint.")
-        if self.pack == "none" and (self.tokens_per_step is not None or self.truncate_documents):
-            raise ValueError("tokens_per_step and truncate_documents arrange documents, got pack='none'. Pass "
-                             "--pack bfd (or pad, first-fit), or drop them.")
-        if self.tokens_per_step is not None and self.tokens_per_step < 1:
-            raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
         if self.memory_limit is not None:
             from fourfold.units import parse_bytes
 
             parse_bytes(self.memory_limit, what="memory_limit", unit=True)  # a size, with its unit (80 is not 80GB)
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got lr={self.lr}.")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps must be between 0 and steps, got warmup_steps={self.warmup_steps}, "
-                             f"steps={self.steps}. Pass --warmup-steps {min(max(self.warmup_steps, 0), self.steps)}.")
-        if not 0 <= self.min_lr < self.lr:
-            raise ValueError(f"min_lr must be >= 0 and below lr, got min_lr={self.min_lr}, lr={self.lr}. Pass "
-                             f"--min-lr {self.lr / 10:g} (a tenth of --lr), say.")
-        if not 0 <= self.max_grad_norm < math.inf:  # NaN too; and run.json stays JSON
-            raise ValueError(f"max_grad_norm must be finite and >= 0 (0: off), got max_grad_norm={self.max_grad_norm}. "
-                             "Pass --max-grad-norm 1.0, say (a value it never reaches records the norm only).")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got timeout={self.timeout}.")
         if self.hang_threshold < 0:
@@ -201,18 +147,6 @@ class TrainConfig:
                              f"got model_config="
                              f"{self.model_config!r} with model='tinygpt'. Size TinyGPT with --n-layer, --d-model, "
                              "..., or pass --model gpt2")
-        from fourfold.data import is_token_file
-        from fourfold.data.tokenizers import check_tokenizer_spec
-
-        check_tokenizer_spec(self.tokenizer)
-        if not self.text_key:
-            raise ValueError("text_key must name the key of each JSON Lines record's text, got an empty string. Pass "
-                             "--text-key text (the default), or the key your records use.")
-        if self.tokenizer != "bytes" and self.data is not None and is_token_file(self.data):
-            raise ValueError(f"tokenizer reads text, got tokenizer={self.tokenizer!r} with token ids in "
-                             f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")
-        if not self.out.strip():
-            raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
 
     def _check_init_from(self, families: tuple[str, ...]) -> None:
         """A Hugging Face directory sizes the model itself: its ``model_type`` must be ``model``, with no
@@ -236,6 +170,114 @@ class TrainConfig:
                              "beside it. Drop --model-config (or edit the directory's config.json).")
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """What to train on and how text becomes token ids and rows."""
+
+    data: str | None = field(default=None, metadata=_help(
+        "what to train on: a text file, a folder of them, a .jsonl of {\"text\": ...} lines, or token ids in a "
+        ".npy / .bin (memory-mapped; larger than memory is fine). Default: the built-in corpus, the Python "
+        "standard library's source"))
+    text_key: str = field(default="text", metadata=_help(
+        "with --data FILE.jsonl: the key of each record's text (\"content\", say)"))
+    tokenizer: str = field(default="bytes", metadata=_help(
+        "how text becomes ids: bytes (UTF-8 bytes, 256 ids), a tokenizer.json (Hugging Face tokenizers), or "
+        "bpe:N (a byte-level BPE of N ids trained on the data at start-up, saved as OUT/tokenizer.json). Left "
+        "out with --init-from a directory holding a tokenizer.json: that one"))
+    data_dtype: Literal["uint8", "uint16", "int32", "uint32", "int64"] = field(default="uint16", metadata=_help(
+        "the integer type of a .bin file's token ids (a .npy says its own)"))
+    pack: Literal["none", "pad", "first-fit", "bfd"] = field(default="none", metadata=_help(
+        "train on whole documents (JSON Lines records, files of a folder, or the built-in standard-library "
+        "functions) instead of windows of one stream: pad (each padded to the step's longest), first-fit or bfd "
+        "(packed into rows of --seq-len, attention kept inside each document); --batch-size then counts "
+        "documents"))
+    tokens_per_step: int | None = field(default=None, metadata=_help(
+        "with --pack: each step takes documents until their tokens would pass this budget (instead of "
+        "--batch-size documents)"))
+    truncate_documents: bool = field(default=False, metadata=_help(
+        "with --pack: keep only a document's first --seq-len tokens (default: split it into rows, none lost)"))
+
+    def __post_init__(self) -> None:
+        if self.pack == "none" and (self.tokens_per_step is not None or self.truncate_documents):
+            raise ValueError("tokens_per_step and truncate_documents arrange documents, got pack='none'. Pass "
+                             "--pack bfd (or pad, first-fit), or drop them.")
+        if self.tokens_per_step is not None and self.tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}.")
+        from fourfold.data import is_token_file
+        from fourfold.data.tokenizers import check_tokenizer_spec
+
+        check_tokenizer_spec(self.tokenizer)
+        if not self.text_key:
+            raise ValueError("text_key must name the key of each JSON Lines record's text, got an empty string. Pass "
+                             "--text-key text (the default), or the key your records use.")
+        if self.tokenizer != "bytes" and self.data is not None and is_token_file(self.data):
+            raise ValueError(f"tokenizer reads text, got tokenizer={self.tokenizer!r} with token ids in "
+                             f"data={self.data!r}. Drop --tokenizer (the ids are used as they are)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimiser (AdamW), its learning-rate schedule and gradient clipping."""
+
+    lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    warmup_steps: int = field(default=0, metadata=_help(
+        "raise the learning rate linearly over the first N steps, to --lr at step N"))
+    lr_decay: Literal["none", "linear", "cosine"] = field(default="none", metadata=_help(
+        "after the warm-up, lower the learning rate from --lr to --min-lr at the last step (--steps)"))
+    min_lr: float = field(default=0.0, metadata=_help("with --lr-decay linear|cosine: the last step's learning rate"))
+    max_grad_norm: float = field(default=0.0, metadata=_help(
+        "clip the gradients before each step so their global norm (the whole model's, as one process computes "
+        "it, under any layout) is at most this; metrics.jsonl records grad_norm, and a non-finite norm stops "
+        "the run before the step (0: off)"))
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got lr={self.lr}.")
+        if not 0 <= self.min_lr < self.lr:
+            raise ValueError(f"min_lr must be >= 0 and below lr, got min_lr={self.min_lr}, lr={self.lr}. Pass "
+                             f"--min-lr {self.lr / 10:g} (a tenth of --lr), say.")
+        if not 0 <= self.max_grad_norm < math.inf:  # NaN too; and run.json stays JSON
+            raise ValueError(f"max_grad_norm must be finite and >= 0 (0: off), got max_grad_norm={self.max_grad_norm}. "
+                             "Pass --max-grad-norm 1.0, say (a value it never reaches records the norm only).")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Training checkpoints: how often, how many kept, and where a resumed run starts."""
+
+    checkpoint_every: int = field(default=0, metadata=_help(
+        "save a training checkpoint (model, optimiser, RNG, step) to OUT/checkpoints every N steps and at the "
+        "end (0: only at the end)"))
+    keep: int = field(default=2, metadata=_help("training checkpoints to keep, the newest"))
+    resume: str | None = field(default=None, metadata=_help(
+        "continue from the newest complete checkpoint of this run directory (or this checkpoint) up to "
+        "--steps, under any layout; into the same --out the run's files are continued. The model's flags left out "
+        "are the checkpoint's"))
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint_every must be >= 0 and keep >= 1, got checkpoint_every="
+                             f"{self.checkpoint_every}, keep={self.keep}.")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """What a run writes: its directory, and which of its files."""
+
+    out: str = field(default="runs/train", metadata=_help(
+        "output directory: metrics.jsonl, trace.json, trace-rank*.jsonl, model.pt"))
+    overwrite: bool = field(default=False, metadata=_help(
+        "replace the outputs of an earlier run in OUT (refused otherwise, so no run is lost)"))
+    trace: bool = field(default=True, metadata=_help("record per-rank spans and write trace.json"))
+    save: bool = field(default=True, metadata=_help("save the final weights to OUT/model.pt"))
+    progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
+
+    def __post_init__(self) -> None:
+        if not self.out.strip():
+            raise ValueError("out must name a directory, got an empty string. Pass --out runs/NAME.")
+
+
 MODEL_HELP = {
     "vocab_size": "vocabulary size (256 for the byte-level tokenizer)",
     "seq_len": "tokens per sequence (the model's context length)",
@@ -253,12 +295,23 @@ class Config:
     """Everything one run needs; sections match the TOML tables."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     parallel: Layout = field(default_factory=Layout)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
-        t, p = self.train, self.parallel  # the rules across sections; each section checked its own
+        t, p, o, c = self.train, self.parallel, self.optim, self.checkpoint  # across sections; each checked its own
+        if o.warmup_steps < 0 or o.warmup_steps > t.steps:
+            raise ValueError(f"warmup_steps must be between 0 and steps, got warmup_steps={o.warmup_steps}, "
+                             f"steps={t.steps}. Pass --warmup-steps {min(max(o.warmup_steps, 0), t.steps)}.")
+        if c.resume is not None and t.verify:
+            raise ValueError(f"verify re-runs a run's first steps from its initial weights; a resumed run starts "
+                             f"from a checkpoint, got verify={t.verify} with resume={c.resume!r}. Drop "
+                             "--verify, or verify the run that wrote the checkpoint.")
         if p.precision == "bf16" and t.dtype != "float32":
             raise ValueError(f"precision bf16 keeps float32 master weights, got dtype={t.dtype}. Pass --dtype "
                              "float32 with --precision bf16.")
@@ -341,3 +394,10 @@ def _toml_value(value: Any) -> str:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def recorded_settings(record: dict[str, Any]) -> dict[str, Any]:
+    """A recorded configuration's (run.json's, a checkpoint's) settings of every section in one table: a run
+    written before the sections kept its data, parallel, optim, checkpoint and output settings under [train]."""
+    return {key: value for section in SECTIONS if section != "model" and isinstance(record.get(section), dict)
+            for key, value in record[section].items()}

@@ -94,7 +94,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     metrics_file = open_metrics(run.out / "metrics.jsonl", run.first - 1 if run.continuing else 0) \
         if ctx.is_main else None
     bar = tqdm(total=t.steps, initial=run.first - 1, desc="train", unit="step", file=sys.stderr,
-               disable=not (ctx.is_main and t.progress), dynamic_ncols=True,
+               disable=not (ctx.is_main and cfg.output.progress), dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
     held: dict[str, int] | None = None
     barrier("start the clock")
@@ -109,7 +109,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             args, kwargs = batch.step_args(ctx.device)
             loss = engine.step(*args, **kwargs)
             try:
-                grad_norm = update(engine, optimizer, t, step)  # clip, the step's learning rate, the optimiser step
+                grad_norm = update(engine, optimizer, cfg, step)  # clip, the step's learning rate, the optimiser step
             except NonFiniteLoss as e:  # a NaN or infinite gradient: no update made; every rank stops here
                 stop(metrics_file, {"step": step, "loss": loss.item()}, str(e), e)  # (the loss all-reduce waited)
             if held is None:  # parameters, gradients and optimiser state: fixed from the first step on
@@ -118,12 +118,12 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             global_loss = loss.item()  # the loss all-reduce ran during the optimiser step
             synchronize(ctx.device)  # time the step, not the launch of its kernels
             row = step_row(step, loss, global_loss, time.perf_counter() - start, batch.stats, tracer, first_span,
-                           lr_at(t, step), grad_norm, held, ctx.device,
+                           lr_at(cfg, step), grad_norm, held, ctx.device,
                            every_rank=step in (run.first, t.steps) and ctx.world_size > 1)
             if not math.isfinite(global_loss):  # every rank has the same global loss: all stop here together
                 stop(metrics_file, row, f"non-finite loss {global_loss}", NonFiniteLoss(
                     f"step {step}: the loss is {global_loss}; training stopped (the weights are no longer usable). "
-                    f"Lower --lr (now {t.lr:g}), or resume from an earlier checkpoint with --resume."))
+                    f"Lower --lr (now {cfg.optim.lr:g}), or resume from an earlier checkpoint with --resume."))
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                 row["eval_loss"] = held_out_loss(engine, run.loader, t.eval_batches, ctx.device, tracer)
             if step <= t.verify:  # the whole model after this step, for the one-process re-run to compare
@@ -133,8 +133,8 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
             if metrics_file is not None:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
-            if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                checkpoint.save(run.out / "checkpoints", step, engine, optimizer, keep=t.keep,
+            if step == t.steps or (cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0):
+                checkpoint.save(run.out / "checkpoints", step, engine, optimizer, keep=cfg.checkpoint.keep,
                                 config={**cfg.record(), "corpus_sha256": run.source.get("sha256")})
             bar.update(1)
             bar.set_postfix(**_shown(row, global_loss, batch.documents is None), refresh=False)
@@ -143,7 +143,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         if metrics_file is not None:
             metrics_file.close()
     write_outputs(cfg, ctx, engine, tracer, run.out, result)
-    if ctx.is_main and t.overwrite:  # this run is complete: the earlier ones it replaces can go (only then: a
+    if ctx.is_main and cfg.output.overwrite:  # this run is complete: the earlier ones it replaces can go (only then: a
         drop_replaced(run.out)  # run without --overwrite keeps what a failed --overwrite set aside)
     return result
 
@@ -160,11 +160,11 @@ def _shown(row: dict[str, Any], loss: float, windows: bool) -> dict[str, str]:
 
 def _interrupted_note(cfg: Config) -> str:
     """What an interrupted run left to resume from: its newest complete checkpoint, or that there is none."""
-    out = cfg.train.out
+    out = cfg.output.out
     try:
         manifest = checkpoint.read_manifest(out)
     except CheckpointError:
-        every = cfg.train.checkpoint_every
+        every = cfg.checkpoint.checkpoint_every
         why = (f"--checkpoint-every {every}: none reached yet" if every else
                "--checkpoint-every 0, the default, writes none until the run ends")
         return (f"no checkpoint to resume from in {out} ({why}). Pass --checkpoint-every N to keep one every N "
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     main_rank = int(os.environ.get("RANK", "0")) == 0 and (worker or cfg.launch.node_rank == 0)
     # One run per OUT: the process that starts the run holds the lock (ranks we launch inherit it; with a
     # hand-run torchrun, rank 0 takes it); on several machines, machine 0's launcher (OUT may be shared).
-    lock = (run_lock(cfg.train.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.train.out
+    lock = (run_lock(cfg.output.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.output.out
             else contextlib.nullcontext())
     try:
         if not worker:  # the checks that need no process group, before any rank starts
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             from fourfold.torchrun import launch_workers
 
             with lock:
-                os.environ[_LOCK_HELD] = cfg.train.out
+                os.environ[_LOCK_HELD] = cfg.output.out
                 os.environ[_LAUNCH] = json.dumps(cfg.to_dict()["launch"])
                 # Workers need no launch flags (and torchrun's parser would trip over --nproc).
                 return launch_workers("fourfold.train", without_section_flags(argv, "launch"), cfg.launch,

@@ -26,12 +26,11 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fourfold.config import Config, TrainConfig
+from fourfold.config import Config, OutputConfig, TrainConfig
 from fourfold.data import ByteTokenizer
 from fourfold.files import drawn_row, median_row, steady
 from fourfold.models.build import DTYPES
@@ -117,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     root = Path(args.out)
-    base = TrainConfig(out=str(root / "single"), overwrite=True, device="cpu")
-    cfg = Config(train=replace(base, steps=args.steps))
+    cfg = Config(train=TrainConfig(steps=args.steps, device="cpu"),
+                 output=OutputConfig(out=str(root / "single"), overwrite=True))
     print(f"fourfold demo 1/5: TinyGPT trains for {args.steps} steps on one process and one thread "
           f"(global batch {cfg.train.batch_size} x {cfg.model.seq_len} bytes of Python source)\n", flush=True)
     threads = torch.get_num_threads()

@@ -37,6 +37,7 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
     a note on the tokenizer). Written into a new directory beside ``out`` and renamed into place when complete
     (:func:`fourfold.files.atomic_path`), so a failure leaves nothing half-written."""
     from fourfold.checkpoint import load_checkpoint
+    from fourfold.config import recorded_settings
     from fourfold.models.hf import FAMILIES
 
     path = Path(source)
@@ -54,7 +55,7 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
     except Exception as e:  # not fourfold's model.pt
         raise ValueError(f"export reads fourfold's model.pt ({{model, config, step}}), got {str(model_pt)!r}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
-    train = record.get("train", {})
+    train = recorded_settings(record)  # the model's and the data's settings, as any fourfold recorded them
     family = train.get("model")
     config = None
     if family in FAMILIES:

@@ -45,7 +45,7 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
                          "path.") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path} is not valid TOML: {e}.") from None
-    _moved_to_parallel(data, path)
+    _moved_from_train(data, path)
     for section, values in data.items():
         if not isinstance(values, dict):  # a key above every table
             home = _SECTION_OF.get(section)
@@ -63,29 +63,36 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
     return data
 
 
-def _moved_to_parallel(data: dict[str, Any], path: str | Path) -> None:
-    """A file written before the [parallel] table (its settings under [train]) still loads: they are moved
-    there, with one note naming the table."""
-    train, parallel = data.get("train"), data.get("parallel", {})
-    if not isinstance(train, dict) or not isinstance(parallel, dict):
+def _moved_from_train(data: dict[str, Any], path: str | Path) -> None:
+    """A file written before the sections (its data, parallel, optim, checkpoint and output settings under
+    [train]) still loads: each key is moved to its table, with one note naming the tables."""
+    train = data.get("train")
+    if not isinstance(train, dict):
         return
-    moved = [k for k in train if k in _PARALLEL and k not in _TRAIN]
+    moved = {k: _SECTION_OF[k] for k in train if k in _ONCE_IN_TRAIN}
     if not moved:
         return
-    for key in moved:
-        if key in parallel:
-            raise ValueError(f"{key} is set twice in {path}, under [train] and [parallel]. Keep the one under "
-                             "[parallel].")
-        parallel[key] = train.pop(key)
-    data["parallel"] = parallel
+    for key, home in moved.items():
+        table = data.setdefault(home, {})
+        if not isinstance(table, dict):
+            return  # a key named like a table: load() refuses it with its own words
+        if key in table:
+            raise ValueError(f"{key} is set twice in {path}, under [train] and [{home}]. Keep the one under "
+                             f"[{home}].")
+        table[key] = train.pop(key)
     if "RANK" in os.environ:  # a rank of a launched run: its launcher said it already
         return
-    print(f"fourfold: note: {', '.join(moved)} in [train] of {path} belong under [parallel] now; read from there "
-          "(move them to silence this note).", file=sys.stderr)
+    by_table: dict[str, list[str]] = {}
+    for key, home in moved.items():
+        by_table.setdefault(home, []).append(key)
+    where = "; ".join(f"{', '.join(keys)} under [{home}]" for home, keys in by_table.items())
+    print(f"fourfold: note: settings in [train] of {path} belong in tables of their own now: {where}; read from "
+          "there (move them to silence this note).", file=sys.stderr)
 
 
-_PARALLEL = {f.name for f in dataclasses.fields(SECTIONS["parallel"])}
-_TRAIN = {f.name for f in dataclasses.fields(SECTIONS["train"])}
+_ONCE_IN_TRAIN = {f.name for section in ("data", "parallel", "optim", "checkpoint", "output")
+                  for f in dataclasses.fields(SECTIONS[section])}
+"""The keys [train] held before the sections of their own (2026-11-29)."""
 
 _SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 """Every key's table, for a key placed outside it."""
@@ -150,20 +157,20 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         if "." in dest:
             section, key = dest.split(".", 1)
             values[section][key] = value
-    if values["train"].get("resume") is not None:
+    if values["checkpoint"].get("resume") is not None:
         take_checkpoint_model(values)  # before the values are checked: they are the checkpoint's too
     for section, table in values.items():
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in table.items():
             table[key] = check_value(f"{key}", value, hints[key], file)
-    t = values["train"]
-    _from_directory(t)
+    t, d = values["train"], values["data"]
+    _from_directory(t, d)
     # recorded so, a resume (or an export) from elsewhere finds the files
     for key in ("model_config", "init_from"):
         if t.get(key) is not None:
             t[key] = os.path.abspath(t[key])
-    if t.get("tokenizer") is not None:
-        t["tokenizer"] = absolute_spec(t["tokenizer"])
+    if d.get("tokenizer") is not None:
+        d["tokenizer"] = absolute_spec(d["tokenizer"])
     try:
         parts = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
         return Config(**parts)
@@ -175,7 +182,7 @@ def from_namespace(ns: argparse.Namespace, file: str | Path | None = None) -> Co
         raise ValueError(f"--config {file} (or a flag): {e}") from None
 
 
-def _from_directory(t: dict[str, Any]) -> None:
+def _from_directory(t: dict[str, Any], d: dict[str, Any]) -> None:
     """With ``--init-from`` a Hugging Face directory, what it says of itself stands for the flags not given: its
     family for ``--model`` (its config.json's model_type) and, for text, its ``tokenizer.json`` for
     ``--tokenizer`` (the weights learnt its ids, not bytes). A flag given (or a TOML value) keeps its value, and
@@ -191,8 +198,8 @@ def _from_directory(t: dict[str, Any]) -> None:
     if "model" not in t and kind in FAMILIES:
         t["model"] = kind
     own = Path(start) / "tokenizer.json"
-    if "tokenizer" not in t and own.is_file() and (t.get("data") is None or not is_token_file(t["data"])):
-        t["tokenizer"] = str(own)
+    if "tokenizer" not in d and own.is_file() and (d.get("data") is None or not is_token_file(d["data"])):
+        d["tokenizer"] = str(own)
 
 
 def check_value(name: str, value: Any, tp: Any, file: str | Path | None = None) -> Any:
@@ -281,8 +288,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "fourfold train") -> C
     parser = make_parser(prog, "Train a model (TinyGPT, GPT-2, Llama or your own: --model) on one process or "
                          "--nproc N ranks.",
                          usage=f"{prog} [--config FILE] [--FLAG VALUE ...]", epilog=TRAIN_EXAMPLES)
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [parallel], [launch] "
-                        "tables")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [data], [parallel], [optim], "
+                        "[train], [checkpoint], [output], [launch] tables")
     parser.add_argument("--print-config", action="store_true", help="print the effective configuration (defaults < "
                         "--config < flags) as TOML that --config reads back to the same run, and exit")
     add_flags(parser)

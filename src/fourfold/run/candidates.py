@@ -32,7 +32,7 @@ def _preflight(cfg: Any, world_size: int, nowhere: str, *, scan_data: bool) -> N
 
     from fourfold.run.preflight import preflight
 
-    preflight(replace(cfg, train=replace(cfg.train, out=os.path.join(nowhere, "out"))), world_size,
+    preflight(replace(cfg, output=replace(cfg.output, out=os.path.join(nowhere, "out"))), world_size,
               scan_data=scan_data)
 
 

@@ -24,16 +24,16 @@ def make_loader(cfg: Config, out: Path, *, dp_rank: int = 0, dp_size: int = 1, v
     what run.json records of the data."""
     t = cfg.train
     p = cfg.parallel
-    corpus = run_corpus(t.data, t.tokenizer, out, data_dtype=t.data_dtype, is_main=is_main, wait=wait,
-                        documents=t.pack != "none", text_key=t.text_key)
+    corpus = run_corpus(cfg.data.data, cfg.data.tokenizer, out, data_dtype=cfg.data.data_dtype, is_main=is_main, wait=wait,
+                        documents=cfg.data.pack != "none", text_key=cfg.data.text_key)
     if isinstance(corpus, Documents):
-        budget = {"tokens_per_step": t.tokens_per_step} if t.tokens_per_step else {"docs_per_step": t.batch_size}
+        budget = {"tokens_per_step": cfg.data.tokens_per_step} if cfg.data.tokens_per_step else {"docs_per_step": t.batch_size}
         loader: BatchLoader | DocumentLoader = DocumentLoader(
-            corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=t.pack,  # type: ignore[arg-type]
+            corpus, cfg.model.seq_len, t.seed, dp_rank, dp_size, packing=cfg.data.pack,  # type: ignore[arg-type]
             row_multiple=p.microbatches if p.pp > 1 else p.grad_accum, width_multiple=p.tp if p.sequence_parallel else 1,
-            truncate=t.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches),
+            truncate=cfg.data.truncate_documents, vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches),
             eval_docs=t.batch_size, **budget)
-        size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": t.pack}
+        size = {"documents": len(corpus), "tokens": corpus.tokens.numel(), "packing": cfg.data.pack}
     else:
         loader = BatchLoader(corpus, t.batch_size, cfg.model.seq_len, t.seed, dp_rank=dp_rank, dp_size=dp_size,
                              vocab_size=vocab_size, eval_batches=held_batches(t.eval_every, t.eval_batches))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from fourfold.config import Config, TrainConfig
+    from fourfold.config import Config
     from fourfold.engine.step import Engine
 
 __all__ = ["NonFiniteLoss", "keep_flags", "learning_rate", "lr_at", "make_optimizer", "update"]
@@ -27,12 +27,12 @@ class NonFiniteLoss(RuntimeError):
 
 
 def make_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr_at(cfg.train, 1), **_flags(cfg))
+    return torch.optim.AdamW(params, lr=lr_at(cfg, 1), **_flags(cfg))
 
 
 def _flags(cfg: Config) -> dict[str, Any]:
     """The optimiser's hyperparameters that flags set (the learning rate aside: :func:`update` sets it each step)."""
-    return {"weight_decay": cfg.train.weight_decay}
+    return {"weight_decay": cfg.optim.weight_decay}
 
 
 def keep_flags(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
@@ -42,10 +42,11 @@ def keep_flags(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
         group.update(_flags(cfg))
 
 
-def lr_at(t: TrainConfig, step: int) -> float:
-    """The learning rate of optimiser step ``step`` (1-based) under ``t``'s flags (:func:`learning_rate`)."""
-    return learning_rate(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, decay=t.lr_decay,
-                         min_lr=t.min_lr)
+def lr_at(cfg: Config, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (1-based) under ``cfg``'s flags (:func:`learning_rate`)."""
+    o = cfg.optim
+    return learning_rate(step, lr=o.lr, steps=cfg.train.steps, warmup_steps=o.warmup_steps, decay=o.lr_decay,
+                         min_lr=o.min_lr)
 
 
 def learning_rate(step: int, *, lr: float, steps: int, warmup_steps: int = 0,
@@ -69,17 +70,18 @@ def learning_rate(step: int, *, lr: float, steps: int, warmup_steps: int = 0,
     return min_lr + (lr - min_lr) * left
 
 
-def update(engine: Engine, optimizer: torch.optim.Optimizer, t: TrainConfig, step: int) -> float | None:
+def update(engine: Engine, optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float | None:
     """Optimiser step ``step`` after ``engine.step``: clip the gradients by their global norm (with
     ``--max-grad-norm``), set the step's learning rate, step. The norm before clipping (None without
     clipping). The caller zeroes the gradients."""
-    norm = engine.clip_grad_norm_(t.max_grad_norm) if t.max_grad_norm else None
+    o = cfg.optim
+    norm = engine.clip_grad_norm_(o.max_grad_norm) if o.max_grad_norm else None
     if norm is not None and not math.isfinite(norm):  # every rank has the same norm: all stop here together
-        warm = " or add --warmup-steps" if not t.warmup_steps else ""
+        warm = " or add --warmup-steps" if not o.warmup_steps else ""
         raise NonFiniteLoss(f"step {step}: the gradients' norm is {norm}; training stopped before the optimiser "
                             "step, so the weights and checkpoints are those of the step before. Lower --lr (now "
-                            f"{t.lr:g}){warm}, or resume from an earlier checkpoint with --resume.")
-    lr = lr_at(t, step)
+                            f"{o.lr:g}){warm}, or resume from an earlier checkpoint with --resume.")
+    lr = lr_at(cfg, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     with engine.tracer.span("compute", "optimizer"):

@@ -46,7 +46,7 @@ def set_aside_newer_note(out: Path, step: int) -> None:
 
 def write_outputs(cfg: Config, ctx: DistContext, engine: Engine, tracer: Tracer, out: Path,
                    result: TrainResult) -> None:
-    if cfg.train.trace:
+    if cfg.output.trace:
         if out.is_dir():  # on several machines OUT may exist only on rank 0's
             tracer.write_jsonl(out / f"trace-rank{ctx.rank}.jsonl")
         spans = gather_spans(tracer)
@@ -60,6 +60,6 @@ def write_outputs(cfg: Config, ctx: DistContext, engine: Engine, tracer: Tracer,
     # The whole model's state, unsharded and gathered from every stage (collectives over tp and pp) onto rank 0
     # alone, which writes it: model.pt is the same checkpoint, under the model's own names, whatever the layout.
     result.state = engine.state_dict(to=0)
-    if ctx.is_main and cfg.train.save:
+    if ctx.is_main and cfg.output.save:
         save_checkpoint(out / "model.pt", result.state, config=cfg.record(), step=cfg.train.steps)
     io_barrier("finish the run (rank 0 writes model.pt)")  # as long as a checkpoint's write may take

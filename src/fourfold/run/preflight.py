@@ -9,16 +9,14 @@ never as a traceback on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
-from fourfold.config import Config
+from fourfold.config import Config, recorded_settings
 from fourfold.data import is_token_file, read_texts, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, set_aside, written_by_a_run
 from fourfold.launch import resolve_device
@@ -64,22 +62,22 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         _check_init_from(cfg, meta)
     if t.verify and world_size > 1:  # one process's re-run of one process draws the same masks
         _check_no_dropout(cfg, meta)
-    if t.pack != "none" and t.data is not None and is_token_file(t.data):
-        raise ValueError(f"--pack needs document boundaries, got the token file {t.data!r}, which has none. Pass "
+    if cfg.data.pack != "none" and cfg.data.data is not None and is_token_file(cfg.data.data):
+        raise ValueError(f"--pack needs document boundaries, got the token file {cfg.data.data!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none.")
-    if t.pack == "none" and t.batch_size % mesh.dp:
+    if cfg.data.pack == "none" and t.batch_size % mesh.dp:
         raise ValueError(f"batch_size must be divisible by dp, got batch_size={t.batch_size}, dp={mesh.dp}. "
                          f"Pass --batch-size {-(-t.batch_size // mesh.dp) * mesh.dp} (a multiple of {mesh.dp}).")
-    if t.pack == "none" and (t.batch_size // mesh.dp) % p.grad_accum:  # packed rows are padded to a multiple
+    if cfg.data.pack == "none" and (t.batch_size // mesh.dp) % p.grad_accum:  # packed rows are padded to a multiple
         each, k = mesh.dp * p.grad_accum, p.grad_accum
         raise ValueError(f"each data-parallel shard must divide into --grad-accum micro-batches, got {t.batch_size // mesh.dp} "
                          f"sequences per shard (batch_size={t.batch_size}, dp={mesh.dp}) and grad_accum={k}. Pass "
                          f"--batch-size {-(-t.batch_size // each) * each} or --grad-accum "
                          f"{_divisor_near(t.batch_size // mesh.dp, k)}.")
-    if t.data is not None and not (Path(t.data).is_file() or Path(t.data).is_dir()):
-        raise ValueError(f"data must be a readable file or folder, got {t.data!r}. Leave --data out to use the "
+    if cfg.data.data is not None and not (Path(cfg.data.data).is_file() or Path(cfg.data.data).is_dir()):
+        raise ValueError(f"data must be a readable file or folder, got {cfg.data.data!r}. Leave --data out to use the "
                          "built-in corpus.")
-    out = Path(t.out)
+    out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a directory, got the file {out}. Pass another --out.")
     check_writable(out)
@@ -92,17 +90,17 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         check_resume(cfg, resume)
     existing = [p.name for p in earlier_outputs(out)]
     continuing = restart_count() > 0 or (resume is not None and continues_run(cfg, resume))  # its own files
-    if existing and not t.overwrite and not continuing:
+    if existing and not cfg.output.overwrite and not continuing:
         raise ValueError(f"out already holds an earlier run's {', '.join(existing)} in {out}. Pass --overwrite to "
                          "replace them, --resume to continue it, or another --out.")
-    if resume is not None and t.overwrite and not continuing:  # what --overwrite moves aside, then deletes
+    if resume is not None and cfg.output.overwrite and not continuing:  # what --overwrite moves aside, then deletes
         source = Path(resume["dir"]).resolve()
         moved = [p for p in [*earlier_outputs(out), *set_aside(out)] if source.is_relative_to(p.resolve())]
         if moved:
             raise ValueError(f"resume: the checkpoint {resume['dir']} lies in {moved[0]}, which this --overwrite run "
                              f"in {out} moves aside (before it loads the checkpoint) and deletes when it ends. Move "
                              f"the checkpoint out of {out} first, or pass another --out.")
-    if existing and t.overwrite and not continuing and not written_by_a_run(out):
+    if existing and cfg.output.overwrite and not continuing and not written_by_a_run(out):
         raise ValueError(f"out holds {', '.join(existing)} in {out} but no run.json a fourfold run wrote, so they may "
                          "be files of yours: --overwrite replaces only an earlier run's outputs. Pass another --out, "
                          "or move them away.")
@@ -116,19 +114,18 @@ LARGEST_VOCAB = 1 << 24
 def check_data_vocab(cfg: Config, info: ModelInfo, *, scan: bool) -> None:
     """The model's vocabulary must cover the data's ids: the tokenizer's, or (``scan``) the largest in a token
     file, found in one pass over it. The loader checks every batch's ids again as it reads them."""
-    t = cfg.train
-    if t.data is None or not is_token_file(t.data):
-        check_vocab(info, vocab_of(t.tokenizer))
+    if cfg.data.data is None or not is_token_file(cfg.data.data):
+        check_vocab(info, vocab_of(cfg.data.tokenizer))
     elif scan:
-        low, high = token_range(t.data, t.data_dtype)
+        low, high = token_range(cfg.data.data, cfg.data.data_dtype)
         if low < 0:
-            raise ValueError(f"token ids must be >= 0, got {low} in {t.data}. Pass the --data-dtype the file was "
+            raise ValueError(f"token ids must be >= 0, got {low} in {cfg.data.data}. Pass the --data-dtype the file was "
                              "written with")
         if high >= LARGEST_VOCAB:  # no vocabulary is that large: the bytes are read as the wrong type
             raise ValueError(f"token ids must be below {LARGEST_VOCAB:,} (no tokenizer's vocabulary is larger), "
-                             f"got {high:,} in {t.data} read as --data-dtype {t.data_dtype}. Pass the --data-dtype "
+                             f"got {high:,} in {cfg.data.data} read as --data-dtype {cfg.data.data_dtype}. Pass the --data-dtype "
                              "the file was written with (nanoGPT's .bin files: uint16).")
-        check_vocab(info, high + 1, f"{Path(t.data).name} holds")
+        check_vocab(info, high + 1, f"{Path(cfg.data.data).name} holds")
 
 
 TEXT_CHECKED_BYTES = 64 * 2**20
@@ -139,14 +136,13 @@ key or bytes that are not UTF-8 are refused before any rank starts (larger data:
 def check_text_data(cfg: Config) -> None:
     """Read ``--data`` (text, a folder of it, JSON Lines) as the ranks will, when it is small enough, and refuse
     what they would refuse: in one line, before launch, rather than once per rank after it."""
-    t = cfg.train
-    if t.data is None or is_token_file(t.data):
+    if cfg.data.data is None or is_token_file(cfg.data.data):
         return
-    root = Path(t.data)
+    root = Path(cfg.data.data)
     files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
     if sum(p.stat().st_size for p in files) > TEXT_CHECKED_BYTES:
         return
-    read_texts(t.data, t.text_key)  # refuses what the ranks' read would: no text, a keyless line, not UTF-8
+    read_texts(cfg.data.data, cfg.data.text_key)  # refuses what the ranks' read would: no text, a keyless line, not UTF-8
 
 
 def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
@@ -227,7 +223,7 @@ def _check_pipeline(cfg: Config, mesh: Mesh) -> int:
     schedule = pipeline_schedule(p.strategy, p.schedule, mesh.pp, p.microbatches, p.virtual)
     m = schedule.microbatches
     shard = t.batch_size // mesh.dp
-    if shard % m and t.pack == "none":  # packed rows are padded to a multiple of the micro-batches
+    if shard % m and cfg.data.pack == "none":  # packed rows are padded to a multiple of the micro-batches
         raise ValueError(f"each data-parallel shard must divide into micro-batches, got {shard} sequences per "
                          f"shard and microbatches={m}. Pass --microbatches {_divisor_near(shard, m)} or change "
                          "--batch-size.")
@@ -242,13 +238,13 @@ def before_launch_notes(cfg: Config, mesh: Mesh, world_size: int) -> None:
     """The launcher's lines after :func:`preflight`: the memory estimate (a layout that would not fit is refused,
     ValueError), then what a resumed or ignored setting means for this run."""
     _default_size_note(cfg)
-    _set_aside_note(Path(cfg.train.out), cfg.train.overwrite)
+    _set_aside_note(Path(cfg.output.out), cfg.output.overwrite)
     _memory_line(cfg, world_size)
     _resume_note(cfg, mesh, world_size)
     _unused_note(cfg, mesh)
     t = cfg.train
-    if t.init_from is not None and t.tokenizer == str(Path(t.init_from) / "tokenizer.json"):
-        print(f"fourfold train: text becomes ids by {t.tokenizer}, the tokenizer of --init-from's model",
+    if t.init_from is not None and cfg.data.tokenizer == str(Path(t.init_from) / "tokenizer.json"):
+        print(f"fourfold train: text becomes ids by {cfg.data.tokenizer}, the tokenizer of --init-from's model",
               file=sys.stderr, flush=True)
     if world_size > 1 and t.hang_threshold >= t.timeout:
         print(f"fourfold train: note: --hang-threshold {t.hang_threshold:g} s is not below --timeout {t.timeout:g} "
@@ -331,10 +327,7 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
     (only --schedule interleaved reads it)"``. No pipeline (pp=1) or strategy model: the schedule's flags; no
     data parallelism (dp=1): the gradient sync's; a schedule other than interleaved: --virtual; a compression
     other than PowerSGD: its rank and warm-up."""
-    t = cfg.train
-    p = cfg.parallel
-    defaults = {f.name: f.default for f in dataclasses.fields(t)}
-    defaults_p = {f.name: f.default for f in dataclasses.fields(p)}
+    t, p = cfg.train, cfg.parallel
     why: dict[str, str] = {}
     if mesh.pp == 1:
         why.update(dict.fromkeys(PIPELINE_FLAGS, "pp=1: no pipeline"))
@@ -343,22 +336,20 @@ def unused_flags(cfg: Config, mesh: Mesh) -> list[str]:
         why.update(dict.fromkeys(PIPELINE_FLAGS, "--strategy model runs one micro-batch"))
     elif p.schedule != "interleaved":
         why["virtual"] = f"only --schedule interleaved reads it, got --schedule {p.schedule}"
-    if t.lr_decay == "none":
+    if cfg.optim.lr_decay == "none":
         why["min_lr"] = "only --lr-decay linear or cosine reads it"
     if not t.eval_every:
         why["eval_batches"] = "only --eval-every reads it"
-    if t.data is None or not str(t.data).endswith(".jsonl"):
+    if cfg.data.data is None or not str(cfg.data.data).endswith(".jsonl"):
         why["text_key"] = "only a --data FILE.jsonl reads it"
     if mesh.dp == 1:
         why.update(dict.fromkeys(DATA_FLAGS, "dp=1: no gradient sync"))
     elif p.compress != "powersgd":
         why.update(dict.fromkeys(("powersgd_rank", "powersgd_warmup"),
                                  f"only --compress powersgd reads it, got --compress {p.compress}"))
-    def section(n: str) -> Any:
-        return p if n in defaults_p else t
-
-    return [f"--{n.replace('_', '-')} {getattr(section(n), n)} ({reason})" for n, reason in why.items()
-            if getattr(section(n), n) != {**defaults, **defaults_p}[n]]
+    given = recorded_settings(cfg.to_dict())
+    defaults = recorded_settings(Config().to_dict())
+    return [f"--{n.replace('_', '-')} {given[n]} ({reason})" for n, reason in why.items() if given[n] != defaults[n]]
 
 
 def _unused_note(cfg: Config, mesh: Mesh) -> None:

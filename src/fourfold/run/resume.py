@@ -14,10 +14,9 @@ import torch.distributed as dist
 
 from fourfold.checkpoint.store import CheckpointError, restart_count, starting_manifest
 from fourfold.comm.wait import gather_objects
-from fourfold.config import Config, TrainConfig
+from fourfold.config import SECTIONS, Config, recorded_settings
 from fourfold.data.loader import HELD_OUT
 from fourfold.data.tokenizers import absolute_spec
-from fourfold.engine.layout import Layout
 from fourfold.models.gpt import GPTConfig
 from fourfold.run.data import held_batches
 
@@ -37,11 +36,12 @@ def take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
     (the refusal then lists what differs)."""
     t = values["train"]
     try:  # the checkpoint the run will load: after a restart its own newest, which --resume's may be pruned for
-        manifest = starting_manifest(t["resume"], t.get("out", _train_default("out")))
+        out = values["output"].get("out", _default("output", "out"))
+        manifest = starting_manifest(values["checkpoint"]["resume"], out)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
     saved = manifest["config"] if manifest is not None else {}
-    model = saved.get("train", {}).get("model", _train_default("model"))  # older manifests: TinyGPT's
+    model = saved.get("train", {}).get("model", _default("train", "model"))  # older manifests: TinyGPT's
     if t.get("model", model) != model:
         return
     for section, keys in MODEL_KEYS.items():
@@ -65,16 +65,16 @@ def take_checkpoint_model(values: dict[str, dict[str, Any]]) -> None:
                          "now.")
 
 
-def _train_default(key: str) -> Any:
-    """[train] ``key``'s default."""
-    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == key)
+def _default(section: str, key: str) -> Any:
+    """[section] ``key``'s default."""
+    return next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
 
 
 def resume_from(cfg: Config) -> dict[str, Any] | None:
     """The manifest of the checkpoint this run starts from (:func:`~fourfold.checkpoint.store.starting_manifest`);
     a missing or damaged ``--resume`` is a ValueError."""
     try:
-        return starting_manifest(cfg.train.resume, cfg.train.out)
+        return starting_manifest(cfg.checkpoint.resume, cfg.output.out)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
 
@@ -98,7 +98,7 @@ def same_on_every_rank(manifest: dict[str, Any] | None, resume: str | None) -> N
 
 def continues_run(cfg: Config, manifest: dict[str, Any]) -> bool:
     """True when the checkpoint lies in ``--out``'s own checkpoints: the run's files are continued there."""
-    return Path(manifest["dir"]).resolve().parent == (Path(cfg.train.out) / "checkpoints").resolve()
+    return Path(manifest["dir"]).resolve().parent == (Path(cfg.output.out) / "checkpoints").resolve()
 
 
 def check_resume(cfg: Config, manifest: dict[str, Any]) -> None:
@@ -158,12 +158,11 @@ def _value(key: str, value: Any) -> Any:
 def changed_settings(cfg: Config, manifest: dict[str, Any]) -> list[str]:
     """The :data:`CONTINUED` settings this run gives other values than the checkpoint's run had, as
     ``"lr 0.001 (was 0.003)"``: legitimate (a lower learning rate after a spike), but never silent."""
-    # [train] and [parallel] as one table (a run before the [parallel] table recorded its settings under [train]);
-    # a key the checkpoint's run did not record (an older fourfold's) had its default then
-    config, recorded = cfg.to_dict(), manifest["config"]
-    here = {**config["train"], **config["parallel"]}
-    saved = {**{f.name: f.default for f in (*dataclasses.fields(TrainConfig), *dataclasses.fields(Layout))},
-             **recorded.get("parallel", {}), **recorded.get("train", {})}
+    # every section as one table (a run before the sections recorded their settings under [train]); a key the
+    # checkpoint's run did not record (an older fourfold's) had its default then
+    here = recorded_settings(cfg.to_dict())
+    saved = {**{f.name: f.default for section, cls in SECTIONS.items() if section != "model"
+                for f in dataclasses.fields(cls)}, **recorded_settings(manifest["config"])}
     def shown(k: str, v: Any) -> str:
         return "the built-in corpus" if k == "data" and v is None else repr(v)
 

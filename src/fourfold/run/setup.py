@@ -15,7 +15,7 @@ import torch
 from fourfold import checkpoint
 from fourfold.checkpoint.sharded import io_group
 from fourfold.comm.wait import barrier
-from fourfold.config import Config
+from fourfold.config import Config, recorded_settings
 from fourfold.data import BatchLoader, DocumentLoader
 from fourfold.engine.parallelize import parallelize
 from fourfold.engine.step import Engine
@@ -63,13 +63,13 @@ def setup(cfg: Config, ctx: DistContext) -> Run:
     t = cfg.train
     mesh = preflight(cfg, ctx.world_size, scan_data=False)  # every rank fails alike, never a hang
     barrier("check OUT before writing")  # nobody writes to OUT before every rank has checked it
-    tracer = Tracer(ctx.rank, enabled=t.trace)
+    tracer = Tracer(ctx.rank, enabled=cfg.output.trace)
     ranks = mesh.build(t.timeout, tracer)
     if ctx.world_size > 1:
         io_group()  # checkpoints' own group, made while every rank is here (a collective)
-    out = Path(t.out)
+    out = Path(cfg.output.out)
     resume = resume_from(cfg)
-    same_on_every_rank(resume, t.resume)
+    same_on_every_rank(resume, cfg.checkpoint.resume)
     continuing = resume is not None and continues_run(cfg, resume)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -100,14 +100,14 @@ def setup(cfg: Config, ctx: DistContext) -> Run:
         with filling as weights:
             engine.load_state_dict(weights)
     optimizer = make_optimizer(cfg, engine.parameters())
-    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=t.trace,
+    result = TrainResult(ctx.rank, mesh, num_parameters=count, label=info.label, out=out, traced=cfg.output.trace,
                          pipeline=engine.runner.record())
     first = 1
     if resume is not None:  # every rank: its own pieces, cut for this layout
         first = checkpoint.load(resume["dir"], engine, optimizer)["step"] + 1
         keep_flags(optimizer, cfg)  # the checkpoint's weight decay gives way to this run's --weight-decay
     if ctx.is_main:
-        _resumed_notes(resume, t.data, source, first, out, continuing)
+        _resumed_notes(resume, cfg.data.data, source, first, out, continuing)
         write_run_json(out, {
             "config": cfg.record(), "world_size": ctx.world_size, "mesh": {"dp": mesh.dp, "tp": mesh.tp,
             "pp": mesh.pp}, "corpus": source, "num_parameters": result.num_parameters, "torch": torch.__version__,
@@ -122,7 +122,7 @@ def _resumed_notes(resume: dict[str, Any] | None, data: str | None, source: dict
                    continuing: bool) -> None:
     """Rank 0's notes on where the run starts: data changed under the checkpoint, newer checkpoints set aside, a
     restart by torchrun's agent."""
-    same_path = resume is not None and resume["config"].get("train", {}).get("data") == data  # else noted already
+    same_path = resume is not None and recorded_settings(resume["config"]).get("data") == data  # else noted already
     was = resume["config"].get("corpus_sha256") if resume is not None and same_path else None
     if was is not None and was != source.get("sha256"):  # the same path, other contents
         print(f"fourfold train: note: resuming step {first - 1} on data whose sha256 {source.get('sha256')} is not "

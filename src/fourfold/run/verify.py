@@ -124,12 +124,12 @@ def reference_run(cfg: Config, steps: int) -> tuple[list[float], list[dict[str, 
 
     engine = parallelize(build_model(cfg), None, Layout(precision=cfg.parallel.precision))  # one process, no strategy
     optimizer = make_optimizer(cfg, engine.parameters())
-    loader, _ = make_loader(cfg, Path(cfg.train.out))  # the run's data and tokenizer, one dp rank
+    loader, _ = make_loader(cfg, Path(cfg.output.out))  # the run's data and tokenizer, one dp rank
     losses, states = [], [engine.state_dict()]
     for step in range(1, steps + 1):
         args, kwargs = loader.batch(step - 1).step_args("cpu")  # the whole global batch
         loss = engine.step(*args, **kwargs)
-        update(engine, optimizer, cfg.train, step)  # the run's clipping and learning rate, as its ranks did
+        update(engine, optimizer, cfg, step)  # the run's clipping and learning rate, as its ranks did
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         states.append(engine.state_dict())
