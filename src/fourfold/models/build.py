@@ -24,6 +24,7 @@ from torch import nn
 
 from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES, read_model_config
+from fourfold.models.meta import on_meta
 
 __all__ = ["ModelError", "ModelInfo", "build_model", "meta_model", "build_unfilled", "builds_unfilled", "built_info", "check_forward",
            "check_model", "check_vocab", "first_weights", "model_info", "num_parameters"]
@@ -232,7 +233,7 @@ def meta_model(cfg: Any) -> nn.Module | None:
     """The run's model built on the meta device (shapes, no memory, no weights) for the checks before launch;
     None for a model of your own that cannot be built there. :func:`preflight` builds it once for them all."""
     try:
-        with torch.device("meta"):
+        with on_meta():
             return build_model(cfg, "meta")
     except Exception:
         return None

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from fourfold.loss import lm_loss
 from fourfold.models.attention import causal_attention, position_ids
+from fourfold.models.meta import on_meta
 
 __all__ = [
     "MLP",
@@ -175,7 +176,7 @@ class TinyGPT(nn.Module):
         self.seed = seed
         # Build on the meta device so nn.Linear/nn.Embedding's own init never draws from the global RNG;
         # every value is then written by _init_parameters from our generator.
-        with torch.device("meta"):
+        with on_meta():
             self.embed = Embedding(config)
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.head = Head(config)
