@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,12 +133,13 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
     dp = apply_dp(model, ranks, layout, pipe, partial, split, compressor)
+    copies = copy_sums(pipe, partial, ranks)
     reads = bool(getattr(model, "fourfold_documents", False))
     if family is not None and family.documents is not None:
         family.documents(model)  # hooks are no-ops until a packed batch makes its documents current
         reads = True
     return Engine(model, ranks, layout, pipeline=pipe, dp=dp, loss_fn=loss.loss_fn, layouts=layouts,
-                  partial_grads=partial, split_heads=loss.split_heads, sum_loss_fn=loss.sum_loss_fn,
+                  sum_copies=copies, split_heads=loss.split_heads, sum_loss_fn=loss.sum_loss_fn,
                   reads_documents=reads, streams=streams, takes_ids=family is not None)
 
 
@@ -261,7 +263,8 @@ def apply_dp(model: nn.Module, ranks: RankMesh, layout: Layout, pipe: Pipeline |
     # could issue them in different orders (gloo aborts, or a hang)
     thread_group = ranks.duplicate("dp", ranks.timeout) if layout.sync_batchnorm else None
     common: dict[str, Any] = {"tracer": ranks.recorder, "timeout_s": ranks.timeout, "auto_finish": False,
-              "reduce_dtype": layout.reduce_torch_dtype, "comm_group": thread_group}
+              "reduce_dtype": layout.reduce_torch_dtype, "comm_group": thread_group,
+              "sum_copies": copy_sums(pipe, partial, ranks)}
     dp: DataParallel
     if layout.zero:
         dp = _sharded(held, model, ranks, layout, pipe, partial, split, common)
@@ -274,26 +277,36 @@ def apply_dp(model: nn.Module, ranks: RankMesh, layout: Layout, pipe: Pipeline |
     return dp
 
 
+def copy_sums(pipe: Pipeline | None, partial: list[nn.Parameter], ranks: RankMesh) -> Callable[[], None] | None:
+    """What sums a gradient's copies outside dp, or None: a pipeline's tied weights across its stages, sequence
+    parallelism's partial gradients over tp (each replicated parameter saw T/tp positions). The data-parallel
+    sync runs it where that is exact (:attr:`DataParallel.sum_copies`); without dp the engine runs it."""
+    if pipe is None and not partial:
+        return None
+
+    def sum_copies() -> None:
+        if pipe is not None:  # (a stage without tied weights exchanges nothing)
+            pipe.links.exchange_tied(pipe.stages)
+        if partial:
+            sum_partial_grads(partial, ranks.tp_group, tracer=ranks.recorder)
+
+    return sum_copies
+
+
 def _sharded(held: nn.Module, model: nn.Module, ranks: RankMesh, layout: Layout, pipe: Pipeline | None,
              partial: list[nn.Parameter], split: Split | None, common: dict[str, Any]) -> ShardedDataParallel:
-    """ZeRO over dp. A pipeline's tied copies and sequence parallelism's partial gradients are summed (across
-    stages, over tp) before their reduce-scatter, since afterwards each rank holds only a segment of them."""
+    """ZeRO over dp. A pipeline's tied copies and sequence parallelism's partial gradients are packed late:
+    summed (``sum_copies``, across stages, over tp) before their reduce-scatter, since afterwards each rank holds
+    only a segment of them."""
     late = list(partial)
     if pipe is not None:
         for st in pipe.stages:
             named = dict(st.named_parameters())
             late += [named[name] for name in st.tied]
 
-    def before_late() -> None:
-        if pipe is not None:
-            pipe.links.exchange_tied(pipe.stages)
-        if partial:
-            sum_partial_grads(partial, ranks.tp_group, tracer=ranks.recorder)
-
     gathered_one_by_one = units(model, split) if layout.zero == 3 and pipe is None else []
     dp = ShardedDataParallel(held, ranks.dp_group, layout.allreduce, layout.bucket_mb, zero=layout.zero,
-                             units=gathered_one_by_one, late=late, before_late=before_late, **common)
-    dp.sums_tied = True
+                             units=gathered_one_by_one, late=late, **common)
     return dp
 
 

@@ -62,8 +62,9 @@ class Plain:
     """No pipeline: ``grad_accum`` forwards and backwards one after another (one without accumulation)."""
 
     def __init__(self, model: nn.Module, dp: DataParallel | None, grad_accum: int, tracer: Tracer,
-                 weights: set[int]) -> None:
+                 weights: set[int], finish: Callable[[], None]) -> None:
         self.model, self.dp, self.parts, self.tracer = model, dp, grad_accum, tracer
+        self.finish = finish  # the engine's finish_backward
         self._param_storages = weights  # the storages of what the optimiser steps: weights are not activations
         self._activations: dict[Any, int] = {}  # input shapes -> bytes saved for backward, measured once
 
@@ -99,8 +100,7 @@ class Plain:
             total += loss.detach().to(torch.float64).reshape(1).cpu()
             if saved is not None:  # this shape's first step: measured (the same bytes every step after)
                 self._activations[key] = sum(saved.values())
-        if dp is not None:
-            dp.finish()  # the engine owns the end of backward
+        self.finish()
         return total, None, self._activations[key]
 
     def evaluate(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn, documents: torch.Tensor | None,

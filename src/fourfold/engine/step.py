@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,6 @@ from fourfold.parallel.tensor import (
     fill_pieces,
     gather_full,
     parameter_bytes,
-    sum_partial_grads,
 )
 from fourfold.parallel.tensor.comm import wire_bytes
 
@@ -82,7 +81,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, ranks: RankMesh, layout: Layout, *, pipeline: Pipeline | None,
                  dp: DataParallel | None, loss_fn: LossFn, layouts: dict[str, ShardLayout],
-                 partial_grads: list[nn.Parameter], split_heads: Sequence[ColumnParallelLinear] = (),
+                 sum_copies: Callable[[], None] | None, split_heads: Sequence[ColumnParallelLinear] = (),
                  sum_loss_fn: LossFn | None = None, reads_documents: bool = False, streams: Streams | None = None,
                  takes_ids: bool = False) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
@@ -92,12 +91,15 @@ class Engine:
         self.takes_ids = takes_ids  # a model family's (TinyGPT, Hugging Face): forward(ids), one tensor
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
-        self._partial_grads = partial_grads
+        self._sum_copies = sum_copies
         self.zero = dp.zero if dp is not None else 0
         # the one branch: a pipeline's schedule, or the model's forward and backward (in grad_accum parts)
         self.runner: Runner = (Piped(pipeline, self.gathered) if pipeline is not None else
                                Plain(model, dp, layout.grad_accum, tracer, parameter_storages(
-                                   dp.optimizer_parameters() if dp is not None else model.parameters())))
+                                   dp.optimizer_parameters() if dp is not None else model.parameters()),
+                                   self.finish_backward))
+        if pipeline is not None:
+            pipeline.end_backward = self.finish_backward
         self._rows_checked = self._tokens_checked = False
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")  # where the loss is reduced
@@ -264,12 +266,20 @@ class Engine:
         if self.dp is not None:  # a token-normalised loss is already the global batch's: sum, not average
             self.dp.grad_scale = 1.0 if tokens else 1.0 / self.dp.size
         loss, result, activation_bytes = self.runner.step(inputs, targets, loss_fn, documents, tokens, self._compute)
-        if self._partial_grads and not self.zero:  # sequence parallelism: replicated parameters saw T/tp
-            # positions each (under ZeRO summed before the reduce-scatter, as late parameters)
-            sum_partial_grads(self._partial_grads, self.ranks.tp_group, tracer=self.tracer)
         out_loss = self._reduce_loss(loss, result, 1 if tokens else self.mesh.dp)
         out_loss.activation_bytes = activation_bytes
         return out_loss
+
+    def finish_backward(self) -> None:
+        """The end of backward, in every layout, owned here: the data-parallel sync waited for (its buckets
+        started inside backward) and a gradient's copies outside dp summed (a pipeline's tied weights across
+        stages, sequence parallelism's partial gradients over tp), which dp runs where that is exact: after its
+        average, or before ZeRO's reduce-scatter (:attr:`~fourfold.parallel.data.DataParallel.sum_copies`).
+        The runner calls it once per step: after the last backward, or after the pipeline's last action."""
+        if self.dp is not None:
+            self.dp.finish()
+        elif self._sum_copies is not None:
+            self._sum_copies()
 
     def _compute(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward: bf16 autocast under mixed precision (the weights stay float32 masters)."""

@@ -97,8 +97,12 @@ class DataParallel(nn.Module):
                  bucket_mb: float = 25.0, *, tracer: Tracer | None = None, timeout_s: float = 120.0,
                  find_unused_parameters: bool = False, auto_finish: bool = True,
                  reduce_dtype: torch.dtype | None = None, compress: Compressor | None = None,
-                 comm_group: dist.ProcessGroup | None = None) -> None:
+                 comm_group: dist.ProcessGroup | None = None, sum_copies: Callable[[], None] | None = None) -> None:
         super().__init__()
+        # sums a gradient's copies outside dp (a pipeline's tied weights across stages, sequence parallelism's
+        # partial gradients over tp); finish() runs it where that is exact: here after the average (sums and the
+        # average commute), under ZeRO before the reduce-scatter (after it each rank holds a segment only)
+        self.sum_copies = sum_copies
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}.")
         if not bucket_mb > 0:
@@ -329,6 +333,11 @@ class DataParallel(nn.Module):
                 for b in self.buckets:
                     self._unpack(b, unused)
         self._finished, self._checked = True, True
+        self._copies_after_sync()
+
+    def _copies_after_sync(self) -> None:
+        if self.sum_copies is not None:
+            self.sum_copies()
 
     def _unused_everywhere(self) -> set[int]:
         """The parameters no rank has a gradient for (a collective over the group): they keep ``grad = None``,

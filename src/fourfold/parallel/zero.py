@@ -56,13 +56,12 @@ class ShardedDataParallel(DataParallel):
     ``units`` (stage 3, no pipeline): the modules gathered and freed one at a time, in forward order (the
     model's blocks). ``late``: parameters whose gradient is not final when backward produces it (a pipeline's
     tied copies, summed across stages; sequence parallelism's partial gradients, summed over tp):
-    ``before_late()`` runs at :meth:`finish`, then they are packed, in buckets of their own, launched last.
+    ``sum_copies()`` runs at :meth:`finish`, then they are packed, in buckets of their own, launched last.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, algorithm: str = "ring",
                  bucket_mb: float = 25.0, *, zero: int = 1, units: Sequence[nn.Module] = (),
-                 late: Iterable[nn.Parameter] = (), before_late: Callable[[], None] | None = None,
-                 **kwargs: Any) -> None:
+                 late: Iterable[nn.Parameter] = (), **kwargs: Any) -> None:
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3 (0 is plain data parallelism), got {zero}.")
         if algorithm not in ZERO_ALGORITHMS:
@@ -72,10 +71,8 @@ class ShardedDataParallel(DataParallel):
         self.zero = zero
         self._units = list(units) if zero == 3 else []
         self._late = {id(p) for p in late}
-        self.before_late = before_late
         self._late_open = False
         self._fresh = False
-        self.sums_tied = False  # True: before_late sums a pipeline's tied copies (the runtime then does not)
         self._unit_bucket: dict[int, int] = {}  # id(unit module) -> bucket index
         super().__init__(module, group, algorithm, bucket_mb, **kwargs)
         rank, size = dist.get_rank(group), self.size
@@ -149,7 +146,7 @@ class ShardedDataParallel(DataParallel):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if id(p) in self._late and not self._late_open:
-            return  # packed in finish(), once before_late() has made it final
+            return  # packed in finish(), once sum_copies() has made it final
         super()._on_grad(p)
 
     def _pack(self, p: torch.Tensor) -> Bucket:
@@ -175,8 +172,8 @@ class ShardedDataParallel(DataParallel):
         if self._finished:
             return
         if self._late:
-            if self.before_late is not None:
-                self.before_late()
+            if self.sum_copies is not None:
+                self.sum_copies()
             self._late_open = True
             for b in self.buckets:
                 for p in b.params:
@@ -192,6 +189,9 @@ class ShardedDataParallel(DataParallel):
                 release(b.flat)
             b.zero.free()
         self._fresh = self._fresh and not stale  # an optimiser step may follow: the next forward gathers again
+
+    def _copies_after_sync(self) -> None:
+        pass  # summed before the late buckets' reduce-scatter (finish)
 
     def _unpack(self, b: Bucket, unused: set[int] | frozenset[int] = frozenset()) -> None:
         # ``unused`` is not for ZeRO: its optimiser steps flat shards, whose gradient cannot be None in part

@@ -121,6 +121,9 @@ class Pipeline:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
         self.schedule, self.group, self.loss_fn, self.timeout_s = schedule, group, loss_fn, timeout_s
         self.grad_sync = grad_sync
+        # what ends backward after this rank's last action: the engine's finish_backward (set by parallelize);
+        # None: the pipeline's own, its grad_sync's finish and then the tied copies' gradients summed
+        self.end_backward: Callable[[], None] | None = None
         self.rank = dist.get_rank()
         self.pp_rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.pp:
@@ -240,9 +243,11 @@ class Pipeline:
             else:
                 self._weight(action)
         self.links.end()
-        if self.grad_sync is not None:
-            self.grad_sync.finish()  # averaged over data-parallel replicas before tied copies are summed
-        if not getattr(self.grad_sync, "sums_tied", False):  # ZeRO sums them first (its before_late)
+        if self.end_backward is not None:
+            self.end_backward()
+        else:
+            if self.grad_sync is not None:
+                self.grad_sync.finish()  # averaged over data-parallel replicas before tied copies are summed
             self.links.exchange_tied(self.stages)
         end = time.perf_counter_ns()
         return self._result(start, end)
