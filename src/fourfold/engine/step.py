@@ -44,7 +44,7 @@ from fourfold.parallel.tensor import (
 )
 from fourfold.parallel.tensor.comm import wire_bytes
 
-__all__ = ["Engine", "Loss", "LossFn", "bytes_by_axis"]
+__all__ = ["COUNTED", "Engine", "Loss", "LossFn", "bytes_by_axis"]
 
 
 
@@ -423,15 +423,28 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
     gradients and tied-weight gradients sent between stages (headers included); ``dp``: what fourfold's
     all-reduce algorithms put on the wire (``native`` counts none: the backend sends on its own).
     """
-    out = {"dp": 0, "tp": 0, "pp": 0}
+    out = dict.fromkeys(COUNTED, 0)
     for s in spans:
         if s.kind != "comm":
             continue
-        if s.name.startswith("tp."):
-            out["tp"] += wire_bytes(s.name.removeprefix("tp."), s.bytes, s.args.get("ranks", 2))
-        elif s.name in ("send", "tied_grads"):
-            out["pp"] += s.bytes
-        elif s.name.startswith(DATA_PARALLEL_SPANS):  # ZeRO: the ring's halves
-            out["dp"] += s.bytes
+        for axis, sent in COUNTED.items():
+            counted = sent(s)
+            if counted is not None:
+                out[axis] += counted
+                break
     return out
+
+
+def _tp_sent(s: Span) -> int | None:
+    return wire_bytes(s.name.removeprefix("tp."), s.bytes, s.args.get("ranks", 2)) if s.name.startswith("tp.") \
+        else None
+
+
+COUNTED: dict[str, Callable[[Span], int | None]] = {
+    "dp": lambda s: s.bytes if s.name.startswith(DATA_PARALLEL_SPANS) else None,  # ZeRO: the ring's halves
+    "tp": _tp_sent,
+    "pp": lambda s: s.bytes if s.name in ("send", "tied_grads") else None,
+}
+"""Each mesh axis's bytes in one comm span (None: not this axis's span), in the mesh's order: a strategy that
+adds an axis adds its row, and metrics.jsonl's ``bytes_by_axis`` and the run's summary show it."""
 
