@@ -44,8 +44,8 @@ from torch.distributed.elastic.rendezvous import (
 from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.launch import loopback_store
 
-__all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "LaunchConfig", "lab_default", "LoopbackRendezvous", "create_loopback", "launch_workers", "report_error",
-           "torchrun_args"]
+__all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "LaunchConfig", "LoopbackRendezvous", "create_loopback", "is_worker",
+           "lab_default", "launch_workers", "report_error", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 RENDEZVOUS_GRACE_S = 10.0
@@ -156,6 +156,13 @@ def _register() -> None:
         rendezvous_handler_registry.register(LOOPBACK_BACKEND, create_loopback)
     except ValueError:
         pass  # registered already (a second launch in this process)
+
+
+def is_worker() -> bool:
+    """Whether this process is a rank torchrun started (fourfold's launcher, or torchrun run by hand), not the
+    command that launches them: the one parent-or-worker switch of every command that starts ranks (train,
+    bench, explain)."""
+    return "RANK" in os.environ
 
 
 def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[str]:

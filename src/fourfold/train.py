@@ -59,7 +59,7 @@ from fourfold.run.out import write_outputs
 from fourfold.run.preflight import before_launch_notes, preflight
 from fourfold.run.setup import setup
 from fourfold.run.summary import TrainResult
-from fourfold.torchrun import LaunchConfig
+from fourfold.torchrun import LaunchConfig, is_worker
 
 __all__ = ["OUTPUTS", "TrainResult", "build_model", "main", "train"]
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     """``fourfold train``: launch ``--nproc`` ranks through torchrun, or train in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
-    worker = "RANK" in os.environ  # started by torchrun (ours or the user's)
+    worker = is_worker()  # started by torchrun (ours or the user's)
     if worker:
         cfg = replace(cfg, launch=_launched_as())
     main_rank = int(os.environ.get("RANK", "0")) == 0 and (worker or cfg.launch.node_rank == 0)

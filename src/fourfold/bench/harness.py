@@ -142,7 +142,9 @@ def run_or_launch(name: str, argv: list[str] | None, parser: Any, check: Callabl
         check(ns)
     except ValueError as e:
         parser.error(str(e))  # exits
-    if "RANK" in os.environ:  # a rank started by the launcher
+    from fourfold.torchrun import is_worker
+
+    if is_worker():  # a rank started by the launcher
         run(ns)
         return 0
     return launch_ranks(name, argv, ns.nproc, ns.command)

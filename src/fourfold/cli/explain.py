@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="hierarchical only: ranks per node (default: all on one node, where it is a ring)")
     args = parser.parse_args(argv)
-    if "RANK" in os.environ:  # a worker started below
+    from fourfold.torchrun import is_worker
+
+    if is_worker():  # a rank started below
         return _run_worker(args.algorithm, args.per_segment, args.ranks_per_node)
     from fourfold.comm import ALGORITHMS
 

@@ -55,7 +55,7 @@ def rank(argv: list[str]) -> int:
     import argparse
 
     from fourfold.engine.parallelize import model_blocks
-    from fourfold.models import family_of, shard_plan
+    from fourfold.models import family_of, shard_plan, split_of
     from fourfold.plan.costs import flop_units, measure_units
     from fourfold.plan.predict import ModelProfile
     from fourfold.train import parse_args
@@ -79,7 +79,7 @@ def rank(argv: list[str]) -> int:
                              "what it saves on one layout.")
         model, links, available, where, lab = _devices(ns, cfg, paper, world)
         family = family_of(model)
-        blocks = model_blocks(model, family.split(model) if family is not None and family.split else None)
+        blocks = model_blocks(model, split_of(model, family))
         shards = shard_plan(model)
         heads, tensor_plan = model_heads(model), bool(shards)
 

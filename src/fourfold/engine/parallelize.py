@@ -52,7 +52,7 @@ from fourfold.engine.losses import LossFn, losses
 from fourfold.engine.pieces import TensorPlan, examples_for, model_blocks, units, untouched
 from fourfold.engine.step import Engine
 from fourfold.mesh import Mesh, RankMesh
-from fourfold.models import Family, family_of, tensor_plan
+from fourfold.models import Family, family_of, split_of, tensor_plan
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.data import DataParallel
@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     family = family_of(model)
     _check_model(model, ranks, layout, family)
     streams = _streams(ranks, seed) if m.world_size > 1 else None
-    split = split if split is not None else (family.split(model) if family and family.split else None)
+    split = split if split is not None else split_of(model, family)
     with untouched(model):  # the split's check and the pipeline's trace run the model on examples
         pieces, examples = resolve(model, ranks, layout, split, example, family)
         model = apply_tp(model, ranks, layout, plan, family, streams)

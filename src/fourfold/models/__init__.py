@@ -119,6 +119,13 @@ def family_of(model: nn.Module) -> Family | None:
     return _hf(kind) if kind is not None else None
 
 
+def split_of(model: nn.Module, family: Family | None = None) -> Split | None:
+    """How a pipeline cuts ``model`` (its family's :class:`Split`), or None: its blocks found by shape. The one
+    place a family's split is asked for (``family``: ``family_of(model)``, when the caller has it)."""
+    family = family if family is not None else family_of(model)
+    return family.split(model) if family is not None and family.split is not None else None
+
+
 def shard_plan(model: nn.Module) -> Mapping[str, str] | None:
     """What tensor parallelism splits in ``model``, as ``{module: style}`` (for memory estimates), or None when
     fourfold has no plan for it."""
@@ -162,6 +169,7 @@ def tensor_plan(model: nn.Module) -> Mapping[str, str] | Callable[..., nn.Module
 
 
 __all__ = [
+    "split_of",
     "DROPOUTS",
     "DROPOUT_KEYS",
     "dropout_sites",

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from fourfold.config import MODEL_HELP, SECTIONS, Config, to_toml
 from fourfold.data.tokenizers import absolute_spec
 from fourfold.run.resume import take_checkpoint_model
+from fourfold.torchrun import is_worker
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,7 +81,7 @@ def _moved_from_train(data: dict[str, Any], path: str | Path) -> None:
             raise ValueError(f"{key} is set twice in {path}, under [train] and [{home}]. Keep the one under "
                              f"[{home}].")
         table[key] = train.pop(key)
-    if "RANK" in os.environ:  # a rank of a launched run: its launcher said it already
+    if is_worker():  # a rank of a launched run: its launcher said it already
         return
     by_table: dict[str, list[str]] = {}
     for key, home in moved.items():

@@ -30,7 +30,7 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     """:class:`LayoutMemory` for ``cfg`` on ``world_size`` ranks."""
     from fourfold.engine.parallelize import model_blocks
     from fourfold.mesh import Mesh
-    from fourfold.models import family_of, shard_plan
+    from fourfold.models import family_of, shard_plan, split_of
     from fourfold.models.build import build_model, check_forward
     from fourfold.parallel.checkpointing import parse_policy
     from fourfold.plan.estimate import estimate_memory, probe_activations
@@ -40,8 +40,7 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     mesh = Mesh.for_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp)
 
     def probed(model: Any) -> tuple[list[Any], Any, Any]:
-        family = family_of(model)
-        split = family.split(model) if family is not None and family.split is not None else None
+        split = split_of(model)
         try:
             blocks = model_blocks(model, split)
         except ValueError:

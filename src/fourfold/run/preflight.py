@@ -21,7 +21,7 @@ from fourfold.data import is_token_file, read_texts, token_range, vocab_of
 from fourfold.files import check_writable, earlier_outputs, set_aside, written_by_a_run
 from fourfold.launch import resolve_device
 from fourfold.mesh import Mesh
-from fourfold.models import dropout_sites, family_of, tensor_plan
+from fourfold.models import dropout_sites, family_of, split_of, tensor_plan
 from fourfold.models.build import ModelInfo, build_model, built_info, check_model, check_vocab, meta_model
 from fourfold.models.gpt_plan import check_tinygpt_tp
 from fourfold.models.hf import FAMILIES
@@ -203,7 +203,7 @@ def _check_yours(cfg: Config, info: ModelInfo, mesh: Mesh, stages: int,
             expand_plan(model, plan)  # a path naming no module, or a style fourfold lacks
     if mesh.pp > 1:
         try:
-            split = family.split(model) if family is not None and family.split is not None else None
+            split = split_of(model, family)
             pieces = (len(block_paths(model, split.blocks)) + (split.before is not None) + (split.after is not None)
                       if split is not None else len(named_blocks(model)))
         except TypeError as e:  # neither a split nor a list of blocks
