@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -130,10 +129,17 @@ def test_a_meta_probe_keeps_near_what_a_real_one_keeps():
     assert 0.95 <= meta / real <= 1.12, (meta, real)
 
 
-def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path):
+def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path, capsys):
+    # in this process: a plan and a refusal start no rank (a launch would not get past the refusal either)
+    from fourfold.cli import main
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
     def plan(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fourfold", "plan", "--memory", "--steps", "1", *flags],
-                              capture_output=True, text=True, timeout=120)
+        return run("plan", "--memory", "--steps", "1", *flags)
 
     ok = plan("--nproc", "4", "--pp", "2", "--zero", "1")
     assert ok.returncode == 0, ok.stderr
@@ -141,9 +147,7 @@ def test_plan_memory_prints_the_table_and_refuses_what_does_not_fit(tmp_path):
     tight = plan("--nproc", "2", "--memory-limit", "10MB")
     assert tight.returncode == 1
     assert "largest term: activations" in tight.stdout and "--zero 3" in tight.stdout
-    refused = subprocess.run([sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--steps", "1", "--out",
-                              str(tmp_path / "run"), "--memory-limit", "10MB"], capture_output=True, text=True,
-                             timeout=120)
+    refused = run("train", "--nproc", "2", "--steps", "1", "--out", str(tmp_path / "run"), "--memory-limit", "10MB")
     assert refused.returncode == 2 and "largest term is activations" in refused.stderr, refused.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any rank started
 

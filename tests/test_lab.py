@@ -72,12 +72,24 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_bad_lab_flags_are_refused_before_any_namespace_exists():
-    proc = _cli("run", "--nodes", "2", "--link", "fast", "--", "fourfold", "train")
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``fourfold lab ARGS`` in this process (a refusal starts nothing: no interpreter of its own needed)."""
+    from fourfold.cli import main
+
+    try:
+        code = main(["lab", *args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["fourfold", "lab", *args], code, out, err)
+
+
+def test_bad_lab_flags_are_refused_before_any_namespace_exists(capsys):
+    proc = _refused(capsys, "run", "--nodes", "2", "--link", "fast", "--", "fourfold", "train")
     assert proc.returncode == 2 and "link must be a rate such as 100mbit" in proc.stderr
-    proc = _cli("run", "--nodes", "2")
+    proc = _refused(capsys, "run", "--nodes", "2")
     assert proc.returncode == 2 and "needs a command after --" in proc.stderr
-    proc = _cli("run", "--nodes", "2", "--tcp", "vegas-ng", "--", "true")
+    proc = _refused(capsys, "run", "--nodes", "2", "--tcp", "vegas-ng", "--", "true")
     assert proc.returncode == 2 and "tcp must be one of this kernel's congestion controls" in proc.stderr
 
 
@@ -150,12 +162,12 @@ def test_a_running_lab_is_neither_remade_nor_removed_by_another_process():
     assert proc.returncode == 0 and "no lab to remove" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_bad_sweep_flags_are_refused_before_any_namespace_exists():
-    proc = _cli("sweep", "--nodes", "2,four")
+def test_bad_sweep_flags_are_refused_before_any_namespace_exists(capsys):
+    proc = _refused(capsys, "sweep", "--nodes", "2,four")
     assert proc.returncode == 2 and "nodes must be comma-separated counts" in proc.stderr
-    proc = _cli("sweep", "--nodes", "1", "--gpus-per-node", "1")
+    proc = _refused(capsys, "sweep", "--nodes", "1", "--gpus-per-node", "1")
     assert proc.returncode == 2 and "at least 2 ranks in each lab" in proc.stderr
-    proc = _cli("sweep", "--size", "3B")
+    proc = _refused(capsys, "sweep", "--size", "3B")
     assert proc.returncode == 2 and "size must be a positive multiple of 4 bytes" in proc.stderr
 
 
