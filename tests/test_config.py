@@ -184,3 +184,19 @@ def test_a_file_from_before_the_parallel_table_loads_with_one_note(tmp_path, cap
     with pytest.raises(SystemExit):
         parse_args(["--config", str(f)])
     assert "tp is set twice" in capsys.readouterr().err
+
+
+def test_the_readmes_toml_is_read_as_it_stands_in_its_sections(tmp_path, capsys):
+    """README's example file: every table a section of its own, every key where it belongs (no note)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    f = tmp_path / "run.toml"
+    f.write_text(block)
+    cfg = parse_args(["--config", str(f)])
+    assert "note:" not in capsys.readouterr().err
+    assert re.findall(r"^\[(\w+)\]", block, flags=re.M) == list(cfg.to_dict())  # every section, in order
+    assert (cfg.data.data, cfg.parallel.tp, cfg.optim.lr_decay, cfg.train.steps, cfg.checkpoint.checkpoint_every,
+            cfg.output.out, cfg.launch.nproc) == ("corpus.txt", 2, "cosine", 200, 50, "runs/tp2", 4)
