@@ -200,3 +200,25 @@ def test_the_readmes_toml_is_read_as_it_stands_in_its_sections(tmp_path, capsys)
     assert re.findall(r"^\[(\w+)\]", block, flags=re.M) == list(cfg.to_dict())  # every section, in order
     assert (cfg.data.data, cfg.parallel.tp, cfg.optim.lr_decay, cfg.train.steps, cfg.checkpoint.checkpoint_every,
             cfg.output.out, cfg.launch.nproc) == ("corpus.txt", 2, "cosine", 200, 50, "runs/tp2", 4)
+
+
+def test_a_file_from_before_the_sections_loads_each_key_into_its_table_with_one_note(tmp_path, capsys):
+    """[train] once held the data, optimiser, checkpoint and output keys too: each goes to its table, one note
+    names them by table, and the run is the one the sectioned file (or the flags) gives."""
+    f = tmp_path / "old.toml"
+    f.write_text('[train]\nsteps = 4\nlr = 0.01\ntokenizer = "bpe:300"\nkeep = 3\nout = "runs/old"\ntp = 2\n'
+                 "[launch]\nnproc = 2\n")
+    cfg = parse_args(["--config", str(f)])
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1, err
+    for words in ("lr under [optim]", "tokenizer under [data]", "keep under [checkpoint]", "out under [output]",
+                  "tp under [parallel]"):
+        assert words in err, (words, err)
+    flags = ["--steps", "4", "--lr", "0.01", "--tokenizer", "bpe:300", "--keep", "3", "--out", "runs/old", "--tp",
+             "2", "--nproc", "2"]
+    assert cfg.record() == parse_args(flags).record()
+    f.write_text('[train]\nlr = 0.01\n[optim]\nlr = 0.02\n')
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f)])
+    err = capsys.readouterr().err
+    assert "lr is set twice in" in err and "under [train] and [optim]" in err, err

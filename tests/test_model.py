@@ -169,3 +169,22 @@ def test_float64_training_step_decreases_loss() -> None:
         losses.append(loss.item())
     _, final = model(x, targets=y)
     assert losses[1] < losses[0] and final.item() < losses[-1]
+
+
+def test_on_meta_skips_random_inits_of_meta_tensors_only() -> None:
+    """Building on meta draws nothing (there are no values), so torch's Python meta kernels for random fills, and
+    the compiler import behind them, are never reached; a real tensor made inside still draws."""
+    import subprocess
+    import sys
+
+    from fourfold.models.meta import on_meta
+
+    with on_meta():
+        layer = torch.nn.Linear(4, 4)
+        real = torch.empty(64, device="cpu")
+        torch.nn.init.normal_(real)
+    assert layer.weight.is_meta and real.std() > 0
+    code = ("import sys\nfrom fourfold.models import GPTConfig, TinyGPT\nTinyGPT(GPTConfig(), seed=0)\n"
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
