@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from fourfold import Layout, Mesh, Split, parallelize
-from fourfold.engine.step import bytes_by_axis
+from fourfold.engine.sent import bytes_by_axis
 from fourfold.mesh import RankMesh
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Span, Tracer

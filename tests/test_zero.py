@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fourfold import Layout, Mesh, parallelize
-from fourfold.engine.step import bytes_by_axis
+from fourfold.engine.sent import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.memory import held_bytes
 from fourfold.observe.trace import Tracer

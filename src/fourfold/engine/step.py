@@ -31,7 +31,6 @@ from fourfold.engine.runner import Piped, Plain, Runner
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.memory import estimate_held, parameter_storages
-from fourfold.observe.trace import DATA_PARALLEL_SPANS, Span
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.rng import Streams
@@ -42,9 +41,8 @@ from fourfold.parallel.tensor import (
     gather_full,
     parameter_bytes,
 )
-from fourfold.parallel.tensor.comm import wire_bytes
 
-__all__ = ["COUNTED", "Engine", "Loss", "LossFn", "bytes_by_axis"]
+__all__ = ["Engine", "Loss", "LossFn"]
 
 
 
@@ -412,39 +410,3 @@ class Engine:
         numel = sum(p.numel() for p in params.values())
         itemsize = next(iter(params.values())).element_size() if params else 4
         return estimate_held(numel, itemsize, dp=self.mesh.dp, zero=self.zero, optimizer_slots=optimizer_slots)
-
-
-def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
-    """Bytes this rank sent on each axis in ``spans`` (one step's, say).
-
-    ``tp``: what a ring sends for each tensor-parallel collective (:func:`~fourfold.parallel.tensor.comm.wire_bytes`:
-    the backend's own collectives are not counted, so they are counted as the ring would move them, and a
-    sequence-parallel reduce-scatter + all-gather adds up to the all-reduce it replaces); ``pp``: activations,
-    gradients and tied-weight gradients sent between stages (headers included); ``dp``: what fourfold's
-    all-reduce algorithms put on the wire (``native`` counts none: the backend sends on its own).
-    """
-    out = dict.fromkeys(COUNTED, 0)
-    for s in spans:
-        if s.kind != "comm":
-            continue
-        for axis, sent in COUNTED.items():
-            counted = sent(s)
-            if counted is not None:
-                out[axis] += counted
-                break
-    return out
-
-
-def _tp_sent(s: Span) -> int | None:
-    return wire_bytes(s.name.removeprefix("tp."), s.bytes, s.args.get("ranks", 2)) if s.name.startswith("tp.") \
-        else None
-
-
-COUNTED: dict[str, Callable[[Span], int | None]] = {
-    "dp": lambda s: s.bytes if s.name.startswith(DATA_PARALLEL_SPANS) else None,  # ZeRO: the ring's halves
-    "tp": _tp_sent,
-    "pp": lambda s: s.bytes if s.name in ("send", "tied_grads") else None,
-}
-"""Each mesh axis's bytes in one comm span (None: not this axis's span), in the mesh's order: a strategy that
-adds an axis adds its row, and metrics.jsonl's ``bytes_by_axis`` and the run's summary show it."""
-

@@ -11,7 +11,8 @@ import torch
 
 from fourfold.comm.wait import gather_objects
 from fourfold.data import BatchLoader, DocumentLoader
-from fourfold.engine.step import Engine, Loss, bytes_by_axis
+from fourfold.engine.sent import bytes_by_axis
+from fourfold.engine.step import Engine, Loss
 from fourfold.observe.memory import process_peak
 from fourfold.observe.trace import Tracer, hidden_fraction
 from fourfold.run.optim import NonFiniteLoss

@@ -14,7 +14,8 @@ from fourfold.checkpoint.sharded import io_barrier
 from fourfold.checkpoint.store import set_aside_newer
 from fourfold.comm.wait import gather_spans
 from fourfold.config import Config
-from fourfold.engine.step import Engine, bytes_by_axis
+from fourfold.engine.sent import bytes_by_axis
+from fourfold.engine.step import Engine
 from fourfold.files import median_step, write_text_atomic
 from fourfold.launch import DistContext
 from fourfold.observe.chrome_trace import write_chrome_trace

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fourfold.engine.step import COUNTED
+from fourfold.engine.sent import COUNTED
 from fourfold.files import drawn_row, median_row, steady
 from fourfold.mesh import Mesh
 from fourfold.parallel.timeline import theory_bubble
