@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
     dp = apply_dp(model, ranks, layout, pipe, partial, split, compressor)
-    copies = copy_sums(pipe, partial, ranks)
+    copies = dp.sum_copies if dp is not None else copy_sums(pipe, partial, ranks)  # one, dp's where it has one
     reads = bool(getattr(model, "fourfold_documents", False))
     if family is not None and family.documents is not None:
         family.documents(model)  # hooks are no-ops until a packed batch makes its documents current
