@@ -189,7 +189,14 @@ def workers(launcher: int) -> list[int]:
 
 
 def rank_of(pid: int) -> int | None:
-    """The RANK in a worker's environment (None: not a rank)."""
+    """The rank of a worker: a forked rank's name (``fourfold-rank3``), else the RANK its command started with
+    (None: not a rank)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if name.startswith("fourfold-rank") and name[13:].isdigit():
+        return int(name[13:])
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

@@ -45,6 +45,7 @@ __all__ = [
     "DistContext",
     "init",
     "loopback_store",
+    "made_a_group",
     "resolve_device",
 ]
 
@@ -196,6 +197,7 @@ def init(
     timeout = wait.group_timeout(timeout_s, backend)  # NCCL's watchdog after the named errors (wait.group_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
+    _MADE[0] = True
     wait.set_default_timeout(timeout_s)
     doctor = None
     if world_size > 1:
@@ -204,6 +206,15 @@ def init(
     ctx = DistContext(rank, world_size, local_rank, local_world_size, dev, backend, timeout_s, doctor=doctor)
     atexit.register(_close_at_exit, ctx)
     return ctx
+
+
+_MADE = [False]
+
+
+def made_a_group() -> bool:
+    """Whether this process has ever been in a process group (one is now, or :func:`init` made one): its
+    copy (a forked rank) would inherit the transport's native state, which aborts it."""
+    return _MADE[0] or dist.is_initialized()
 
 
 def _close_at_exit(ctx: DistContext) -> None:

@@ -44,13 +44,16 @@ from torch.distributed.elastic.rendezvous import (
 from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.launch import loopback_store
 
-__all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "LaunchConfig", "LoopbackRendezvous", "create_loopback", "is_worker",
-           "lab_default", "launch_workers", "report_error", "torchrun_args"]
+__all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "RANK_START_ENV", "LaunchConfig", "LoopbackRendezvous", "create_loopback",
+           "is_worker", "lab_default", "launch_workers", "rank_start", "report_error", "run_rank", "torchrun_args"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 RENDEZVOUS_GRACE_S = 10.0
 """Seconds past --rdzv-timeout machine 0 (the store's host, whose own timeout ends it) is given before the
 rendezvous watch ends it."""
+ECHO_WAIT_S = 0.5
+"""Seconds a rank that only lost a peer waits before it ends: torchrun's agent looks every 0.1 s and names the
+first rank it finds ended, which is then the peer (forked ranks report only that one)."""
 SHUTDOWN_S = 3  # seconds the ranks get after SIGTERM before SIGKILL (torchrun's 30 s keeps a stopped rank long)
 
 
@@ -185,12 +188,81 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
     return [*args, "--module", "--", module, *argv]
 
 
+RANK_START_ENV = "FOURFOLD_RANK_START"
+"""``exec``: the launcher starts every rank as a fresh interpreter, never as a copy of itself (:func:`rank_start`)."""
+
+
+def rank_start(threads: str | None) -> str:
+    """How :func:`launch_workers` starts a rank whose ``OMP_NUM_THREADS`` is ``threads``. ``fork``: a copy of the
+    launcher, torch already imported (each rank skips the 4 s import on a 2-core machine: 8 ranks start about
+    16 s sooner), taken only where the copy is known to be sound:
+
+    * the torch build has no GPU support: a process that initialised CUDA cannot be copied;
+    * each rank computes on one thread (the launcher's default with several ranks per machine): a copy of a
+      process whose OpenMP pool has run hangs in its first parallel region;
+    * this process was never in a process group (the transport's copied native state aborts the copy), and runs
+      no Python thread but its main one (a thread holding a lock would leave the copy stuck on it).
+
+    Else ``exec``: a fresh ``python -m module`` per rank, torchrun's usual way; ``FOURFOLD_RANK_START=exec``
+    asks for it always."""
+    import torch
+
+    from fourfold.launch import made_a_group
+
+    chosen = os.environ.get(RANK_START_ENV, "")
+    if chosen not in ("", "exec"):
+        raise ValueError(f"{RANK_START_ENV} must be exec (or unset), got {chosen!r}.")
+    sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not made_a_group()
+             and threading.active_count() == 1)
+    return "fork" if sound and not chosen else "exec"
+
+
+def run_rank(module: str, argv: list[str]) -> None:
+    """The body of a forked rank: ``module.main(argv)``, as ``python -m module argv`` would run it. The copy
+    starts with the launcher's signal handlers (torchrun's agent's, which would turn SIGTERM into its own
+    exception), so the interpreter's own come back first; a non-zero return is the exit status, an uncaught
+    error's traceback is printed and ends it with 1, as the interpreter would."""
+    from importlib import import_module, util
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+    _name_process(f"fourfold-rank{os.environ.get('RANK', '')}")
+    spec = util.find_spec(module)
+    sys.argv = [spec.origin if spec is not None and spec.origin else module, *argv]
+    try:
+        code = import_module(module).main(argv)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except Exception:  # printed as the interpreter would (multiprocessing would keep it in a file)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+
+
+def _name_process(name: str) -> None:
+    """Linux: the name ``ps``, ``top`` and ``/proc/PID/comm`` show (a forked rank would show its launcher's
+    command line under ``ps -f``; its name says which rank it is). At most 15 bytes are kept."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_name = 15
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+
+
 def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
                    stopped: Callable[[], str] | None = None) -> int:
-    """Run ``python -m module argv`` on ``launch.nproc`` local ranks; 0 when every rank succeeded, else 1 (2 when
-    the first rank to fail exited 2, refusing its input; 128 + the signal when one stopped the launcher:
-    ``stopped()`` then says what is left, e.g. what to resume from)."""
+    """Run ``python -m module argv`` on ``launch.nproc`` local ranks (forked or exec'd: :func:`rank_start`); 0
+    when every rank succeeded, else 1 (2 when the first rank to fail exited 2, refusing its input; 128 + the
+    signal when one stopped the launcher: ``stopped()`` then says what is left, e.g. what to resume from)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
 
     _register()
     if launch.nproc > 1:
@@ -199,10 +271,12 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     if launch.max_restarts > 0:
         # Restarts with gloo on torch 2.13 need the agent's rendezvous store kept apart from the workers'.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):  # ours say it once, shorter
+        logging.getLogger(name).setLevel(logging.ERROR)
     _quiet_failed_line()
     verdict = Path(tempfile.mkdtemp(prefix="fourfold-verdict-")) / "verdict.json"
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
+    start = rank_start(os.environ.get("OMP_NUM_THREADS"))  # before this launcher starts threads of its own
     done = threading.Event()
     threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True).start()
     if launch.nnodes > 1:
@@ -212,7 +286,14 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
               f"the others at {launch.rdzv_endpoint} ({how}).", file=sys.stderr, flush=True)
     unwatch = _watch_rendezvous(launch, lambda: shutil.rmtree(verdict.parent, ignore_errors=True))
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args(module, argv, launch)))
+        config, cmd, cmd_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args(module, argv, launch)))
+        if start == "fork":
+            config.start_method = "fork"
+            sys.stdout.flush()  # a copy of an unwritten buffer would be written again by every rank
+            sys.stderr.flush()
+            elastic_launch(config, run_rank)(module, argv)
+        else:
+            elastic_launch(config, cmd)(*cmd_args)
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
@@ -223,7 +304,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
         reported = _reported_errors(verdict.parent, e.get_first_failure()[0])
         if reported:
             print(reported, file=sys.stderr, flush=True)
-        print(f"fourfold: {_last_line(e, verdict)}", flush=True)
+        print(f"fourfold: {_last_line(e, verdict, launch.max_restarts)}", flush=True)
         return 2 if e.get_first_failure()[1].exitcode == 2 else 1  # 2: input the ranks refused, as before launch
     except (DistError, RendezvousError) as e:  # the machines never met: the store timed out or refused
         print(_no_rendezvous(launch, str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr,
@@ -262,6 +343,8 @@ def report_error(error: BaseException, line: str | None = None, *, echo: bool = 
         Path(verdict).with_name(f"{kind}-rank{int(rank)}.txt").write_text(text)
     except (OSError, ValueError):
         return False
+    if echo:  # the peer ended first: let torchrun's agent, which names the first rank it finds ended, see it first
+        time.sleep(ECHO_WAIT_S)
     return True
 
 
@@ -389,14 +472,16 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-def _last_line(error: ChildFailedError, verdict: Path) -> str:
-    """The launcher's last word: the faulty rank, from the hang doctor's verdict when one of the failed ranks
-    wrote it, else the first failure (and the signal that killed it)."""
+def _last_line(error: ChildFailedError, verdict: Path, last_attempt: int) -> str:
+    """The launcher's last word: the faulty rank, from the hang doctor's verdict when a rank of the attempt that
+    failed (the last: ``--max-restarts``) wrote it, else the first failure (and the signal that killed it). (A
+    forked rank's failure names only the first rank to end, which need not be the doctor's.)"""
     try:
         found = json.loads(verdict.read_text())
     except (OSError, ValueError):
         found = None
-    if found and any(f.pid == found.get("pid") for f in error.failures.values()):
+    if found and (found.get("attempt") == last_attempt or any(f.pid == found.get("pid")
+                                                               for f in error.failures.values())):
         return (f"hang: {found['summary']}; the doctor's line above has each rank's last operation (and its stack "
                 "where it was computing).")
     rank, failure = error.get_first_failure()

@@ -206,7 +206,7 @@ class Doctor:
                  attempt: int = 0, verdict_path: str | None = None) -> None:
         self.store = dist.PrefixStore(f"fourfold-doctor/attempt_{attempt}/", _own_connection(store))
         self.rank, self.world_size, self.hang_s = rank, world_size, hang_s
-        self.verdict_path = verdict_path
+        self.verdict_path, self.attempt = verdict_path, attempt
         self.host = socket.gethostname()
         self._count = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat counter, when first seen at that count)
@@ -313,7 +313,7 @@ class Doctor:
                     from fourfold.files import write_text_atomic
 
                     write_text_atomic(self.verdict_path, json.dumps(
-                        {"pid": os.getpid(), "rank": self.rank, "faulty": finding.faulty,
+                        {"pid": os.getpid(), "rank": self.rank, "attempt": self.attempt, "faulty": finding.faulty,
                          "summary": finding.summary, "stopped": finding.stopped}))
                 except OSError:
                     pass

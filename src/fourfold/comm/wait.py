@@ -72,13 +72,21 @@ def set_explainer(explain: Callable[[Any], str] | None) -> None:
 
 
 _RANKS: dict[Any, tuple[int, ...]] = {}
+"""group -> its global ranks, under the world group of the moment: a process group made again (a second run in
+one process, or a rank forked from a process that ran one) starts it afresh."""
+_RANKS_WORLD: list[Any] = [None]
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: the whole world), cached."""
-    if group not in _RANKS:
-        _RANKS[group] = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return _RANKS[group]
+    world = dist.group.WORLD
+    if _RANKS_WORLD[0] is not world:
+        _RANKS.clear()
+        _RANKS_WORLD[0] = world
+    key = world if group is None else group
+    if key not in _RANKS:
+        _RANKS[key] = tuple(dist.get_process_group_ranks(key))
+    return _RANKS[key]
 
 
 def bounded_wait(work: Any, timeout_s: float, *, rank: int, op: str, awaited: str, peer: int | None = None,
