@@ -6,6 +6,7 @@ non-loopback socket means a single-machine run was reachable from the network.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -245,13 +246,20 @@ LOOPBACK = {"0100007F",                                     # 127.0.0.1
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc to list sockets")
-def _run_listening_on_loopback_only(cmd: list[str]) -> str:
-    """Run ``cmd`` to its end, watching the listening sockets of its process tree; its output."""
+def _run_listening_on_loopback_only(cmd: list[str], ranks: set[int] | None = None) -> str:
+    """Run ``cmd`` to its end, watching the listening sockets of its process tree; its output. ``ranks``: filled
+    with the ranks seen among its processes by their names (forked ranks are named ``fourfold-rankN``)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[str] = set()
     try:
         while proc.poll() is None:
-            seen |= _listening_addresses(process_tree(proc.pid))
+            tree = process_tree(proc.pid)
+            seen |= _listening_addresses(tree)
+            for pid in tree if ranks is not None else ():
+                with contextlib.suppress(OSError):
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
+                    if name.startswith("fourfold-rank"):
+                        ranks.add(int(name[13:]))
             time.sleep(0.05)
         output = proc.stdout.read()
     finally:
@@ -279,8 +287,10 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--allreduce", "ring", *common, "--out",
            str(two)]
-    output = _run_listening_on_loopback_only(cmd)
+    forked: set[int] = set()
+    output = _run_listening_on_loopback_only(cmd, forked)
     assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in output
+    assert forked == {0, 1}  # the command's ranks are copies of it, named after their rank
     a, b = _losses(one), _losses(two)
     assert len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-10, (a, b)
@@ -553,3 +563,34 @@ def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
     assert _launched_as().nproc == 1
     monkeypatch.setenv("FOURFOLD_LAUNCH", '{"nproc": 8, "max_restarts": 2}')  # from fourfold's own launcher
     assert (_launched_as().nproc, _launched_as().max_restarts) == (8, 2)
+
+
+def test_ranks_are_forked_only_where_the_copy_is_sound(monkeypatch):
+    """A forked rank is a copy of its launcher: taken only with a CPU-only torch, one thread per rank, and the
+    launcher in no process group and running no other thread; else each rank is a fresh interpreter."""
+    import threading
+
+    import torch.distributed as dist
+
+    from fourfold.torchrun import RANK_START_ENV, rank_start
+
+    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    cpu_only = torch.version.cuda is None and torch.version.hip is None
+    assert rank_start("1") == ("fork" if cpu_only else "exec")
+    assert rank_start("2") == rank_start(None) == "exec"  # a copy of a process whose OpenMP pool ran hangs in it
+    monkeypatch.setenv(RANK_START_ENV, "exec")
+    assert rank_start("1") == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "spawn")
+    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be exec"):
+        rank_start("1")
+    monkeypatch.delenv(RANK_START_ENV)
+    busy, stop = threading.Thread(target=lambda: stop.wait()), threading.Event()
+    busy.start()
+    try:
+        assert rank_start("1") == "exec"
+    finally:
+        stop.set()
+        busy.join()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # in a process group now
+    assert rank_start("1") == "exec"

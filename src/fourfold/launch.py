@@ -29,6 +29,7 @@ import ipaddress
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ __all__ = [
     "DistContext",
     "init",
     "loopback_store",
-    "made_a_group",
+    "on_close",
     "resolve_device",
 ]
 
@@ -86,6 +87,8 @@ class DistContext:
             if settle:
                 wait.settle_pending()
             dist.destroy_process_group()
+            for forget in (wait.forget_groups, *_ON_CLOSE):
+                forget()
 
     def __enter__(self) -> DistContext:
         return self
@@ -197,7 +200,6 @@ def init(
     timeout = wait.group_timeout(timeout_s, backend)  # NCCL's watchdog after the named errors (wait.group_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
-    _MADE[0] = True
     wait.set_default_timeout(timeout_s)
     doctor = None
     if world_size > 1:
@@ -208,13 +210,15 @@ def init(
     return ctx
 
 
-_MADE = [False]
+_ON_CLOSE: list[Callable[[], None]] = []
 
 
-def made_a_group() -> bool:
-    """Whether this process has ever been in a process group (one is now, or :func:`init` made one): its
-    copy (a forked rank) would inherit the transport's native state, which aborts it."""
-    return _MADE[0] or dist.is_initialized()
+def on_close(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever :meth:`DistContext.close` destroys the process group: a cache of groups made
+    under it empties, so nothing holds a dead group's native threads (a copy of this process, a forked rank,
+    that dropped one later would abort joining threads it does not have)."""
+    if forget not in _ON_CLOSE:
+        _ON_CLOSE.append(forget)
 
 
 def _close_at_exit(ctx: DistContext) -> None:

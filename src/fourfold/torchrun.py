@@ -200,19 +200,18 @@ def rank_start(threads: str | None) -> str:
     * the torch build has no GPU support: a process that initialised CUDA cannot be copied;
     * each rank computes on one thread (the launcher's default with several ranks per machine): a copy of a
       process whose OpenMP pool has run hangs in its first parallel region;
-    * this process was never in a process group (the transport's copied native state aborts the copy), and runs
-      no Python thread but its main one (a thread holding a lock would leave the copy stuck on it).
+    * this process is in no process group now (the transport's copied native state would abort the copy), and
+      runs no Python thread but its main one (a thread holding a lock would leave the copy stuck on it).
 
     Else ``exec``: a fresh ``python -m module`` per rank, torchrun's usual way; ``FOURFOLD_RANK_START=exec``
     asks for it always."""
     import torch
-
-    from fourfold.launch import made_a_group
+    import torch.distributed as dist
 
     chosen = os.environ.get(RANK_START_ENV, "")
     if chosen not in ("", "exec"):
         raise ValueError(f"{RANK_START_ENV} must be exec (or unset), got {chosen!r}.")
-    sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not made_a_group()
+    sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not dist.is_initialized()
              and threading.active_count() == 1)
     return "fork" if sound and not chosen else "exec"
 
@@ -278,7 +277,8 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
     start = rank_start(os.environ.get("OMP_NUM_THREADS"))  # before this launcher starts threads of its own
     done = threading.Event()
-    threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True).start()
+    watcher = threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True)
+    watcher.start()
     if launch.nnodes > 1:
         how = ("the lab starts every node" if LAB_ENV + "NNODES" in os.environ else
                f"start the same command with --node-rank 0...{launch.nnodes - 1} on each")
@@ -313,6 +313,7 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     finally:
         unwatch()
         done.set()
+        watcher.join()  # a thread left running would keep the next launch in this process from forking
         shutil.rmtree(verdict.parent, ignore_errors=True)
     return 0
 

@@ -67,6 +67,10 @@ _LOCK_HELD = "FOURFOLD_OUT_LOCKED"  # set for the ranks we launch: their launche
 _LAUNCH = "FOURFOLD_LAUNCH"  # and the launcher's [launch] flags, as JSON, which the ranks are started without
 
 
+class _Bar(tqdm):
+    monitor_interval = 0  # no monitor thread: one left running would keep this process from forking its ranks
+
+
 def train(cfg: Config, ctx: launch.DistContext | None = None) -> TrainResult:
     """Train with ``cfg`` on the current process group (created from the environment if ``ctx`` is None)."""
     own = ctx is None
@@ -93,7 +97,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
     engine, optimizer, tracer, result = run.engine, run.optimizer, run.tracer, run.result
     metrics_file = open_metrics(run.out / "metrics.jsonl", run.first - 1 if run.continuing else 0) \
         if ctx.is_main else None
-    bar = tqdm(total=t.steps, initial=run.first - 1, desc="train", unit="step", file=sys.stderr,
+    bar = _Bar(total=t.steps, initial=run.first - 1, desc="train", unit="step", file=sys.stderr,
                disable=not (ctx.is_main and cfg.output.progress), dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
     held: dict[str, int] | None = None

@@ -32,6 +32,7 @@ from fourfold.checkpoint.store import (
 )
 from fourfold.comm.wait import default_timeout_s, gather_objects, group_timeout
 from fourfold.files import atomic_path, fsync, write_text_atomic
+from fourfold.launch import on_close
 
 __all__ = ["load", "save"]
 
@@ -47,6 +48,7 @@ replicas other than dp 0 write nothing and wait for dp 0's whole write and check
 a slow filesystem takes minutes, far past ``--timeout`` (a dead rank still fails it at once)."""
 
 _IO_GROUPS: dict[Any, Any] = {}  # the world group -> its copy with IO_TIMEOUT_S, made at the first save or load
+on_close(_IO_GROUPS.clear)  # gone with the process group
 
 
 def io_group() -> dist.ProcessGroup:

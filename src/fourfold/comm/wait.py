@@ -77,6 +77,12 @@ one process, or a rank forked from a process that ran one) starts it afresh."""
 _RANKS_WORLD: list[Any] = [None]
 
 
+def forget_groups() -> None:
+    """Drop the cached groups (the process group was destroyed: :meth:`fourfold.launch.DistContext.close`)."""
+    _RANKS.clear()
+    _RANKS_WORLD[0] = None
+
+
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: the whole world), cached."""
     world = dist.group.WORLD
