@@ -566,31 +566,35 @@ def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
 
 
 def test_ranks_are_forked_only_where_the_copy_is_sound(monkeypatch):
-    """A forked rank is a copy of its launcher: taken only with a CPU-only torch, one thread per rank, and the
-    launcher in no process group and running no other thread; else each rank is a fresh interpreter."""
+    """A forked rank is a copy of its launcher: taken only with a CPU-only torch, one thread per rank, the
+    launcher in no process group, running no other thread and holding none of your code (unless you vouch for
+    it); else each rank is a fresh interpreter."""
     import threading
 
     import torch.distributed as dist
 
     from fourfold.torchrun import RANK_START_ENV, rank_start
 
-    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    monkeypatch.setenv(RANK_START_ENV, "fork")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # whatever an earlier test left running here
     cpu_only = torch.version.cuda is None and torch.version.hip is None
     assert rank_start("1") == ("fork" if cpu_only else "exec")
     assert rank_start("2") == rank_start(None) == "exec"  # a copy of a process whose OpenMP pool ran hangs in it
     monkeypatch.setenv(RANK_START_ENV, "exec")
     assert rank_start("1") == "exec"
     monkeypatch.setenv(RANK_START_ENV, "spawn")
-    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be exec"):
+    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be fork or exec"):
         rank_start("1")
+    # code of yours imported here (this test file is): forked only when you vouch that it reads no rank at import
     monkeypatch.delenv(RANK_START_ENV)
-    busy, stop = threading.Thread(target=lambda: stop.wait()), threading.Event()
-    busy.start()
-    try:
-        assert rank_start("1") == "exec"
-    finally:
-        stop.set()
-        busy.join()
+    assert rank_start("1") == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "fork")
+    assert rank_start("1") == ("fork" if cpu_only else "exec")
+    assert rank_start("2") == "exec"  # not for the hazards that are not yours to vouch for
+    monkeypatch.setenv(RANK_START_ENV, "fork")
+    monkeypatch.setattr(threading, "active_count", lambda: 2)  # a thread of the launcher's running
+    assert rank_start("1") == "exec"
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # in a process group now
     assert rank_start("1") == "exec"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -395,3 +396,31 @@ def test_a_plan_or_split_this_layout_cannot_use_is_refused_before_launch(tmp_pat
     assert train_mod.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count(message) == 1, err  # by the launcher, once: no rank started
+
+
+RANKED = """
+import os
+
+from torch import nn
+
+AT_IMPORT = os.environ.get("RANK")  # a module that reads its rank at import, as training scripts often do
+
+
+def build():
+    assert AT_IMPORT == os.environ.get("RANK"), f"imported as rank {AT_IMPORT}, built on rank {os.environ.get('RANK')}"
+    return nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_model_of_yours_is_imported_by_each_rank_itself(tmp_path):
+    """Ranks forked from a launcher that imported your module would share its import, made with no rank: yours
+    are started as fresh interpreters, so a module that reads RANK at import reads its own."""
+    (tmp_path / "ranked.py").write_text(RANKED)
+    env = {k: v for k, v in os.environ.items() if k != "FOURFOLD_RANK_START"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "fourfold", "train", "--model", "ranked:build", "--nproc", "2",
+                           "--steps", "1", "--seq-len", "8", "--batch-size", "4", "--no-trace", "--no-progress",
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "on 2 rank(s)" in proc.stdout, proc.stdout

@@ -189,7 +189,9 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
 
 
 RANK_START_ENV = "FOURFOLD_RANK_START"
-"""``exec``: the launcher starts every rank as a fresh interpreter, never as a copy of itself (:func:`rank_start`)."""
+"""``exec``: the launcher starts every rank as a fresh interpreter, never as a copy of itself; ``fork``: a copy
+even though code of yours is imported in the launcher (it must not read its rank at import). See
+:func:`rank_start`."""
 
 
 def rank_start(threads: str | None) -> str:
@@ -201,7 +203,10 @@ def rank_start(threads: str | None) -> str:
     * each rank computes on one thread (the launcher's default with several ranks per machine): a copy of a
       process whose OpenMP pool has run hangs in its first parallel region;
     * this process is in no process group now (the transport's copied native state would abort the copy), and
-      runs no Python thread but its main one (a thread holding a lock would leave the copy stuck on it).
+      runs no Python thread but its main one (a thread holding a lock would leave the copy stuck on it);
+    * no code of yours is imported (:func:`_your_modules`): a module imported once in the launcher is every
+      rank's, so one that reads ``RANK`` at import would see the launcher's, not its own.
+      ``FOURFOLD_RANK_START=fork`` vouches for it.
 
     Else ``exec``: a fresh ``python -m module`` per rank, torchrun's usual way; ``FOURFOLD_RANK_START=exec``
     asks for it always."""
@@ -209,11 +214,27 @@ def rank_start(threads: str | None) -> str:
     import torch.distributed as dist
 
     chosen = os.environ.get(RANK_START_ENV, "")
-    if chosen not in ("", "exec"):
-        raise ValueError(f"{RANK_START_ENV} must be exec (or unset), got {chosen!r}.")
+    if chosen not in ("", "exec", "fork"):
+        raise ValueError(f"{RANK_START_ENV} must be fork or exec (or unset), got {chosen!r}.")
     sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not dist.is_initialized()
              and threading.active_count() == 1)
-    return "fork" if sound and not chosen else "exec"
+    return "fork" if sound and (chosen == "fork" or not chosen and not _your_modules()) else "exec"
+
+
+def _your_modules() -> list[str]:
+    """The modules imported in this process from outside Python's own library, the installed packages and
+    fourfold: the user's (a ``--model`` module, the script that called :func:`fourfold.train.main`)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    ours = [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib", "scripts")]
+    ours.append(Path(__file__).resolve().parent)
+    found = []
+    for name, mod in list(sys.modules.items()):
+        file = getattr(mod, "__file__", None)
+        if file and os.path.isabs(file) and not any(Path(file).resolve().is_relative_to(root) for root in ours):
+            found.append(name)
+    return found
 
 
 def run_rank(module: str, argv: list[str]) -> None:

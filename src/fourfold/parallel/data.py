@@ -28,6 +28,7 @@ Two implementations, side by side:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -39,6 +40,7 @@ from torch import nn
 from fourfold.comm import ALGORITHMS, CommStats, Communicator, allreduce, counted_span
 from fourfold.comm.compress import Compressor
 from fourfold.comm.wait import bounded_wait, collective, gather_objects
+from fourfold.launch import on_close
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.buckets import Bucket, group_params, make_bucket
 
@@ -78,6 +80,22 @@ def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | No
                 "must use every parameter in each step, or the replicas drift apart.")
         allreduce(p.grad, algorithm, comm=comm, tracer=tracer, check=check)
         p.grad.div_(size)
+
+
+_EXECUTORS: weakref.WeakKeyDictionary[ThreadPoolExecutor, DataParallel] = weakref.WeakKeyDictionary()
+
+
+def _end_comm_threads() -> None:
+    """The process group is gone, and with it what the communication threads were for: end them (waiting for
+    each whose last collective finished; one that failed may still be stuck in it). A thread left idle would
+    keep this process from forking the ranks of a later launch (:func:`fourfold.torchrun.rank_start`)."""
+    for executor, dp in list(_EXECUTORS.items()):
+        executor.shutdown(wait=dp._comm_failed is None, cancel_futures=True)
+        dp._executor = None
+    _EXECUTORS.clear()
+
+
+on_close(_end_comm_threads)
 
 
 class DataParallel(nn.Module):
@@ -290,6 +308,7 @@ class DataParallel(nn.Module):
         out the timeout for a stuck peer, and the interpreter's exit waits for the thread's queue."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
+            _EXECUTORS[self._executor] = self
 
         def run() -> Any:
             if self._comm_failed is not None:
