@@ -195,14 +195,12 @@ def test_a_damaged_checkpoint_found_in_the_ranks_ends_the_run_in_one_line(tmp_pa
 
 
 @pytest.mark.timeout(180)
-def test_what_every_rank_refuses_is_said_once_by_the_launcher_without_the_ranks_echoes(tmp_path, monkeypatch):
+def test_what_every_rank_refuses_is_said_once_by_the_launcher_without_the_ranks_echoes(tmp_path):
     """Each rank refuses (too short a text for --seq-len), or one rank (its damaged file) and the other loses its
     peer: one line for the run, not one per rank, and no 'a peer's connection broke' echo beneath it."""
     run = tmp_path / "run"
-    monkeypatch.setenv("FOURFOLD_RANK_START", "exec")  # the launcher's other way to start ranks, fresh interpreters
     assert train_mod.main([*SMALL, "--nproc", "2", "--steps", "2", "--checkpoint-every", "2", "--no-trace",
                            "--out", str(run)]) == 0
-    monkeypatch.delenv("FOURFOLD_RANK_START")
     victim = run / "checkpoints" / "step-000002" / "rank-00001.pt"
     victim.write_bytes(victim.read_bytes()[:-1] + b"x")
     (tmp_path / "short.txt").write_text("hi\n")

@@ -246,10 +246,13 @@ LOOPBACK = {"0100007F",                                     # 127.0.0.1
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc to list sockets")
-def _run_listening_on_loopback_only(cmd: list[str], ranks: set[int] | None = None) -> str:
-    """Run ``cmd`` to its end, watching the listening sockets of its process tree; its output. ``ranks``: filled
-    with the ranks seen among its processes by their names (forked ranks are named ``fourfold-rankN``)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _run_listening_on_loopback_only(cmd: list[str], ranks: set[int] | None = None,
+                                    env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` (with ``env`` added to ours) to its end, watching the listening sockets of its process tree;
+    its output. ``ranks``: filled with the ranks seen among its processes by their names (forked ranks are named
+    ``fourfold-rankN``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     seen: set[str] = set()
     try:
         while proc.poll() is None:
@@ -288,9 +291,9 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--allreduce", "ring", *common, "--out",
            str(two)]
     forked: set[int] = set()
-    output = _run_listening_on_loopback_only(cmd, forked)
+    output = _run_listening_on_loopback_only(cmd, forked, {"FOURFOLD_RANK_START": "fork"})
     assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in output
-    assert forked == {0, 1}  # the command's ranks are copies of it, named after their rank
+    assert forked == {0, 1}  # asked for, the command's ranks are copies of it, named after their rank
     a, b = _losses(one), _losses(two)
     assert len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-10, (a, b)
@@ -565,36 +568,30 @@ def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
     assert (_launched_as().nproc, _launched_as().max_restarts) == (8, 2)
 
 
-def test_ranks_are_forked_only_where_the_copy_is_sound(monkeypatch):
-    """A forked rank is a copy of its launcher: taken only with a CPU-only torch, one thread per rank, the
-    launcher in no process group, running no other thread and holding none of your code (unless you vouch for
-    it); else each rank is a fresh interpreter."""
+def test_ranks_are_forked_only_when_asked_and_where_the_copy_is_sound(monkeypatch):
+    """Fresh interpreters by default; copies of the launcher when FOURFOLD_RANK_START=fork asks, and only with a
+    CPU-only torch, one thread per rank, and the launcher in no process group and running no other thread."""
     import threading
 
     import torch.distributed as dist
 
     from fourfold.torchrun import RANK_START_ENV, rank_start
 
-    monkeypatch.setenv(RANK_START_ENV, "fork")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(threading, "active_count", lambda: 1)  # whatever an earlier test left running here
+    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    assert rank_start("1") == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "fork")
     cpu_only = torch.version.cuda is None and torch.version.hip is None
     assert rank_start("1") == ("fork" if cpu_only else "exec")
     assert rank_start("2") == rank_start(None) == "exec"  # a copy of a process whose OpenMP pool ran hangs in it
-    monkeypatch.setenv(RANK_START_ENV, "exec")
-    assert rank_start("1") == "exec"
-    monkeypatch.setenv(RANK_START_ENV, "spawn")
-    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be fork or exec"):
-        rank_start("1")
-    # code of yours imported here (this test file is): forked only when you vouch that it reads no rank at import
-    monkeypatch.delenv(RANK_START_ENV)
-    assert rank_start("1") == "exec"
-    monkeypatch.setenv(RANK_START_ENV, "fork")
-    assert rank_start("1") == ("fork" if cpu_only else "exec")
-    assert rank_start("2") == "exec"  # not for the hazards that are not yours to vouch for
-    monkeypatch.setenv(RANK_START_ENV, "fork")
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # a thread of the launcher's running
     assert rank_start("1") == "exec"
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # in a process group now
     assert rank_start("1") == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "exec")
+    assert rank_start("1") == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "spawn")
+    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be fork or exec"):
+        rank_start("1")

@@ -414,8 +414,9 @@ def build():
 
 @pytest.mark.timeout(120)
 def test_a_model_of_yours_is_imported_by_each_rank_itself(tmp_path):
-    """Ranks forked from a launcher that imported your module would share its import, made with no rank: yours
-    are started as fresh interpreters, so a module that reads RANK at import reads its own."""
+    """Ranks forked from a launcher that imported your module would share its import, made with no rank: by
+    default ranks are fresh interpreters, so a module that reads RANK at import reads its own (with
+    FOURFOLD_RANK_START=fork this run fails: asking for copies vouches for your modules)."""
     (tmp_path / "ranked.py").write_text(RANKED)
     env = {k: v for k, v in os.environ.items() if k != "FOURFOLD_RANK_START"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])

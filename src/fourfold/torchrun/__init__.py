@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.launch import loopback_store
+from fourfold.torchrun.start import RANK_START_ENV, rank_start, run_rank
 
 __all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "RANK_START_ENV", "LaunchConfig", "LoopbackRendezvous", "create_loopback",
            "is_worker", "lab_default", "launch_workers", "rank_start", "report_error", "run_rank", "torchrun_args"]
@@ -186,94 +187,6 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
     # "--": the command's own flags are never read as torchrun's (argparse takes a prefix such as --virtual for
     # torchrun's --virtual-local-rank and fails as ambiguous)
     return [*args, "--module", "--", module, *argv]
-
-
-RANK_START_ENV = "FOURFOLD_RANK_START"
-"""``exec``: the launcher starts every rank as a fresh interpreter, never as a copy of itself; ``fork``: a copy
-even though code of yours is imported in the launcher (it must not read its rank at import). See
-:func:`rank_start`."""
-
-
-def rank_start(threads: str | None) -> str:
-    """How :func:`launch_workers` starts a rank whose ``OMP_NUM_THREADS`` is ``threads``. ``fork``: a copy of the
-    launcher, torch already imported (each rank skips the 4 s import on a 2-core machine: 8 ranks start about
-    16 s sooner), taken only where the copy is known to be sound:
-
-    * the torch build has no GPU support: a process that initialised CUDA cannot be copied;
-    * each rank computes on one thread (the launcher's default with several ranks per machine): a copy of a
-      process whose OpenMP pool has run hangs in its first parallel region;
-    * this process is in no process group now (the transport's copied native state would abort the copy), and
-      runs no Python thread but its main one (a thread holding a lock would leave the copy stuck on it);
-    * no code of yours is imported (:func:`_your_modules`): a module imported once in the launcher is every
-      rank's, so one that reads ``RANK`` at import would see the launcher's, not its own.
-      ``FOURFOLD_RANK_START=fork`` vouches for it.
-
-    Else ``exec``: a fresh ``python -m module`` per rank, torchrun's usual way; ``FOURFOLD_RANK_START=exec``
-    asks for it always."""
-    import torch
-    import torch.distributed as dist
-
-    chosen = os.environ.get(RANK_START_ENV, "")
-    if chosen not in ("", "exec", "fork"):
-        raise ValueError(f"{RANK_START_ENV} must be fork or exec (or unset), got {chosen!r}.")
-    sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not dist.is_initialized()
-             and threading.active_count() == 1)
-    return "fork" if sound and (chosen == "fork" or not chosen and not _your_modules()) else "exec"
-
-
-def _your_modules() -> list[str]:
-    """The modules imported in this process from outside Python's own library, the installed packages and
-    fourfold: the user's (a ``--model`` module, the script that called :func:`fourfold.train.main`)."""
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    ours = [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib", "scripts")]
-    ours.append(Path(__file__).resolve().parent)
-    found = []
-    for name, mod in list(sys.modules.items()):
-        file = getattr(mod, "__file__", None)
-        if file and os.path.isabs(file) and not any(Path(file).resolve().is_relative_to(root) for root in ours):
-            found.append(name)
-    return found
-
-
-def run_rank(module: str, argv: list[str]) -> None:
-    """The body of a forked rank: ``module.main(argv)``, as ``python -m module argv`` would run it. The copy
-    starts with the launcher's signal handlers (torchrun's agent's, which would turn SIGTERM into its own
-    exception), so the interpreter's own come back first; a non-zero return is the exit status, an uncaught
-    error's traceback is printed and ends it with 1, as the interpreter would."""
-    from importlib import import_module, util
-
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with contextlib.suppress(ValueError):
-        signal.set_wakeup_fd(-1)
-    _name_process(f"fourfold-rank{os.environ.get('RANK', '')}")
-    spec = util.find_spec(module)
-    sys.argv = [spec.origin if spec is not None and spec.origin else module, *argv]
-    try:
-        code = import_module(module).main(argv)
-    except KeyboardInterrupt:
-        code = 128 + signal.SIGINT
-    except Exception:  # printed as the interpreter would (multiprocessing would keep it in a file)
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        raise SystemExit(code)
-
-
-def _name_process(name: str) -> None:
-    """Linux: the name ``ps``, ``top`` and ``/proc/PID/comm`` show (a forked rank would show its launcher's
-    command line under ``ps -f``; its name says which rank it is). At most 15 bytes are kept."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_name = 15
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
 
 
 def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
