@@ -82,17 +82,18 @@ def sync_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | No
         p.grad.div_(size)
 
 
-_EXECUTORS: weakref.WeakKeyDictionary[ThreadPoolExecutor, DataParallel] = weakref.WeakKeyDictionary()
+_WITH_THREAD: weakref.WeakSet[DataParallel] = weakref.WeakSet()  # (weak: a DataParallel dropped is not kept)
 
 
 def _end_comm_threads() -> None:
     """The process group is gone, and with it what the communication threads were for: end them (waiting for
     each whose last collective finished; one that failed may still be stuck in it). A thread left idle would
     keep this process from forking the ranks of a later launch (:func:`fourfold.torchrun.rank_start`)."""
-    for executor, dp in list(_EXECUTORS.items()):
-        executor.shutdown(wait=dp._comm_failed is None, cancel_futures=True)
-        dp._executor = None
-    _EXECUTORS.clear()
+    for dp in list(_WITH_THREAD):
+        if dp._executor is not None:
+            dp._executor.shutdown(wait=dp._comm_failed is None, cancel_futures=True)
+            dp._executor = None
+    _WITH_THREAD.clear()
 
 
 on_close(_end_comm_threads)
@@ -308,7 +309,7 @@ class DataParallel(nn.Module):
         out the timeout for a stuck peer, and the interpreter's exit waits for the thread's queue."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fourfold-dp-comm")
-            _EXECUTORS[self._executor] = self
+            _WITH_THREAD.add(self)
 
         def run() -> Any:
             if self._comm_failed is not None:
