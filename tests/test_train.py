@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -291,9 +292,9 @@ def test_two_ranks_through_torchrun_match_one_process_and_listen_on_loopback_onl
     cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "2", "--allreduce", "ring", *common, "--out",
            str(two)]
     forked: set[int] = set()
-    output = _run_listening_on_loopback_only(cmd, forked, {"FOURFOLD_RANK_START": "fork"})
+    output = _run_listening_on_loopback_only(cmd, forked)
     assert "on 2 rank(s) (dp=2 tp=1 pp=1)" in output
-    assert forked == {0, 1}  # asked for, the command's ranks are copies of it, named after their rank
+    assert forked == {0, 1}  # forked from the server by default, named after their rank
     a, b = _losses(one), _losses(two)
     assert len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-10, (a, b)
@@ -568,30 +569,32 @@ def test_a_rank_records_its_launch_whatever_launched_it(monkeypatch):
     assert (_launched_as().nproc, _launched_as().max_restarts) == (8, 2)
 
 
-def test_ranks_are_forked_only_when_asked_and_where_the_copy_is_sound(monkeypatch):
-    """Fresh interpreters by default; copies of the launcher when FOURFOLD_RANK_START=fork asks, and only with a
-    CPU-only torch, one thread per rank, and the launcher in no process group and running no other thread."""
-    import threading
-
-    import torch.distributed as dist
+def test_ranks_come_from_the_fork_server_unless_the_launchers_main_is_a_script_of_yours(monkeypatch, tmp_path):
+    """Forked from a server that imported torch where this process's main module may be imported again by each
+    rank (a ``python -m`` module such as pytest, an installed command, or none); a script of yours gets fresh
+    interpreters unless FOURFOLD_RANK_START says otherwise."""
+    import types
 
     from fourfold.torchrun import RANK_START_ENV, rank_start
 
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(threading, "active_count", lambda: 1)  # whatever an earlier test left running here
     monkeypatch.delenv(RANK_START_ENV, raising=False)
-    assert rank_start("1") == "exec"
-    monkeypatch.setenv(RANK_START_ENV, "fork")
-    cpu_only = torch.version.cuda is None and torch.version.hip is None
-    assert rank_start("1") == ("fork" if cpu_only else "exec")
-    assert rank_start("2") == rank_start(None) == "exec"  # a copy of a process whose OpenMP pool ran hangs in it
-    monkeypatch.setattr(threading, "active_count", lambda: 2)  # a thread of the launcher's running
-    assert rank_start("1") == "exec"
-    monkeypatch.setattr(threading, "active_count", lambda: 1)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # in a process group now
-    assert rank_start("1") == "exec"
+    assert rank_start() == "forkserver"  # python -m pytest
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "train_mine.py")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert rank_start() == "exec"
+    installed = types.ModuleType("__main__")
+    installed.__file__ = str(Path(sysconfig.get_path("scripts")) / "fourfold")
+    monkeypatch.setitem(sys.modules, "__main__", installed)
+    assert rank_start() == "forkserver"
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # python -c, a notebook
+    assert rank_start() == "forkserver"
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    monkeypatch.setenv(RANK_START_ENV, "forkserver")  # vouching for the script's main guard
+    assert rank_start() == "forkserver"
     monkeypatch.setenv(RANK_START_ENV, "exec")
-    assert rank_start("1") == "exec"
-    monkeypatch.setenv(RANK_START_ENV, "spawn")
-    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be fork or exec"):
-        rank_start("1")
+    monkeypatch.setitem(sys.modules, "__main__", installed)
+    assert rank_start() == "exec"
+    monkeypatch.setenv(RANK_START_ENV, "fork")
+    with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be forkserver or exec"):
+        rank_start()

@@ -414,9 +414,8 @@ def build():
 
 @pytest.mark.timeout(120)
 def test_a_model_of_yours_is_imported_by_each_rank_itself(tmp_path):
-    """Ranks forked from a launcher that imported your module would share its import, made with no rank: by
-    default ranks are fresh interpreters, so a module that reads RANK at import reads its own (with
-    FOURFOLD_RANK_START=fork this run fails: asking for copies vouches for your modules)."""
+    """Ranks forked from a launcher that imported your module would share its import, made with no rank: the
+    fork server imports torch and fourfold only, so each rank imports your module itself, knowing its rank."""
     (tmp_path / "ranked.py").write_text(RANKED)
     env = {k: v for k, v in os.environ.items() if k != "FOURFOLD_RANK_START"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])

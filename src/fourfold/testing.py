@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold import launch
+from fourfold.torchrun.start import PRELOAD
 
 __all__ = ["RankError", "RankTimeout", "run_ranks"]
 
@@ -99,10 +100,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     ctx: mp.context.ForkServerContext | mp.context.SpawnContext
     if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")  # one per process; the preload list counts only before it starts
-        # torch._dynamo is only warmed up, not used: torch imports it lazily on the first in-place random
-        # init (~1.5 s of CPU per rank otherwise); the forkserver skips a preload that fails to import.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fourfold.testing"])
+        ctx = mp.get_context("forkserver")  # one per process, the launcher's too; its preload counts before it starts
+        ctx.set_forkserver_preload(PRELOAD)
     else:
         ctx = mp.get_context("spawn")
     dist_timeout_s = dist_timeout_s or 0.8 * timeout_s

@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     lock = (run_lock(cfg.output.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.output.out
             else contextlib.nullcontext())
     try:
+        if not worker and cfg.launch.nproc > 1:
+            from fourfold.torchrun import warm
+
+            warm()  # the server the ranks are forked from imports torch while the preflight runs
         if not worker:  # the checks that need no process group, before any rank starts
             mesh = preflight(cfg, cfg.launch.world_size)
             before_launch_notes(cfg, mesh, cfg.launch.world_size)

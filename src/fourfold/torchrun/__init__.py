@@ -43,10 +43,10 @@ from torch.distributed.elastic.rendezvous import (
 
 from fourfold.comm.doctor import VERDICT_ENV
 from fourfold.launch import loopback_store
-from fourfold.torchrun.start import RANK_START_ENV, rank_start, run_rank
+from fourfold.torchrun.start import RANK_START_ENV, handover, rank_start, run_rank, warm
 
 __all__ = ["LAB_ENV", "LOOPBACK_BACKEND", "RANK_START_ENV", "LaunchConfig", "LoopbackRendezvous", "create_loopback",
-           "is_worker", "lab_default", "launch_workers", "rank_start", "report_error", "run_rank", "torchrun_args"]
+           "is_worker", "lab_default", "launch_workers", "rank_start", "report_error", "run_rank", "torchrun_args", "warm"]
 
 LOOPBACK_BACKEND = "fourfold-loopback"
 RENDEZVOUS_GRACE_S = 10.0
@@ -191,7 +191,8 @@ def torchrun_args(module: str, argv: list[str], launch: LaunchConfig) -> list[st
 
 def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
                    stopped: Callable[[], str] | None = None) -> int:
-    """Run ``python -m module argv`` on ``launch.nproc`` local ranks (forked or exec'd: :func:`rank_start`); 0
+    """Run ``python -m module argv`` on ``launch.nproc`` local ranks (forked by a server or fresh:
+    :func:`rank_start`); 0
     when every rank succeeded, else 1 (2 when the first rank to fail exited 2, refusing its input; 128 + the
     signal when one stopped the launcher: ``stopped()`` then says what is left, e.g. what to resume from)."""
     from torch.distributed import run as torchrun
@@ -209,7 +210,8 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     _quiet_failed_line()
     verdict = Path(tempfile.mkdtemp(prefix="fourfold-verdict-")) / "verdict.json"
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
-    start = rank_start(os.environ.get("OMP_NUM_THREADS"))  # before this launcher starts threads of its own
+    start = rank_start()
+    warm()  # started already where the command knew it would launch (the preflight overlaps its import of torch)
     done = threading.Event()
     watcher = threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True)
     watcher.start()
@@ -221,11 +223,12 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     unwatch = _watch_rendezvous(launch, lambda: shutil.rmtree(verdict.parent, ignore_errors=True))
     try:
         config, cmd, cmd_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args(module, argv, launch)))
-        if start == "fork":
-            config.start_method = "fork"
-            sys.stdout.flush()  # a copy of an unwritten buffer would be written again by every rank
+        if start == "forkserver":
+            config.start_method = "forkserver"
+            sys.stdout.flush()  # what this process wrote comes before what its ranks write
             sys.stderr.flush()
-            elastic_launch(config, run_rank)(module, argv)
+            with handover() as given:
+                elastic_launch(config, run_rank)(module, argv, given)
         else:
             elastic_launch(config, cmd)(*cmd_args)
     except SignalException as e:  # Ctrl-C or a kill reaching the agent: it has stopped the workers already
@@ -395,12 +398,15 @@ def _end_stopped_ranks(verdict: Path, done: threading.Event) -> None:
             continue
         seen = found
         for host, pid in found.get("stopped", []):
-            if host == socket.gethostname() and _parent_of(pid) == os.getpid():  # our own worker, nothing else
+            if host == socket.gethostname() and os.getpid() in (_parent_of(pid), _parent_of(_parent_of(pid))):
+                # our own worker (forked by the server we started, or started by us), nothing else
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
 
 
-def _parent_of(pid: int) -> int | None:
+def _parent_of(pid: int | None) -> int | None:
+    if pid is None:
+        return None
     try:  # Linux: /proc/PID/stat is "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):

@@ -1,61 +1,136 @@
-"""How fourfold's launcher starts a rank: a fresh interpreter, or, when asked and sound, a copy of itself.
+"""How fourfold's launcher starts a rank: forked from a fork server that has imported torch, or a fresh interpreter.
 
 torchrun's agent starts a rank as a fresh ``python -m module`` (each importing torch again: about 4 s of CPU a
-rank on a 2-core machine), or, given a function, as a copy of the launcher (forked). Forking is opt-in and
-experimental: one forked rank in about 300 launches never reached the store (``docs/reliability.md``, "How the
-ranks start"). :func:`rank_start` says which; :func:`run_rank` is a copy's body.
+rank on a 2-core machine), or, given a function and a start method, through :mod:`multiprocessing`. fourfold
+gives it :func:`run_rank` and ``forkserver``: one clean, single-threaded process (started by :func:`warm`,
+early, so its import of torch overlaps the launcher's own checks) forks every rank, which then runs
+``module.main(argv)`` as ``python -m module argv`` would, in the launcher's environment, directory, import path
+and standard streams at the time of the launch (:class:`Handover`). :func:`rank_start` says which way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
+import sysconfig
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["RANK_START_ENV", "rank_start", "run_rank"]
+__all__ = ["PRELOAD", "RANK_START_ENV", "Handover", "handover", "rank_start", "run_rank", "warm"]
 
 
 RANK_START_ENV = "FOURFOLD_RANK_START"
-"""``fork``: start the ranks as copies of the launcher where that is sound (experimental); ``exec`` or unset: fresh
-interpreters. See :func:`rank_start`."""
+"""``forkserver`` or ``exec`` forces one way of starting the ranks; unset: :func:`rank_start` decides."""
+
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fourfold.torchrun.start", "fourfold.train", "fourfold.testing"]
+"""What the fork server imports once for every rank (torch imports ``torch._dynamo`` lazily on the first in-place
+random init, ~1.5 s of CPU a rank otherwise). The first user of the server in a process sets it; a module that
+fails to import is skipped by the server. No module of the user's is ever in it: a rank imports those itself,
+knowing its rank."""
+
+_SERVER_ENV = dict(os.environ)
+"""The environment this module was imported in: in a rank forked from the server, the server's (it imports this
+module at its start), which tells apart what torchrun's agent set for the rank."""
+
+_RANK_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+              "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+              "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+"""The variables torchrun's agent sets for each rank (its documented ones), always the rank's own."""
 
 
-def rank_start(threads: str | None) -> str:
-    """How :func:`launch_workers` starts a rank whose ``OMP_NUM_THREADS`` is ``threads``: ``exec`` (a fresh
-    ``python -m module``, torchrun's usual way) unless ``FOURFOLD_RANK_START=fork`` asks for copies of the launcher
-    (each rank skips the 4 s import of torch: 8 ranks start about 20 s sooner here), which are taken only where
-    the copy is known to be sound:
-
-    * the torch build has no GPU support: a process that initialised CUDA cannot be copied;
-    * each rank computes on one thread (the launcher's default with several ranks per machine): a copy of a
-      process whose OpenMP pool has run hangs in its first parallel region;
-    * this process is in no process group now (the transport's copied native state would abort the copy), and
-      runs no Python thread but its main one (a thread holding a lock would leave the copy stuck on it).
-
-    Asking for it vouches that no module of yours reads its rank at import: a module the launcher imported is
-    every rank's, imported with no rank. Experimental: the launcher's own store serves the first copies while
-    the next are made, and one rank in about 300 forked launches never reached it (the run failed at the
-    timeout, naming the missing rank; not understood yet)."""
-    import torch
-    import torch.distributed as dist
-
+def rank_start() -> str:
+    """How :func:`launch_workers` starts the ranks: ``forkserver`` (each rank skips the 4 s import of torch: 8
+    ranks start about 20 s sooner here) where the platform has one and this process's main module is one that a
+    rank may import again harmlessly, as :mod:`multiprocessing` does in every child: a module run with ``python -m``
+    (``fourfold``, ``pytest``), an installed command (``.venv/bin/fourfold``), or none (``python -c``, a notebook).
+    A script of yours calling ``fourfold.train.main`` gets ``exec``, fresh interpreters, torchrun's usual way: a
+    script without an ``if __name__ == "__main__":`` guard would run again in every rank.
+    ``FOURFOLD_RANK_START=forkserver`` (vouching for your script's guard) or ``exec`` decides instead."""
     chosen = os.environ.get(RANK_START_ENV, "")
-    if chosen not in ("", "exec", "fork"):
-        raise ValueError(f"{RANK_START_ENV} must be fork or exec (or unset), got {chosen!r}.")
-    sound = (torch.version.cuda is None and torch.version.hip is None and threads == "1" and not dist.is_initialized()
-             and threading.active_count() == 1)
-    return "fork" if chosen == "fork" and sound else "exec"
+    if chosen not in ("", "exec", "forkserver"):
+        raise ValueError(f"{RANK_START_ENV} must be forkserver or exec (or unset), got {chosen!r}.")
+    if chosen == "exec" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "exec"
+    return "forkserver" if chosen == "forkserver" or _main_is_importable() else "exec"
 
 
-def run_rank(module: str, argv: list[str]) -> None:
-    """The body of a forked rank: ``module.main(argv)``, as ``python -m module argv`` would run it. The copy
-    starts with the launcher's signal handlers (torchrun's agent's, which would turn SIGTERM into its own
-    exception), so the interpreter's own come back first; a non-zero return is the exit status, an uncaught
-    error's traceback is printed and ends it with 1, as the interpreter would."""
+def _main_is_importable() -> bool:
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None:  # python -m module
+        return True
+    path = getattr(main, "__file__", None)
+    return path is None or Path(path).resolve().parent == Path(sysconfig.get_path("scripts")).resolve()
+
+
+def warm() -> None:
+    """Start the fork server now, if the ranks will come from one, so that its import of torch overlaps what the
+    launcher does before it launches (the preflight). Idempotent; the server ends with this process."""
+    if rank_start() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # counts only before the server starts (a process has one)
+    forkserver.ensure_running()
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a forked rank takes from its launcher at the launch, as a fresh interpreter would have it: the
+    environment, and standard output and error (file descriptors, passed through the fork server's socket); the
+    directory and import path come through :mod:`multiprocessing` itself. ``alive``: the read end of a pipe only
+    the launcher writes to: its end of file means the launcher is gone, and the rank ends (the kernel's
+    parent-death signal would wait for the server, which waits for its ranks). Made by :func:`handover`."""
+
+    env: dict[str, str]
+    streams: tuple[_Fd, _Fd]
+    alive: _Fd
+
+
+@contextlib.contextmanager
+def handover() -> Iterator[Handover]:
+    """The :class:`Handover` of a launch, its pipe open until the launch ends."""
+    read, write = os.pipe()
+    try:
+        yield Handover(dict(os.environ), (_Fd(1), _Fd(2)), _Fd(read))
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+class _Fd:
+    """A file descriptor of the launcher's; unpickled in a rank forked by the server, a descriptor of the rank's
+    own open on the same file (a pipe, a terminal, pytest's capture)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_adopt, (reduction.DupFd(self.fd),))
+
+
+def _adopt(dup: Any) -> _Fd:
+    return _Fd(dup.detach())
+
+
+def run_rank(module: str, argv: list[str], handover: Handover) -> None:
+    """The body of a rank forked by the server: ``module.main(argv)``, as ``python -m module argv`` would run it,
+    in the launcher's environment (plus the rank's variables torchrun's agent set), import path (plus
+    ``PYTHONPATH``'s entries, which a fresh interpreter reads) and standard streams. The interpreter's own signal
+    handlers come first; a non-zero return is the exit status, an uncaught error's traceback is printed and ends
+    it with 1, as the interpreter would."""
     from importlib import import_module, util
 
+    _adopt_handover(handover)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -75,6 +150,32 @@ def run_rank(module: str, argv: list[str]) -> None:
     sys.stderr.flush()
     if code:
         raise SystemExit(code)
+
+
+def _adopt_handover(given: Handover) -> None:
+    rank_vars = {k: v for k, v in os.environ.items() if k in _RANK_VARS or _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**given.env, **rank_vars})
+    for entry in reversed([p for p in given.env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if entry not in sys.path:
+            sys.path.insert(1, entry)  # after the directory a ``python -m`` puts first
+    # multiprocessing made the server's start method this process's default: a fresh interpreter's is the
+    # platform's (a lock of tqdm's would otherwise be left to the launcher's resource tracker, which warns of it)
+    multiprocessing.set_start_method(None, force=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in zip((1, 2), given.streams, strict=True):
+        os.dup2(fd.fd, target)
+        os.close(fd.fd)
+    threading.Thread(target=_end_with_launcher, args=(given.alive.fd,), name="fourfold-launcher-watch",
+                     daemon=True).start()
+
+
+def _end_with_launcher(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(fd, 1):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's parent-death signal would: nothing of the run is left
 
 
 def _name_process(name: str) -> None:
