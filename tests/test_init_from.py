@@ -217,6 +217,14 @@ def test_a_tinygpt_run_exports_its_weights_alone_which_init_from_takes(tmp_path,
     _same(load_checkpoint(second / "model.pt")["model"], load_checkpoint(first / "model.pt")["model"])
     assert export([str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "export reads a run's model.pt" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # the export carries its weights' sha256 in its metadata: a byte flipped in a tensor is refused by name
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-5] ^= 0x10  # the last tensor's bytes
+    (out / "model.safetensors").write_bytes(bytes(data))
+    argv = [*SMALL, *STILL, "--init-from", str(out / "model.safetensors"), "--out", str(tmp_path / "third")]
+    assert train_mod.main(argv) == 2
+    said = capsys.readouterr().err
+    assert f"{out / 'model.safetensors'} is damaged" in said and "take it again" in said, said
 
 
 def _resident() -> int:

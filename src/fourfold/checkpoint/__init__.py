@@ -27,7 +27,7 @@ import torch
 
 from fourfold.checkpoint.sharded import load, save
 from fourfold.checkpoint.store import FORMAT, CheckpointError, find_latest, read_manifest, sha256_file
-from fourfold.files import atomic_path
+from fourfold.models import model_pt
 
 __all__ = ["FORMAT", "CheckpointError", "find_latest", "load", "load_checkpoint", "read_manifest", "save",
            "save_checkpoint", "sha256_file"]
@@ -35,14 +35,12 @@ __all__ = ["FORMAT", "CheckpointError", "find_latest", "load", "load_checkpoint"
 
 def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], *, config: dict[str, Any],
                     step: int) -> Path:
-    """Save ``{"model", "config", "step"}`` atomically; tensors are moved to CPU first."""
-    state = {k: v.detach().cpu() for k, v in model_state.items()}
-    payload = {"model": state, "config": config, "step": step}
-    with atomic_path(path, durable=True) as tmp:
-        torch.save(payload, tmp)
-    return Path(path)
+    """Save ``{"model", "config", "step"}`` atomically, with the sha256 :func:`load_checkpoint` checks
+    (:mod:`fourfold.models.model_pt`); tensors are moved to CPU first."""
+    return model_pt.write(path, model_state, config=config, step=step)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs), checked against
+    its sha256; :class:`~fourfold.models.model_pt.WeightsFileError` (a ValueError) names a damaged file."""
+    return model_pt.read(path)

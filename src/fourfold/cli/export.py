@@ -49,12 +49,8 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"out must be a new or empty directory (nothing of yours is overwritten), got {str(out)!r}, "
                          "which holds files. Pass another --out.")
-    try:
-        saved = load_checkpoint(model_pt)
-        state, record = saved["model"], saved["config"]
-    except Exception as e:  # not fourfold's model.pt
-        raise ValueError(f"export reads fourfold's model.pt ({{model, config, step}}), got {str(model_pt)!r}: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    saved = load_checkpoint(model_pt)  # a damaged or foreign file: one line naming it (a ValueError)
+    state, record = saved["model"], saved["config"]
     train = recorded_settings(record)  # the model's and the data's settings, as any fourfold recorded them
     family = train.get("model")
     config = None
@@ -65,13 +61,15 @@ def export(source: str | Path, out: str | Path) -> tuple[list[str], str]:
     weights = _once(state, config)
     tokenizer, note = _tokenizer(train, model_pt.parent)
     from fourfold.files import atomic_path
+    from fourfold.models.model_pt import SAFETENSORS_KEY, weights_sha256
     from fourfold.models.weights import safetensors_module
 
     with atomic_path(target) as staging:  # replaces an empty --out; a file put there meanwhile stops it
         staging.mkdir()
         weights_file = staging / "model.safetensors"
-        safetensors_module().torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(weights_file),
-                                             metadata={"format": "pt"})
+        tensors = {k: v.contiguous() for k, v in weights.items()}
+        safetensors_module().torch.save_file(tensors, str(weights_file), metadata={
+            "format": "pt", SAFETENSORS_KEY: weights_sha256(tensors, None, None)})  # --init-from checks it
         weights_file.chmod(0o666 & ~_umask())  # save_file makes it its owner's alone; an export is for others too
         written = ["model.safetensors"]
         if config is not None:

@@ -117,7 +117,9 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"init_from {str(path)!r} must be a state dict saved with torch.save (read with "
                          f"weights_only=True), got {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "config" in obj:
-        obj = obj["model"]  # fourfold's model.pt
+        from fourfold.models.model_pt import check
+
+        obj = check(path, obj)["model"]  # fourfold's model.pt, its weights the ones written
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise ValueError(f"init_from {str(path)!r} must hold a state dict ({{name: tensor}}), got a "
                          f"{type(obj).__name__} of other things.")
@@ -126,12 +128,18 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Every stored weight's name -> its file and shape, the tensors' data left unread (safetensors' header; a
-    torch file memory-mapped)."""
+    torch file memory-mapped), except in a file fourfold wrote, whose digest is checked
+    (:mod:`fourfold.models.model_pt`)."""
+    from fourfold.models.model_pt import SAFETENSORS_KEY, check_tensors
+
     index: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in _files(Path(path)):
         if f.suffix == ".safetensors":
             with _opened(f) as opened:
                 index.update({k: (f, tuple(opened.get_slice(k).get_shape())) for k in opened.keys()})  # noqa: SIM118
+                recorded = (opened.metadata() or {}).get(SAFETENSORS_KEY)
+                if recorded is not None:
+                    check_tensors(f, {k: opened.get_tensor(k) for k in opened.keys()}, recorded)  # noqa: SIM118
         else:
             index.update({k: (f, tuple(v.shape)) for k, v in _torch_file(f).items()})
     return index
