@@ -424,3 +424,46 @@ def test_a_model_of_yours_is_imported_by_each_rank_itself(tmp_path):
                            "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "on 2 rank(s)" in proc.stdout, proc.stdout
+
+
+ROTARY = """
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):  # a complex RoPE cache, as torchtitan's Llama keeps its freqs_cis
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 8)
+        self.head = nn.Linear(8, 256)
+        angles = torch.arange(64.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001])
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        z = torch.view_as_complex(h.float().reshape(*h.shape[:-1], 4, 2)) * self.freqs_cis[: ids.shape[1]]
+        return self.head(torch.view_as_real(z).reshape(h.shape).type_as(h))
+
+
+def build():
+    return Rotary()
+"""
+
+
+def test_a_complex_buffer_of_yours_stays_complex_under_float64(tmp_path, monkeypatch, recwarn):
+    """``--dtype float64`` casts floating-point weights as ``model.double()`` does: a complex buffer keeps its
+    imaginary part (``model.to(float64)`` dropped it with torch's warning only, and --verify's reference alike)."""
+    from fourfold.models.build import build_model
+    from fourfold.run.args import parse_args
+
+    (tmp_path / "rotary.py").write_text(ROTARY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", "rotary:build", "--dtype", "float64", "--seq-len", "16", "--batch-size", "4", "--steps", "1",
+            "--no-trace", "--no-progress", "--out", str(tmp_path / "run")]
+    model = build_model(parse_args(argv))
+    import rotary
+
+    assert model.freqs_cis.dtype == torch.complex64 and torch.equal(model.freqs_cis, rotary.build().freqs_cis)
+    assert model.embed.weight.dtype == model.head.weight.dtype == torch.float64
+    assert train_mod.main(argv) == 0
+    assert not [w for w in recwarn if "imaginary part" in str(w.message)], [str(w.message) for w in recwarn]

@@ -207,7 +207,15 @@ def _construct(cfg: Any, device: torch.device | str | None, filled: bool) -> nn.
                          "arguments (--model-config is a JSON object of its keyword arguments).") from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {t.model!r} must return an nn.Module, got {type(model).__name__}.")
-    return model.to(dtype=dtype) if device is None else model.to(device=device, dtype=dtype)
+    return _floating_to(model if device is None else model.to(device=device), dtype)
+
+
+def _floating_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with its floating-point parameters and buffers in ``dtype``, as ``model.double()`` and
+    ``model.float()`` cast; a complex buffer (a RoPE cache of ``freqs_cis``) and integer ones are left as they
+    are. (``model.to(dtype)`` would cast the complex ones too, keeping only their real part: the model trained
+    would not be the one you wrote, and ``--verify``'s reference, cast alike, could not tell.)"""
+    return model.double() if dtype == torch.float64 else model.float()
 
 
 def check_forward(model: nn.Module, cfg: Any) -> None:

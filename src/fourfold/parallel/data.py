@@ -88,7 +88,7 @@ _WITH_THREAD: weakref.WeakSet[DataParallel] = weakref.WeakSet()  # (weak: a Data
 def _end_comm_threads() -> None:
     """The process group is gone, and with it what the communication threads were for: end them (waiting for
     each whose last collective finished; one that failed may still be stuck in it). A thread left idle would
-    keep this process from forking the ranks of a later launch (:func:`fourfold.torchrun.rank_start`)."""
+    outlive the run in a process that goes on (a notebook, a test calling ``train.main`` again)."""
     for dp in list(_WITH_THREAD):
         if dp._executor is not None:
             dp._executor.shutdown(wait=dp._comm_failed is None, cancel_futures=True)
