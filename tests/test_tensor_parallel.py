@@ -316,6 +316,7 @@ def _refusals(p: int) -> dict[str, str]:
                                               {"0": "column", "1": "row"}, None),
         "plan_mha": lambda: tensor_parallel(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
                                             {"self_attn.out_proj": "row"}, None),
+        "plan_linear_subclass": lambda: tensor_parallel(nn.Sequential(DoubledLinear(4, 4 * p)), {"0": "column"}, None),
     }
     out = {}
     for name, make in cases.items():
@@ -409,7 +410,41 @@ REFUSALS = {
     "plan_sizes": "plan entry '0' (column): out_features must be divisible by tp, got {odd} and {p}",
     "plan_mha": "plan style 'row' cannot shard 'self_attn.out_proj': nn.MultiheadAttention (nn.TransformerEncoderLayer's "
                 "too) computes with its weights directly",
+    "plan_linear_subclass": "plan style 'column' cannot shard '0': DoubledLinear subclasses nn.Linear, but its forward "
+                            "does not compute x @ W.T + b (checked on a random input)",
 }
+
+
+class DoubledLinear(nn.Linear):
+    """A subclass of nn.Linear whose forward computes something else (a LoRA-style scale, say)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+class FalconLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.weight.T
+        return h if self.bias is None else h + self.bias
+
+
+def test_a_subclass_of_linear_is_split_when_its_forward_computes_a_linear_layer():
+    """Falcon's FalconLinear and torchtitan's projections subclass nn.Linear: split as nn.Linear where their forward
+    computes x @ W.T + b on a random input (float64, float32, bfloat16, no bias); refused where it computes more;
+    on the meta device (the preflight) taken by type, checked again on the ranks. The run's random stream is
+    untouched by the check."""
+    from fourfold.parallel.tensor.layers import computes_linear
+
+    linear = [nn.Linear(4, 8), nn.modules.linear.NonDynamicallyQuantizableLinear(4, 8), FalconLinear(4, 8, bias=False),
+              *(FalconLinear(4, 8, dtype=dtype) for dtype in (torch.float64, torch.float32, torch.bfloat16))]
+    other = [DoubledLinear(4, 8), nn.Embedding(4, 8)]
+    with torch.device("meta"):
+        meta = DoubledLinear(4, 8)
+    state = torch.get_rng_state()
+    assert [computes_linear(m) for m in linear] == [True] * len(linear)
+    assert [computes_linear(m) for m in other] == [False, False]
+    assert computes_linear(meta)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.timeout(120)

@@ -120,11 +120,20 @@ class _Residual(nn.Module):
         return h + self.fc2(torch.tanh(self.fc1(h)))
 
 
+class FalconLinear(nn.Linear):
+    """Falcon's: nn.Linear with a forward of its own that computes the same (x @ W.T, then + b)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.weight.T
+        return h if self.bias is None else h + self.bias
+
+
 def build(name: str) -> nn.Module:
-    """The same model on every rank (seeded), in float64."""
+    """The same model on every rank (seeded), in float64. The MLP's column layer is a subclass of nn.Linear with
+    its own forward (Falcon's), split as nn.Linear is since it computes the same."""
     if name == "mlp":
         torch.manual_seed(0)
-        return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16),
+        return nn.Sequential(nn.Embedding(64, 16), FalconLinear(16, 32), nn.GELU(), nn.Linear(32, 16),
                              nn.Linear(16, 64)).double()
     if name == "shared":  # one block at three positions: a pipeline cuts between them
         torch.manual_seed(0)

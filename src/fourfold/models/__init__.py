@@ -22,6 +22,7 @@ from fourfold.models.gpt import (
 )
 from fourfold.models.hf import hf_family
 from fourfold.parallel.pipeline.blocks import Split
+from fourfold.parallel.tensor.layers import computes_linear
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def sequential_plan(model: nn.Module) -> dict[str, str]:
     i = 0
     while i < len(children):
         name, module = children[i]
-        if type(module) is nn.Linear:
+        if computes_linear(module):
             j = i + 1
             while j < len(children) and isinstance(children[j][1], elementwise):
                 j += 1
-            if j < len(children) and type(children[j][1]) is nn.Linear:
+            if j < len(children) and computes_linear(children[j][1]):
                 out[name], out[children[j][0]] = "column", "row"
                 i = j + 1
                 continue

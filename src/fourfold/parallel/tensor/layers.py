@@ -332,6 +332,27 @@ def is_conv1d(module: nn.Module) -> bool:
             and getattr(module, "nf", None) == weight.shape[1])
 
 
+def computes_linear(module: nn.Module) -> bool:
+    """``nn.Linear``, or a subclass whose forward computes what nn.Linear's does (Falcon's ``FalconLinear``,
+    torchtitan's projections), so a column or row split keeps its function: a subclass that overrides forward
+    is run once on a random input (its own generator: the run's random stream is untouched) against
+    ``F.linear``. On the meta device (the preflight) only its type is known: the ranks check it with values."""
+    if type(module) is nn.Linear or (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
+        return True
+    if not isinstance(module, nn.Linear):
+        return False
+    weight, bias = module.weight, module.bias
+    if weight.is_meta:
+        return True
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(3, module.in_features, generator=gen, device=weight.device).to(weight.dtype)
+    with torch.no_grad():
+        got, want = module(x), F.linear(x, weight, bias)
+    tol = (1e-10, 1e-12) if weight.dtype == torch.float64 else (1e-4, 1e-5) if weight.dtype == torch.float32 else \
+        (2e-2, 2e-2)
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, *tol)
+
+
 @torch.no_grad()
 def _from_linear(cls: type[ColumnParallelLinear | RowParallelLinear], linear: nn.Module, group: Group, **kw: Any) -> Any:
     """A column- or row-parallel layer shaped like ``linear``, holding this rank's slice of its weights."""

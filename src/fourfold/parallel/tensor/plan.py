@@ -29,6 +29,7 @@ from fourfold.parallel.tensor.layers import (
     Sharded,
     ShardLayout,
     VocabParallelEmbedding,
+    computes_linear,
     fused,
     is_conv1d,
     shard,
@@ -104,6 +105,10 @@ def _unshardable(model: nn.Module, name: str, style: str, kind: str, module: nn.
                 "too) computes with its weights directly rather than calling its layers, so a plan cannot split its "
                 "attention. Split the MLP around it (linear1 'column', linear2 'row'), or write the attention with "
                 "nn.Linear q, k, v ('column') and output ('row') layers of your own (docs/your-model.md)")
+    if isinstance(module, nn.Linear) and kind != "vocab":
+        return (f"plan style {style!r} cannot shard {name!r}: {type(module).__name__} subclasses nn.Linear, but its "
+                "forward does not compute x @ W.T + b (checked on a random input), so splitting its weight would "
+                "change what it computes. Leave it out of the plan, or give it nn.Linear's forward")
     return (f"plan style {style!r} shards an {want}, got {name!r}: {type(module).__name__}. Use "
             "'column'/'row'/'head' for linear layers and 'vocab' for nn.Embedding")
 
@@ -141,7 +146,9 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Group, *,
             partial += [f"{name}.{p}" for p, q in module.named_parameters() if q.requires_grad]
             continue
         kw: dict[str, Any] = {"tracer": tracer, "site": name, "sequence_parallel": sequence_parallel}
-        linear = type(module) is nn.Linear or is_conv1d(module)
+        holder = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        linear = ((computes_linear(module) or is_conv1d(module))
+                  and not isinstance(holder, nn.MultiheadAttention))  # its out_proj is a Linear it never calls
         new: Sharded
         try:
             if kind == "norm":  # its features are a column layer's split output: the mean square over all of them
