@@ -467,3 +467,36 @@ def test_a_complex_buffer_of_yours_stays_complex_under_float64(tmp_path, monkeyp
     assert model.embed.weight.dtype == model.head.weight.dtype == torch.float64
     assert train_mod.main(argv) == 0
     assert not [w for w in recwarn if "imaginary part" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+ENCODER = """
+from torch import nn
+
+
+class Encoder(nn.Module):  # every position sees the whole sequence, as BERT's attention does
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(256, 8), nn.Linear(8, 256)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + h.mean(1, keepdim=True))
+
+
+def build():
+    return Encoder()
+"""
+
+
+def test_a_model_of_yours_that_sees_later_tokens_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """Next-token training through a bidirectional model lets each position see the token it predicts: refused
+    before any rank starts, naming the position whose logits moved when only the last token changed."""
+    (tmp_path / "encoder.py").write_text(ENCODER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", "encoder:build", "--seq-len", "8", "--batch-size", "4", "--steps", "1", "--nproc", "2",
+            "--no-progress", "--out", str(tmp_path / "run")]
+    assert train_mod.main(argv) == 2
+    said = capsys.readouterr().err
+    assert "model 'encoder:build' is not causal: its logits at position 0 changed by" in said, said
+    assert "when only the last of --seq-len 8 tokens did" in said and "is_causal=True" in said, said
+    assert not (tmp_path / "run").exists()

@@ -26,7 +26,7 @@ from fourfold.models.gpt import TinyGPT
 from fourfold.models.hf import FAMILIES, read_model_config
 from fourfold.models.meta import on_meta
 
-__all__ = ["ModelError", "ModelInfo", "build_model", "meta_model", "build_unfilled", "builds_unfilled", "built_info", "check_forward",
+__all__ = ["ModelError", "ModelInfo", "build_model", "meta_model", "build_unfilled", "builds_unfilled", "built_info", "check_causal", "check_forward",
            "check_model", "check_vocab", "first_weights", "model_info", "num_parameters"]
 
 
@@ -230,6 +230,38 @@ def check_forward(model: nn.Module, cfg: Any) -> None:
                          f"{type(e).__name__}: {e}. Is --seq-len longer than the model's context (its positions)? "
                          "Pass a --seq-len it can take; fourfold calls model(ids) with ids of shape (batch, "
                          "seq_len).") from e
+
+
+def check_causal(model: nn.Module, cfg: Any) -> None:
+    """Refuse a model of yours whose logits at a position depend on later tokens (a bidirectional encoder, BERT's):
+    fourfold train trains next-token prediction, through which such a model would see the token each position
+    learns to predict, and train on without a word. Two forwards in eval mode (no dropout) on one sequence of
+    ``--seq-len`` tokens, all 0, then the last one 1: every earlier position's logits must stay as they were."""
+    n = cfg.model.seq_len
+    if n < 2:
+        return
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    changed = ids.clone()
+    changed[0, -1] = 1
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            before, after = model(ids), model(changed)
+    finally:
+        model.train(was_training)
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dim() >= 2):
+        return  # not logits of shape (batch, seq, ...): check_forward and the loss say what is wrong
+    earlier = (before[0, :-1] - after[0, :-1]).abs()
+    if earlier.max().item() > 1e-6 * max(1.0, before[0, :-1].abs().max().item()):
+        first = int(earlier.flatten(1).amax(1).nonzero()[0, 0]) if earlier.dim() > 1 else 0
+        raise ModelError(f"model {cfg.train.model!r} is not causal: its logits at position {first} changed by "
+                         f"{earlier.max().item():.3g} when only the last of --seq-len {n} tokens did, so training it "
+                         "to predict each next token would let every position see the token it predicts (a "
+                         "bidirectional encoder, such as BERT). fourfold train trains causal language models: mask "
+                         "attention to earlier positions (is_causal=True), or train it in a loop of your own with "
+                         "your loss (docs/your-model.md).")
 
 
 def num_parameters(model: nn.Module) -> int:

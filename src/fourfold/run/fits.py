@@ -31,7 +31,8 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     from fourfold.engine.parallelize import model_blocks
     from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan, split_of
-    from fourfold.models.build import build_model, check_forward
+    from fourfold.models.build import build_model, check_causal, check_forward
+    from fourfold.models.hf import FAMILIES
     from fourfold.parallel.checkpointing import parse_policy
     from fourfold.plan.estimate import estimate_memory, probe_activations
 
@@ -63,6 +64,8 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
         if meta is None:
             check_forward(model, cfg)  # the model's own forward fails: ModelError, the run is refused
         raise  # the estimate's own failure
+    if meta is None and t.model != "tinygpt" and t.model not in FAMILIES:
+        check_causal(model, cfg)  # a model of yours: next-token training needs it causal
 
     # "microbatches": the pipeline's (model parallelism runs the whole shard as one), or without one gradient
     # accumulation's (a rank holds one at a time)
