@@ -490,6 +490,40 @@ def test_a_module_at_several_positions_is_a_block_each_time_and_one_stage_per_ra
         split_model(nn.Sequential(nn.Linear(4, 4), shared, nn.Linear(4, 4), shared), 4, held=[1, 3])
 
 
+class _TitanLike(nn.Module):
+    """torchtitan's Llama 3 layout: blocks in a ModuleDict keyed "0", "1", ..., run in insertion order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 4)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(3)})
+        self.output = nn.Linear(4, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(ids)
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.output(h)
+
+
+def test_blocks_in_a_module_dict_are_refused_without_a_split_and_named_by_one():
+    """A root attribute ``layers`` that is a ModuleDict (or ModuleList) was called as TinyGPT's layers() method:
+    NotImplementedError from deep inside. Now a refusal saying how to name them, and a Split naming the
+    ModuleDict takes its blocks in order, checked against the model's own forward."""
+    from fourfold import Split
+    from fourfold.parallel.pipeline.blocks import resolve_split
+    from fourfold.parallel.pipeline.split import named_blocks
+
+    model = _TitanLike()
+    with pytest.raises(TypeError, match=r"got _TitanLike \(its layers is a ModuleDict of blocks: "
+                                        r"Split\(blocks='layers', \.\.\.\) names them\)"):
+        named_blocks(model)
+    split = Split(blocks="layers", before=lambda m, ids: m.tok_embeddings(ids),
+                  block=lambda m, layer, h: torch.tanh(layer(h)), after=lambda m, h: m.output(h))
+    specs = resolve_split(model, split, torch.zeros(2, 3, dtype=torch.long))
+    assert [s.block for s in specs if s.block] == ["layers.0", "layers.1", "layers.2"], specs
+
+
 @pytest.mark.timeout(30)
 def test_multi_device_single_process_equals_one_process():
     model = MultiDeviceModel(TinyGPT(CFG, seed=0, dtype=torch.float64), ["cpu", "cpu"])

@@ -43,8 +43,8 @@ class SplitError(ValueError):
 class Split:
     """How ``model(x)`` runs as ``after(block_n(...block_1(before(x))))``: see the module's docstring.
 
-    ``blocks``: the path of a ModuleList (``"transformer.h"``) or a list of module paths (a ModuleList among
-    them is expanded). ``before(m, x)``, ``block(m, layer, h)``, ``after(m, h)``: each returns one tensor.
+    ``blocks``: the path of a ModuleList (``"transformer.h"``) or a ModuleDict (its values in order: torchtitan's
+    ``layers``), or a list of module paths (a ModuleList or ModuleDict among them is expanded). ``before(m, x)``, ``block(m, layer, h)``, ``after(m, h)``: each returns one tensor.
     """
 
     blocks: str | Sequence[str]
@@ -173,6 +173,8 @@ def block_paths(model: nn.Module, blocks: str | Sequence[str]) -> list[str]:
                              "does") from None
         if isinstance(module, nn.ModuleList):
             out += [f"{path}.{i}" if path else str(i) for i in range(len(module))]
+        elif isinstance(module, nn.ModuleDict):  # torchtitan's layers: its forward runs them in insertion order
+            out += [f"{path}.{key}" if path else key for key in module]
         else:
             out.append(path)
     if not out:

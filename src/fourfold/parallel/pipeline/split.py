@@ -111,15 +111,17 @@ def named_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.M
     if isinstance(model, nn.Module) and callable(named):  # a Chain of pieces (fourfold.Split)
         return list(named())
     layers = getattr(model, "layers", None)
-    if isinstance(model, nn.Module) and callable(layers):
+    if isinstance(model, nn.Module) and callable(layers) and not isinstance(layers, nn.Module):  # TinyGPT's method
         where = {id(m): name for name, m in model.named_modules()}
         return [(where.get(id(m), str(i)), m) for i, m in enumerate(layers())]
     if isinstance(model, nn.Sequential):  # every position, a module applied at several (shared weights) each time
         return [(n, m) for n, m in model.named_modules(remove_duplicate=False) if n and "." not in n]
     if isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
         return [(str(i), m) for i, m in enumerate(model)]
+    held = (f" (its layers is a {type(layers).__name__} of blocks: Split(blocks='layers', ...) names them)"
+            if isinstance(layers, nn.ModuleList | nn.ModuleDict) else "")
     raise TypeError(f"model must be a module with layers() (TinyGPT), an nn.Sequential or a list of modules, "
-                    f"got {type(model).__name__}. Wrap its blocks in nn.Sequential(...), or describe its split: "
+                    f"got {type(model).__name__}{held}. Wrap its blocks in nn.Sequential(...), or describe its split: "
                     "parallelize(..., split=fourfold.Split(...)), or from fourfold train --model MODULE:FACTORY, "
                     "model.fourfold_split = Split(...) (docs/your-model.md, 'The split, drawn').")
 
