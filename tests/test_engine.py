@@ -260,7 +260,7 @@ def test_evaluate_pads_a_partial_batch_exactly_and_refuses_it_under_a_loss_fn_of
         mine.evaluate(*(t[-5:] for t in EVAL_BATCH))
 
 
-def test_int32_targets_train_as_int64_and_others_are_refused_before_any_forward():
+def test_int32_targets_train_as_int64_and_others_and_unshifted_ones_are_refused_before_any_forward():
     runs = []
     for dtype in (torch.int64, torch.int32):  # numpy's and some tokenizers' ids come as int32
         engine = parallelize(TinyGPT(CFG, seed=0, dtype=torch.float64))
@@ -270,6 +270,12 @@ def test_int32_targets_train_as_int64_and_others_are_refused_before_any_forward(
     for bad in (y.float(), y > 0):
         with pytest.raises(TypeError, match=f"targets must be integer token ids .*got a {bad.dtype} tensor"):
             engine.step(x, bad)
+    # Hugging Face's labels = input_ids habit: the loss would teach the model to copy its input
+    with pytest.raises(ValueError, match=r"targets equal the inputs \(shape .*inputs = ids\[:, :-1\], targets = "
+                                         r"ids\[:, 1:\]"):
+        engine.step(x, x.clone())
+    same = torch.full_like(x, 3)  # one token repeated: shifted or not, the same rows
+    assert math.isfinite(engine.step(same, same).item())
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])

@@ -217,6 +217,12 @@ class Engine:
             raise TypeError(f"targets must be integer token ids (-100: none), got a {targets.dtype} tensor of shape "
                             f"{tuple(targets.shape)}. Pass them as int64 or int32 (tokenizer ids as they come), or "
                             "give parallelize a loss_fn of your own for other targets")
+        if isinstance(inputs, torch.Tensor) and _unshifted(inputs, targets):
+            raise ValueError(f"targets equal the inputs (shape {tuple(targets.shape)}): fourfold's loss predicts "
+                             "targets[:, t] from inputs[:, :t+1], so the targets are the inputs shifted by one "
+                             "(inputs = ids[:, :-1], targets = ids[:, 1:]); with targets = inputs the model learns to "
+                             "copy its input. Hugging Face's labels = input_ids relies on the model's own loss to "
+                             "shift them; fourfold's does not")
         if documents is not None:
             if not self.reads_documents:
                 raise ValueError(f"packed documents need a model that keeps them apart, got "
@@ -410,3 +416,10 @@ class Engine:
         numel = sum(p.numel() for p in params.values())
         itemsize = next(iter(params.values())).element_size() if params else 4
         return estimate_held(numel, itemsize, dp=self.mesh.dp, zero=self.zero, optimizer_slots=optimizer_slots)
+
+
+def _unshifted(inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether ``targets`` are ``inputs`` unshifted: equal, in some row that is not one token repeated (for which
+    shifted and unshifted are the same)."""
+    return (inputs.shape == targets.shape and inputs.dim() == 2 and inputs.shape[1] > 1
+            and torch.equal(inputs, targets.to(inputs.dtype)) and bool((inputs != inputs[:, :1]).any()))
