@@ -751,6 +751,25 @@ def test_a_refused_tp_suggests_only_tp_sizes_the_launch_can_make():
         check_tinygpt_tp(GPTConfig(d_model=32, n_head=4), 3, within=3)
 
 
+class _OwnHeads(nn.Module):
+    """OPT's attention: q, k and v viewed by the model's own head count, not the weights' rows, so a column
+    split gives each rank 2 heads' worth of features viewed as 4 narrower heads: another function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.heads: int | None = 4  # None: heads of 4 features, as many as the (split) weights hold
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        b, t, _ = h.shape
+        shape = (b, t, self.heads, -1) if self.heads else (b, t, -1, 4)
+        q, k, v = (f(h).view(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(h + self.o(a.transpose(1, 2).reshape(b, t, -1)))
+
+
 def _misplaced_heads(ctx) -> list[str]:
     """A user's plan whose logits do not reach the loss as the loss reads them: each refused, the first as the
     engine is built (on the example), the second in the first step."""
@@ -770,6 +789,17 @@ def _misplaced_heads(ctx) -> list[str]:
         try:
             parallelize(model, ranks, plan=plan, example=x[:1]).step(x, y)
             got.append("trained")
+        except ValueError as e:
+            got.append(str(e))
+    # a plan that changes the function: refused as the engine is built, on the example, against the whole model
+    llama_style = {"q": "column", "k": "column", "v": "column", "o": "row"}
+    for heads in (4, None):  # 4: viewed by its own count (refused); None: by the weights' rows (exact)
+        torch.manual_seed(0)
+        model = _OwnHeads().double()
+        model.heads = heads
+        try:
+            parallelize(model, ranks, plan=llama_style, example=x[:1])
+            got.append("parallelized")
         except ValueError as e:
             got.append(str(e))
     return got
@@ -832,7 +862,11 @@ def test_sequence_parallelism_around_blocks_it_cannot_run_is_refused_naming_the_
 @pytest.mark.timeout(120)
 def test_a_plan_whose_logits_reach_the_loss_split_or_whole_by_mistake_is_refused():
     for messages, _ in _refused():
-        split, whole = messages
+        split, whole, own_heads, by_rows = messages
+        assert own_heads.startswith("the tensor plan changes what the model computes: on one example its sharded "
+                                    "logits differ from the whole model's by"), own_heads
+        assert "over tp=2" in own_heads and "OPT's num_heads" in own_heads, own_heads
+        assert by_rows == "parallelized", by_rows  # heads counted from the weights: the split keeps the function
         assert "the tensor-parallel ranks of one replica compute different logits (shape (1, 8, 32)" in split, split
         assert "Mark that layer 'head'" in split
         assert "the loss reads logits 64 wide, but the plan's 'head' layers make '1' (16 wide per rank)" in whole, whole

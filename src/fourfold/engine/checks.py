@@ -19,7 +19,8 @@ from fourfold.engine.batch import leaves
 from fourfold.mesh import RankMesh
 from fourfold.parallel.pipeline.blocks import EvalMode, output_tensor
 
-__all__ = ["check_own_checkpointing", "check_same_model", "check_same_rows", "check_whole_logits"]
+__all__ = ["check_own_checkpointing", "check_same_function", "check_same_model", "check_same_rows", "check_whole_logits",
+           "logits_on"]
 
 
 def check_own_checkpointing(model: nn.Module) -> None:
@@ -105,6 +106,34 @@ def check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: Ra
             "sums differ), and with no 'head' in the plan each rank's loss reads its own: the plan leaves the "
             "output layer's logits split. Mark that layer 'head' (fourfold's vocabulary-parallel loss reads them "
             "split), or leave it out of the plan (replicated).")
+
+
+def logits_on(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
+    """``model(example)``'s logits (its output tensor), in eval mode (no dropout), without gradients."""
+    with torch.no_grad(), EvalMode(model):
+        return output_tensor(model(example)).detach().clone()
+
+
+def check_same_function(model: nn.Module, example: torch.Tensor, whole: torch.Tensor, ranks: RankMesh) -> None:
+    """Refuse a tensor plan of the user's that changes what the model computes: the sharded model's logits on
+    ``example`` must be ``whole``, the unsharded model's, to its dtype's rounding (float64 1e-9, else 1e-4,
+    relative to the largest logit). A column split is exact only where the forward works on the split sizes: an
+    attention that views q by a head count of its own (OPT's ``num_heads``, not the weight's rows) computes other
+    heads after it, and trained without a word before. Compared over tp, so every rank refuses alike."""
+    got = logits_on(model, example)
+    scale = max(1.0, float(whole.abs().max()))
+    diff = float((got.double() - whole.double()).abs().max()) / scale if got.shape == whole.shape else float("inf")
+    tol = 1e-9 if whole.dtype == torch.float64 else 1e-4
+    everyone = gather_objects(diff, ranks.tp_group, op="compare the sharded model with the whole one")
+    worst = max(everyone)
+    if worst > tol:
+        shapes = "" if got.shape == whole.shape else f" (shape {tuple(got.shape)}, the whole model's {tuple(whole.shape)})"
+        raise ValueError(
+            f"the tensor plan changes what the model computes: on one example its sharded logits differ from the "
+            f"whole model's by {worst:.3g} relative to the largest{shapes}, over tp={ranks.mesh.tp}. A column or "
+            "row split is exact only where the forward works on the split sizes: an attention that reshapes q, k "
+            "and v by a head count of its own (OPT's num_heads) sees other heads once they are split. Leave those "
+            "layers out of the plan, or make the forward read the head count from the weights' shape.")
 
 
 def _digest(batch: Any) -> tuple[Any, ...] | None:

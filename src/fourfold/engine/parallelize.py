@@ -46,7 +46,13 @@ from fourfold.comm.compress import COMPRESSIONS, Compressor
 from fourfold.comm.wait import gather_objects
 from fourfold.data.packing import capture_layout
 from fourfold.engine.batch import Batch
-from fourfold.engine.checks import check_own_checkpointing, check_same_model, check_whole_logits
+from fourfold.engine.checks import (
+    check_own_checkpointing,
+    check_same_function,
+    check_same_model,
+    check_whole_logits,
+    logits_on,
+)
 from fourfold.engine.layout import Layout
 from fourfold.engine.losses import LossFn, losses
 from fourfold.engine.pieces import TensorPlan, examples_for, model_blocks, units, untouched
@@ -120,15 +126,24 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     split = split if split is not None else split_of(model, family)
     with untouched(model):  # the split's check and the pipeline's trace run the model on examples
         pieces, examples = resolve(model, ranks, layout, split, example, family)
+        # a plan of yours: the sharded model must compute what the whole one does (on the example, if any)
+        probe = examples_for(model, example, None) if m.tp > 1 and family is None else None
+        whole = None
+        if probe:
+            with tracer.paused():
+                whole = logits_on(model, probe[0])
         model = apply_tp(model, ranks, layout, plan, family, streams)
         apply_ac(model, layout, split, streams)
         layouts = shard_layouts(model)
         partial_names = set(getattr(model, "partial_grad_names", ()))
         loss = losses(model, ranks, loss_fn, tracer)
-        if m.tp > 1 and loss.own is None and not loss.split_heads:  # each tp rank reads its own logits: whole?
-            with tracer.paused():  # a check, not part of any step
-                found = examples_for(model, example, family)
-                check_whole_logits(model, found[0] if found else None, ranks)
+        if m.tp > 1:
+            with tracer.paused():  # checks, not part of any step
+                if loss.own is None and not loss.split_heads:  # each tp rank reads its own logits: whole?
+                    found = examples_for(model, example, family)
+                    check_whole_logits(model, found[0] if found else None, ranks)
+                if probe and whole is not None:
+                    check_same_function(model, probe[0], whole, ranks)
         pipe = apply_pp(model, ranks, layout, pieces, examples, example, loss.loss_fn, streams)
     named = dict(pipe.named_parameters()) if pipe is not None else dict(model.named_parameters())
     partial = [p for n, p in named.items() if n in partial_names]
