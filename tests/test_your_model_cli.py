@@ -349,6 +349,16 @@ def test_what_a_model_returns_stands_for_its_logits():
         assert output_tensor(out) is logits
     with pytest.raises(TypeError, match=r"got dict with keys \['hidden', 'loss'\]\. Return the logits"):
         output_tensor({"hidden": logits, "loss": 0.0})
+    # a mixture of experts' router loss beside the logits (Qwen3-MoE, Mixtral with output_router_logits): the logits
+    # alone would train without it, silently; refused, as a Hugging Face output and as a dict
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    assert output_tensor(MoeCausalLMOutputWithPast(logits=logits)) is logits  # no aux_loss: output_router_logits off
+    for out in (MoeCausalLMOutputWithPast(logits=logits, aux_loss=torch.tensor(0.3)),
+                {"logits": logits, "aux_loss": torch.tensor(0.3)}):
+        with pytest.raises(ValueError, match=r"the model returns an auxiliary loss beside its logits \(aux_loss.*"
+                                             r"output_router_logits=False"):
+            output_tensor(out)
 
 
 YOURS = '''
@@ -500,3 +510,32 @@ def test_a_model_of_yours_that_sees_later_tokens_is_refused_before_training(tmp_
     assert "model 'encoder:build' is not causal: its logits at position 0 changed by" in said, said
     assert "when only the last of --seq-len 8 tokens did" in said and "is_causal=True" in said, said
     assert not (tmp_path / "run").exists()
+
+
+MOE = """
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+
+def build(router_loss=True):
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=router_loss, max_position_embeddings=32))
+"""
+
+
+def test_a_mixture_of_experts_whose_router_loss_would_be_dropped_is_refused_before_launch(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Qwen3-MoE with output_router_logits (as training configs set it) returns its load-balancing loss beside the
+    logits; fourfold's loss reads the logits only, and trained without it, silently. Refused before any rank
+    starts; without the router loss it trains."""
+    (tmp_path / "moe.py").write_text(MOE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", "moe:build", "--seq-len", "8", "--batch-size", "4", "--steps", "1", "--no-progress",
+            "--no-trace"]
+    assert train_mod.main([*argv, "--nproc", "2", "--out", str(tmp_path / "run")]) == 2
+    said = capsys.readouterr().err
+    assert said.count("the model returns an auxiliary loss beside its logits (aux_loss") == 1, said
+    assert "output_router_logits=False" in said and not (tmp_path / "run").exists(), said
+    (tmp_path / "off.json").write_text('{"router_loss": false}')
+    assert train_mod.main([*argv, "--model-config", str(tmp_path / "off.json"), "--out", str(tmp_path / "off")]) == 0

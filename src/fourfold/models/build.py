@@ -221,15 +221,23 @@ def _floating_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def check_forward(model: nn.Module, cfg: Any) -> None:
     """Run ``model`` on one sequence of ``--seq-len`` tokens (id 0); a failure is the model's or its flags' (the
     sequence longer than its positions, a forward that needs other inputs): :class:`ModelError`."""
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
     n = cfg.model.seq_len
     try:
         with torch.no_grad():
-            model(torch.zeros(1, n, dtype=torch.long, device=next(model.parameters()).device))
+            out = model(torch.zeros(1, n, dtype=torch.long, device=next(model.parameters()).device))
     except Exception as e:
         raise ModelError(f"model {cfg.train.model!r}: its forward on one sequence of --seq-len {n} tokens failed: "
                          f"{type(e).__name__}: {e}. Is --seq-len longer than the model's context (its positions)? "
                          "Pass a --seq-len it can take; fourfold calls model(ids) with ids of shape (batch, "
                          "seq_len).") from e
+    try:
+        output_tensor(out)
+    except ValueError as e:  # logits with a loss beside them that fourfold's would drop
+        raise ModelError(f"model {cfg.train.model!r}: {e}.") from None
+    except TypeError:
+        pass  # no logits: the engine's first step says what it got
 
 
 def check_causal(model: nn.Module, cfg: Any) -> None:
@@ -251,8 +259,16 @@ def check_causal(model: nn.Module, cfg: Any) -> None:
             before, after = model(ids), model(changed)
     finally:
         model.train(was_training)
-    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dim() >= 2):
-        return  # not logits of shape (batch, seq, ...): check_forward and the loss say what is wrong
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
+    try:
+        before, after = output_tensor(before), output_tensor(after)
+    except TypeError:
+        return  # no logits: the engine's first step says what it got
+    except ValueError as e:  # logits with a loss beside them that fourfold's would drop
+        raise ModelError(f"model {cfg.train.model!r}: {e}.") from None
+    if before.dim() < 2 or before.shape != after.shape:
+        return  # not logits of shape (batch, seq, ...): the loss says what is wrong
     earlier = (before[0, :-1] - after[0, :-1]).abs()
     if earlier.max().item() > 1e-6 * max(1.0, before[0, :-1].abs().max().item()):
         first = int(earlier.flatten(1).amax(1).nonzero()[0, 0]) if earlier.dim() > 1 else 0

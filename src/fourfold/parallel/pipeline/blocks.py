@@ -65,9 +65,17 @@ def positions(x: torch.Tensor) -> torch.Tensor:
 
 def output_tensor(out: Any) -> torch.Tensor:
     """The tensor a module's output stands for: itself, the first element of a tuple, ``.logits`` (Hugging
-    Face's outputs) or a dict's ``"logits"``."""
+    Face's outputs) or a dict's ``"logits"``. An output carrying an ``aux_loss`` tensor (a mixture of experts'
+    router loss: Qwen3-MoE, Mixtral with ``output_router_logits``) is refused: the logits alone are not its loss."""
     if isinstance(out, torch.Tensor):
         return out
+    aux = out.get("aux_loss") if isinstance(out, Mapping) else getattr(out, "aux_loss", None)
+    if isinstance(aux, torch.Tensor):
+        raise ValueError(
+            "the model returns an auxiliary loss beside its logits (aux_loss: a mixture of experts' router "
+            "load-balancing term), which fourfold's loss, reading the logits only, would drop: it would train "
+            "something other than the model's own loss without a word. Build it with output_router_logits=False "
+            "(its config) to train without the term knowingly; training with it is not built yet")
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
