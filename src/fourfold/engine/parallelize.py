@@ -55,6 +55,7 @@ from fourfold.engine.checks import (
 )
 from fourfold.engine.layout import Layout
 from fourfold.engine.losses import LossFn, losses
+from fourfold.engine.optimizers import mark
 from fourfold.engine.pieces import TensorPlan, examples_for, model_blocks, units, untouched
 from fourfold.engine.step import Engine
 from fourfold.mesh import Mesh, RankMesh
@@ -67,7 +68,13 @@ from fourfold.parallel.pipeline.blocks import Chain, Split, build_pieces, resolv
 from fourfold.parallel.pipeline.runtime import PIPELINE_TENSOR
 from fourfold.parallel.rng import SEQUENCE_SHARDED, Streams
 from fourfold.parallel.schedule import pipeline_schedule
-from fourfold.parallel.tensor import shard_layouts, shard_regions, sum_partial_grads, tensor_parallel
+from fourfold.parallel.tensor import (
+    REPLICATED,
+    shard_layouts,
+    shard_regions,
+    sum_partial_grads,
+    tensor_parallel,
+)
 from fourfold.parallel.tensor.dropout import contain, draw_per_rank
 from fourfold.parallel.zero import ShardedDataParallel
 
@@ -153,9 +160,15 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
     if family is not None and family.documents is not None:
         family.documents(model)  # hooks are no-ops until a packed batch makes its documents current
         reads = True
-    return Engine(model, ranks, layout, pipeline=pipe, dp=dp, loss_fn=loss.loss_fn, layouts=layouts,
-                  sum_copies=copies, split_heads=loss.split_heads, sum_loss_fn=loss.sum_loss_fn,
-                  reads_documents=reads, streams=streams, takes_ids=family is not None)
+    engine = Engine(model, ranks, layout, pipeline=pipe, dp=dp, loss_fn=loss.loss_fn, layouts=layouts,
+                    sum_copies=copies, split_heads=loss.split_heads, sum_loss_fn=loss.sum_loss_fn,
+                    reads_documents=reads, streams=streams, takes_ids=family is not None)
+    if layout.zero > 0 and m.dp > 1:  # the optimiser holds pieces: elementwise ones only (engine/optimizers.py)
+        mark(engine.parameters(), f"ZeRO-{layout.zero} segments (flat pieces that cross parameters)")
+    elif m.tp > 1:
+        mark((p for n, p in engine.named_parameters() if layouts.get(n, REPLICATED) != REPLICATED),
+             "tensor-parallel slices of weights")
+    return engine
 
 
 # ------------------------------------------------------------------------------------------------ step 0
