@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = (run_lock(cfg.output.out) if main_rank and os.environ.get(_LOCK_HELD) != cfg.output.out
             else contextlib.nullcontext())
     try:
-        if not worker and cfg.launch.nproc > 1:
+        if not worker and cfg.launch.nproc > 1 and cfg.launch.nnodes == 1:
             from fourfold.torchrun import warm
 
             warm()  # the server the ranks are forked from imports torch while the preflight runs

@@ -211,7 +211,8 @@ def launch_workers(module: str, argv: list[str], launch: LaunchConfig,
     verdict = Path(tempfile.mkdtemp(prefix="fourfold-verdict-")) / "verdict.json"
     os.environ[VERDICT_ENV] = str(verdict)  # the hang doctor of the rank that finds a hang writes it here
     start = rank_start()
-    warm()  # started already where the command knew it would launch (the preflight overlaps its import of torch)
+    if launch.nnodes == 1:  # several machines: once they met (the rendezvous watch reads "no child yet" so)
+        warm()  # started already where the command knew it would launch (the preflight overlaps its import of torch)
     done = threading.Event()
     watcher = threading.Thread(target=_end_stopped_ranks, args=(verdict, done), daemon=True)
     watcher.start()

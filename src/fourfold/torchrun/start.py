@@ -70,7 +70,8 @@ def _main_is_importable() -> bool:
 
 
 def warm() -> None:
-    """Start the fork server now, if the ranks will come from one, so that its import of torch overlaps what the
+    """Start the fork server now, if the ranks will come from one (one machine: on several, it starts after the
+    rendezvous, as the watch of it reads "no child process yet"), so that its import of torch overlaps what the
     launcher does before it launches (the preflight). Idempotent; the server ends with this process."""
     if rank_start() != "forkserver":
         return
