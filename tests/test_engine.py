@@ -274,6 +274,10 @@ def test_int32_targets_train_as_int64_and_others_and_unshifted_ones_are_refused_
     with pytest.raises(ValueError, match=r"targets equal the inputs \(shape .*inputs = ids\[:, :-1\], targets = "
                                          r"ids\[:, 1:\]"):
         engine.step(x, x.clone())
+    padded = x.clone()
+    padded[:, -2:] = -100  # equal at every real target: still unshifted
+    with pytest.raises(ValueError, match=r"targets equal the inputs"):
+        engine.step(x, padded)
     same = torch.full_like(x, 3)  # one token repeated: shifted or not, the same rows
     assert math.isfinite(engine.step(same, same).item())
 

@@ -865,7 +865,8 @@ def test_a_plan_whose_logits_reach_the_loss_split_or_whole_by_mistake_is_refused
         split, whole, own_heads, by_rows = messages
         assert own_heads.startswith("the tensor plan changes what the model computes: on one example its sharded "
                                     "logits differ from the whole model's by"), own_heads
-        assert "over tp=2" in own_heads and "OPT's num_heads" in own_heads, own_heads
+        assert "over tp=2; the first module whose output differs: 'o'" in own_heads, own_heads
+        assert "OPT's num_heads" in own_heads, own_heads
         assert by_rows == "parallelized", by_rows  # heads counted from the weights: the split keeps the function
         assert "the tensor-parallel ranks of one replica compute different logits (shape (1, 8, 32)" in split, split
         assert "Mark that layer 'head'" in split

@@ -8,6 +8,7 @@ ranks step on the same rows.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import torch
@@ -108,32 +109,67 @@ def check_whole_logits(model: nn.Module, example: torch.Tensor | None, ranks: Ra
             "split), or leave it out of the plan (replicated).")
 
 
-def logits_on(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
-    """``model(example)``'s logits (its output tensor), in eval mode (no dropout), without gradients."""
-    with torch.no_grad(), EvalMode(model):
-        return output_tensor(model(example)).detach().clone()
+def logits_on(model: nn.Module, example: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[Any, ...]]]:
+    """``model(example)``'s logits (its output tensor), in eval mode (no dropout), without gradients; and each
+    module's output as (shape, sum, weighted sum), in the order they finished (a few numbers each, whatever the
+    model's size)."""
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and name not in seen:
+                seen[name] = _output_sums(out)
+        return hook
+
+    handles = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if name]
+    try:
+        with torch.no_grad(), EvalMode(model):
+            logits = output_tensor(model(example)).detach().clone()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, seen
 
 
-def check_same_function(model: nn.Module, example: torch.Tensor, whole: torch.Tensor, ranks: RankMesh) -> None:
+def _output_sums(t: torch.Tensor) -> tuple[Any, ...]:
+    wide = t.detach().double().flatten()
+    weights = torch.arange(1, wide.numel() + 1, dtype=torch.float64, device=wide.device) / max(1, wide.numel())
+    largest = float(wide.abs().max()) if wide.numel() else 0.0
+    return tuple(t.shape), float(wide.sum()), float((wide * weights).sum()), largest
+
+
+def check_same_function(model: nn.Module, example: torch.Tensor, whole: tuple[torch.Tensor, dict[str, Any]],
+                        ranks: RankMesh) -> None:
     """Refuse a tensor plan of the user's that changes what the model computes: the sharded model's logits on
-    ``example`` must be ``whole``, the unsharded model's, to its dtype's rounding (float64 1e-9, else 1e-4,
-    relative to the largest logit). A column split is exact only where the forward works on the split sizes: an
-    attention that views q by a head count of its own (OPT's ``num_heads``, not the weight's rows) computes other
-    heads after it, and trained without a word before. Compared over tp, so every rank refuses alike."""
-    got = logits_on(model, example)
-    scale = max(1.0, float(whole.abs().max()))
-    diff = float((got.double() - whole.double()).abs().max()) / scale if got.shape == whole.shape else float("inf")
-    tol = 1e-9 if whole.dtype == torch.float64 else 1e-4
-    everyone = gather_objects(diff, ranks.tp_group, op="compare the sharded model with the whole one")
-    worst = max(everyone)
+    ``example`` must be the unsharded model's (``whole``, from :func:`logits_on`) to its dtype's rounding (float64
+    1e-9, else 1e-4, relative to the largest logit), and the refusal names the first module (in the order they
+    finish) whose output kept its shape but not its values. A column split is exact only where the forward works
+    on the split sizes: an attention that views q by a head count of its own (OPT's ``num_heads``, not the
+    weight's rows) computes other heads after it, and trained without a word before. Compared over tp, so every
+    rank refuses alike."""
+    want, modules = whole
+    got, sharded = logits_on(model, example)
+    scale = max(1.0, float(want.abs().max()))
+    diff = float((got.double() - want.double()).abs().max()) / scale if got.shape == want.shape else float("inf")
+    tol = 1e-9 if want.dtype == torch.float64 else 1e-4
+    first = next((name for name, sums in modules.items() if name in sharded and sharded[name][0] == sums[0]
+                  and _differ(sharded[name], sums, tol)), None)
+    everyone = gather_objects((diff, first), ranks.tp_group, op="compare the sharded model with the whole one")
+    worst = max(d for d, _ in everyone)
     if worst > tol:
-        shapes = "" if got.shape == whole.shape else f" (shape {tuple(got.shape)}, the whole model's {tuple(whole.shape)})"
+        shapes = "" if got.shape == want.shape else f" (shape {tuple(got.shape)}, the whole model's {tuple(want.shape)})"
+        where = next((f"; the first module whose output differs: {name!r}" for _, name in everyone if name), "")
         raise ValueError(
             f"the tensor plan changes what the model computes: on one example its sharded logits differ from the "
-            f"whole model's by {worst:.3g} relative to the largest{shapes}, over tp={ranks.mesh.tp}. A column or "
-            "row split is exact only where the forward works on the split sizes: an attention that reshapes q, k "
-            "and v by a head count of its own (OPT's num_heads) sees other heads once they are split. Leave those "
+            f"whole model's by {worst:.3g} relative to the largest{shapes}, over tp={ranks.mesh.tp}{where}. A column "
+            "or row split is exact only where the forward works on the split sizes: an attention that reshapes q, "
+            "k and v by a head count of its own (OPT's num_heads) sees other heads once they are split. Leave those "
             "layers out of the plan, or make the forward read the head count from the weights' shape.")
+
+
+def _differ(a: tuple[Any, ...], b: tuple[Any, ...], tol: float) -> bool:
+    scale = max(1.0, b[3]) * max(1, math.prod(b[0]))
+    return any(abs(x - y) > tol * scale for x, y in zip(a[1:3], b[1:3], strict=True))
 
 
 def _digest(batch: Any) -> tuple[Any, ...] | None:

@@ -419,7 +419,10 @@ class Engine:
 
 
 def _unshifted(inputs: torch.Tensor, targets: torch.Tensor) -> bool:
-    """Whether ``targets`` are ``inputs`` unshifted: equal, in some row that is not one token repeated (for which
-    shifted and unshifted are the same)."""
-    return (inputs.shape == targets.shape and inputs.dim() == 2 and inputs.shape[1] > 1
-            and torch.equal(inputs, targets.to(inputs.dtype)) and bool((inputs != inputs[:, :1]).any()))
+    """Whether ``targets`` are ``inputs`` unshifted: equal at every real (not -100) target, in some row that is not
+    one token repeated (for which shifted and unshifted are the same)."""
+    if inputs.shape != targets.shape or inputs.dim() != 2 or inputs.shape[1] < 2:
+        return False
+    real = targets != IGNORE_INDEX
+    same = torch.where(real, inputs == targets.to(inputs.dtype), True)
+    return bool(real.any()) and bool(same.all()) and bool(((inputs != inputs[:, :1]) & real).any())
