@@ -221,8 +221,6 @@ def _floating_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def check_forward(model: nn.Module, cfg: Any) -> None:
     """Run ``model`` on one sequence of ``--seq-len`` tokens (id 0); a failure is the model's or its flags' (the
     sequence longer than its positions, a forward that needs other inputs): :class:`ModelError`."""
-    from fourfold.parallel.pipeline.blocks import output_tensor
-
     n = cfg.model.seq_len
     try:
         with torch.no_grad():
@@ -232,12 +230,20 @@ def check_forward(model: nn.Module, cfg: Any) -> None:
                          f"{type(e).__name__}: {e}. Is --seq-len longer than the model's context (its positions)? "
                          "Pass a --seq-len it can take; fourfold calls model(ids) with ids of shape (batch, "
                          "seq_len).") from e
+    _logits(out, cfg)
+
+
+def _logits(out: Any, cfg: Any) -> torch.Tensor | None:
+    """The logits ``out`` stands for (None: none, the engine's first step says what it got); an output with a loss
+    beside them that fourfold's would drop is the model's refusal (:class:`ModelError`)."""
+    from fourfold.parallel.pipeline.blocks import output_tensor
+
     try:
-        output_tensor(out)
-    except ValueError as e:  # logits with a loss beside them that fourfold's would drop
-        raise ModelError(f"model {cfg.train.model!r}: {e}.") from None
+        return output_tensor(out)
     except TypeError:
-        pass  # no logits: the engine's first step says what it got
+        return None
+    except ValueError as e:
+        raise ModelError(f"model {cfg.train.model!r}: {e}.") from None
 
 
 def check_causal(model: nn.Module, cfg: Any) -> None:
@@ -259,15 +265,8 @@ def check_causal(model: nn.Module, cfg: Any) -> None:
             before, after = model(ids), model(changed)
     finally:
         model.train(was_training)
-    from fourfold.parallel.pipeline.blocks import output_tensor
-
-    try:
-        before, after = output_tensor(before), output_tensor(after)
-    except TypeError:
-        return  # no logits: the engine's first step says what it got
-    except ValueError as e:  # logits with a loss beside them that fourfold's would drop
-        raise ModelError(f"model {cfg.train.model!r}: {e}.") from None
-    if before.dim() < 2 or before.shape != after.shape:
+    before, after = _logits(before, cfg), _logits(after, cfg)
+    if before is None or after is None or before.dim() < 2 or before.shape != after.shape:
         return  # not logits of shape (batch, seq, ...): the loss says what is wrong
     earlier = (before[0, :-1] - after[0, :-1]).abs()
     if earlier.max().item() > 1e-6 * max(1.0, before[0, :-1].abs().max().item()):
