@@ -323,7 +323,7 @@ def test_bytes_by_axis_sorts_spans_by_the_axis_that_sent_them():
 
     spans = [span("tp.all_reduce", 10), span("send", 100), span("tied_grads", 5), span("allreduce:ring", 1000),
              span("allreduce:native", 0), span("loss_all_reduce", 0), span("F", 7, kind="compute")]
-    assert bytes_by_axis(spans) == {"dp": 1000, "tp": 10, "pp": 105}  # a ring all-reduce over 2: 2(p-1)/p = 1
+    assert bytes_by_axis(spans) == {"dp": 1000, "tp": 10, "pp": 105, "cp": 0}  # a ring all-reduce over 2: 2(p-1)/p = 1
     # tp counts what a ring sends: an all-reduce of N over 4 ranks sends 1.5 N; sequence parallelism's halves,
     # a reduce-scatter of N and an all-gather of its N/4 shard, send 0.75 N each: the same bytes
     plain = bytes_by_axis([span("tp.all_reduce", 4000, ranks=4)])["tp"]
@@ -367,8 +367,9 @@ def _rows_by_global_rank(ctx) -> dict:
 def test_a_replicas_ranks_given_other_rows_are_refused_naming_them():
     for got in run_ranks(_rows_by_global_rank, 2, timeout_s=100):
         for label, axis in (("tp2", "tp"), ("pp2", "pp")):
-            assert got[label].startswith("every tp and pp rank of a data-parallel replica must step on the same "
-                                         "rows, got other inputs on rank 1 than on rank 0 "), got[label]
+            assert got[label].startswith("every tp, cp and pp rank of a data-parallel replica must step on the same "
+                                         "rows (cp ranks cut the sequences themselves), got other inputs on rank 1 "
+                                         "than on rank 0 "), got[label]
             assert f"({axis} group of ranks [0, 1]). Shard the batch by the replica, ranks.coord.dp" in got[label]
             assert math.isfinite(got[f"{label} same rows"])
 

@@ -29,7 +29,8 @@ CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 @pytest.mark.parametrize("values,message", [
     ({"tp": 0}, r"tp must be an integer >= 1, got tp=0"),
     ({"dp": 0}, r"dp must be an integer >= 1, got dp=0\. Leave it out"),
-    ({"cp": 2}, r"cp is context parallelism \(issue 48\): not built yet, got cp=2"),
+    ({"cp": 2, "sync_batchnorm": True}, r"sync_batchnorm under context parallelism is not built.*Drop"),
+    ({"cp": 2, "cp_algorithm": "flash"}, r"cp_algorithm must be one of ring, allgather, ulysses"),
     ({"ep": 2}, r"ep is expert parallelism \(issue 49\): not built yet"),
     ({"dp_shard": 2}, r"dp_shard is data parallelism as replicate x shard"),
     ({"schedule": "1F1B"}, r"schedule must be one of naive, gpipe, 1f1b, interleaved, zb, got schedule='1F1B'"),

@@ -1,12 +1,14 @@
-"""The rank grid: a world of ``dp * tp * pp`` ranks, and the process groups along each axis.
+"""The rank grid: a world of ``dp * cp * tp * pp`` ranks, and the process groups along each axis.
 
-Ranks are laid out with tp innermost, then dp, then pp::
+Ranks are laid out with tp innermost, then cp, then dp, then pp::
 
-    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 so the ranks of one tensor-parallel group are consecutive (on one machine, where its per-layer all-reduces
-are cheapest), data-parallel peers are ``tp`` apart, and pipeline stages are ``dp * tp`` apart. With
-dp=2, tp=2, pp=2 on 8 ranks::
+are cheapest), context-parallel peers (whose attention talks every layer) next, data-parallel peers
+``cp * tp`` apart, and pipeline stages ``dp * cp * tp`` apart. The weights are replicated over dp x cp: their
+gradients are reduced over that flattened group (:attr:`RankMesh.replica_group`). With dp=2, tp=2, pp=2 on 8
+ranks::
 
     pp stage 0:  dp 0 -> ranks [0, 1]   dp 1 -> ranks [2, 3]     (each pair is one tp group)
     pp stage 1:  dp 0 -> ranks [4, 5]   dp 1 -> ranks [6, 7]
@@ -18,6 +20,7 @@ once the default group exists and returns this rank's :class:`RankMesh`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -28,8 +31,8 @@ from fourfold.observe.trace import Tracer
 
 __all__ = ["AXES", "Axis", "Coord", "Mesh", "RankMesh"]
 
-Axis = Literal["pp", "dp", "tp"]
-AXES: tuple[Axis, ...] = ("pp", "dp", "tp")  # outermost to innermost
+Axis = Literal["pp", "dp", "cp", "tp"]
+AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")  # outermost to innermost
 
 
 class Coord(NamedTuple):
@@ -38,15 +41,17 @@ class Coord(NamedTuple):
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A validated factorisation of the world: ``dp * tp * pp`` ranks."""
+    """A validated factorisation of the world: ``dp * cp * tp * pp`` ranks."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -56,62 +61,77 @@ class Mesh:
                                  f"Pass --{axis} 1 or more.")
 
     @classmethod
-    def for_world(cls, world_size: int, *, dp: int | None = None, tp: int = 1, pp: int = 1) -> Mesh:
-        """The mesh for ``world_size`` ranks; ``dp=None`` takes whatever tp and pp leave."""
+    def for_world(cls, world_size: int, *, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1) -> Mesh:
+        """The mesh for ``world_size`` ranks; ``dp=None`` takes whatever tp, pp and cp leave."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
         if dp is None:
-            if tp < 1 or pp < 1 or world_size % (tp * pp):
+            if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+                names, sizes = ("tp*pp*cp", f"{tp}*{pp}*{cp}") if cp != 1 else ("tp*pp", f"{tp}*{pp}")
+                n = tp * pp * cp
                 raise ValueError(
-                    f"world size must be divisible by tp*pp, got world_size={world_size}, tp*pp={tp}*{pp}"
-                    f"={tp * pp}. Launch a multiple of {tp * pp} processes (fourfold train --nproc {tp * pp}) or "
-                    "change tp/pp (--tp/--pp).")
-            dp = world_size // (tp * pp)
-        mesh = cls(dp=dp, tp=tp, pp=pp)
+                    f"world size must be divisible by {names}, got world_size={world_size}, {names}={sizes}"
+                    f"={n}. Launch a multiple of {n} processes (fourfold train --nproc {n}) or "
+                    f"change {names.replace('*', '/')} (--{names.replace('*', '/--')}).")
+            dp = world_size // (tp * pp * cp)
+        mesh = cls(dp=dp, tp=tp, pp=pp, cp=cp)
         mesh.check_world(world_size)
         return mesh
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights (one pipeline stage's, one tp shard's): dp x cp."""
+        return self.dp * self.cp
 
     def check_world(self, world_size: int) -> None:
         """Refuse a mesh whose product is not the number of ranks launched."""
         if self.world_size != world_size:
             fixes = []
-            rest = world_size // (self.tp * self.pp) if world_size % (self.tp * self.pp) == 0 else None
+            others = self.tp * self.pp * self.cp
+            rest = world_size // others if world_size % others == 0 else None
             if rest:
                 fixes.append(f"pass --dp {rest}")
             fixes.append(f"launch {self.world_size} processes (--nproc {self.world_size})")
+            names, sizes = ("dp*cp*tp*pp", f"{self.dp}*{self.cp}*{self.tp}*{self.pp}") if self.cp != 1 else \
+                ("dp*tp*pp", f"{self.dp}*{self.tp}*{self.pp}")
             raise ValueError(
-                f"dp*tp*pp must equal the world size, got {self.dp}*{self.tp}*{self.pp}={self.world_size} "
+                f"{names} must equal the world size, got {sizes}={self.world_size} "
                 f"vs world size {world_size}. {' or '.join(fixes).capitalize()}.")
 
     def coord(self, rank: int) -> Coord:
-        """``rank`` -> (pp, dp, tp) coordinates."""
+        """``rank`` -> (pp, dp, tp, cp) coordinates."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return Coord(pp, dp, tp)
+        pp, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp, rest = divmod(rest, self.cp * self.tp)
+        cp, tp = divmod(rest, self.tp)
+        return Coord(pp, dp, tp, cp)
 
-    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        """(pp, dp, tp) coordinates -> rank."""
-        for axis, index in zip(AXES, (pp, dp, tp), strict=True):
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """(pp, dp, tp, cp) coordinates -> rank."""
+        for axis, index in (("pp", pp), ("dp", dp), ("tp", tp), ("cp", cp)):
             if not 0 <= index < getattr(self, axis):
                 raise ValueError(f"{axis} index must be in [0, {getattr(self, axis)}), got {index}.")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, axis: Axis) -> list[list[int]]:
         """Every group along ``axis``: the ranks that differ only in that coordinate, in coordinate order."""
         if axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {axis!r}.")
-        others = [a for a in AXES if a != axis]
+        return self.groups_over((axis,))
+
+    def groups_over(self, axes: tuple[Axis, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only along ``axes`` (flattened, the first axis outermost)."""
+        others = [a for a in AXES if a not in axes]
         result = []
-        for i in range(getattr(self, others[0])):
-            for j in range(getattr(self, others[1])):
-                fixed = {others[0]: i, others[1]: j}
-                result.append([self.rank(**fixed, **{axis: k}) for k in range(getattr(self, axis))])
+        for fixed in itertools.product(*(range(getattr(self, a)) for a in others)):
+            at = dict(zip(others, fixed, strict=True))
+            result.append([self.rank(**at, **dict(zip(axes, idx, strict=True)))  # type: ignore[arg-type]
+                           for idx in itertools.product(*(range(getattr(self, a)) for a in axes))])
         return sorted(result)
 
     def peers(self, rank: int, axis: Axis) -> list[int]:
@@ -135,16 +155,19 @@ class Mesh:
         self.check_world(world)
         rank = dist.get_rank()
         timeout = group_timeout(timeout_s)
-        mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES)
-        for axis in AXES:
-            if getattr(self, axis) == 1:
-                continue
-            for ranks in self.groups(axis):
+        mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys((*AXES, "replicas"))
+        flat: tuple[Axis, ...] = ("dp", "cp")
+        for axis, axes, size in [(a, (a,), getattr(self, a)) for a in AXES] + [("replicas", flat, self.replicas)]:
+            if size == 1 or (axis == "replicas" and 1 in (self.dp, self.cp)):
+                continue  # (dp x cp with one of them 1 is the other's group)
+            for ranks in self.groups_over(axes):
                 # new_group is collective over the whole world, so every rank creates every group.
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     mine[axis] = group
-        return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"], timeout_s, tracer)
+        replicas = mine["replicas"] or mine["dp"] or mine["cp"]
+        return RankMesh(self, rank, self.coord(rank), mine["dp"], mine["tp"], mine["pp"], timeout_s, tracer,
+                        cp_group=mine["cp"], replica_group=replicas)
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,8 @@ class RankMesh:
     pp_group: dist.ProcessGroup | None
     timeout_s: float | None = None  # the groups' (Mesh.build's); None: the run's, launch.init's --timeout
     tracer: Tracer | None = None  # records this rank's spans; None: nothing recorded
+    cp_group: dist.ProcessGroup | None = None
+    replica_group: dist.ProcessGroup | None = None  # dp x cp: the ranks holding the same weights (None: alone)
 
     @classmethod
     def single(cls, tracer: Tracer | None = None) -> RankMesh:
@@ -182,7 +207,7 @@ class RankMesh:
         return self.tracer if self.tracer is not None else Tracer(self.rank, enabled=False)
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
-        return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[axis]
+        return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group, "cp": self.cp_group}[axis]
 
     def duplicate(self, axis: Axis, timeout_s: float | None = None) -> dist.ProcessGroup | None:
         """A second process group of this rank's ``axis`` peers (None along an axis of size 1), for collectives

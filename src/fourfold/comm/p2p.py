@@ -33,7 +33,7 @@ import torch.distributed as dist
 from fourfold.comm.ledger import Direction
 from fourfold.comm.wait import CommError, bounded_wait, collective
 
-__all__ = ["CommError", "CommStats", "Communicator", "Message", "Posted", "check_same"]
+__all__ = ["CommError", "CommStats", "Communicator", "Exchange", "Message", "Posted", "check_same"]
 
 
 class Posted(NamedTuple):
@@ -131,32 +131,68 @@ class Communicator:
         receives :meth:`post`-ed earlier, waited for (and counted) here. ``offsets`` and ``labels`` (one per send)
         only decorate recorded messages.
         """
+        self.start(sends, recvs, algorithm=algorithm, step=step, phase=phase, offsets=offsets, labels=labels,
+                   posted=posted).wait()
+
+    def start(
+        self,
+        sends: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
+        recvs: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
+        *,
+        algorithm: str,
+        step: int,
+        phase: str = "",
+        offsets: tuple[list[int], list[int]] | None = None,
+        labels: list[str] | None = None,
+        posted: list[Posted] = (),  # type: ignore[assignment]
+    ) -> Exchange:
+        """:meth:`exchange` without the wait: every send and receive posted now, and an :class:`Exchange` whose
+        :meth:`~Exchange.wait` (bounded by ``timeout_s`` from now) waits for them and counts them. What overlaps a
+        transfer with compute uses it: start, compute, wait. A tensor being sent must not change until then."""
         works: list[tuple[Direction, int, Any]] = [("recv", r.peer, r.work) for r in posted]
         for peer, t in recvs:  # receives first: see the module's note on gloo
             works.append(("recv", peer, dist.irecv(t, self.global_ranks[peer], group=self.group)))
         for peer, t in sends:
             works.append(("send", peer, dist.isend(t, self.global_ranks[peer], group=self.group)))
-        deadline = time.monotonic() + self.timeout_s
-        for direction, peer, work in works:
-            remaining = max(deadline - time.monotonic(), 0.001)
-            assert work is not None  # None only for a rank outside the group, which exchange never targets
-            where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
-            bounded_wait(work, remaining, reported_s=self.timeout_s, rank=self.global_rank, op=where,
-                         awaited="send to" if direction == "send" else "recv from", peer=self.global_ranks[peer],
-                         direction=direction)
+        where = f"{algorithm} step {step}{f' ({phase})' if phase else ''}"
         received = [t for _, t in recvs] + [r.tensor for r in posted]
-        sent = sum(t.numel() * t.element_size() for _, t in sends)
-        got = sum(t.numel() * t.element_size() for t in received)
-        self.stats.sent_bytes += sent
-        self.stats.recv_bytes += got
-        self.stats.sent_messages += len(sends)
-        self.stats.recv_messages += len(received)
         if self.record_messages:
             for i, (peer, t) in enumerate(sends):
                 offset = offsets[0][i] if offsets else 0
                 label = labels[i] if labels else ""
                 self.messages.append(Message(algorithm, phase, step, self.rank, peer, offset, t.numel(),
                                              t.numel() * t.element_size(), label))
+        return Exchange(self, works, where, [t for _, t in sends], received, time.monotonic() + self.timeout_s)
+
+
+@dataclass
+class Exchange:
+    """Sends and receives in flight (:meth:`Communicator.start`): :meth:`wait` once for all of them."""
+
+    comm: Communicator
+    works: list[tuple[Direction, int, Any]]
+    where: str
+    sent: list[torch.Tensor]
+    received: list[torch.Tensor]
+    deadline: float
+    done: bool = False
+
+    def wait(self) -> None:
+        """Wait for every send and receive (bounded, naming the peer), then count them. Idempotent."""
+        if self.done:
+            return
+        comm = self.comm
+        for direction, peer, work in self.works:
+            remaining = max(self.deadline - time.monotonic(), 0.001)
+            assert work is not None  # None only for a rank outside the group, which exchange never targets
+            bounded_wait(work, remaining, reported_s=comm.timeout_s, rank=comm.global_rank, op=self.where,
+                         awaited="send to" if direction == "send" else "recv from", peer=comm.global_ranks[peer],
+                         direction=direction)
+        self.done = True
+        comm.stats.sent_bytes += sum(t.numel() * t.element_size() for t in self.sent)
+        comm.stats.recv_bytes += sum(t.numel() * t.element_size() for t in self.received)
+        comm.stats.sent_messages += len(self.sent)
+        comm.stats.recv_messages += len(self.received)
 
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate([torch.float16, torch.bfloat16, torch.float32, torch.float64,

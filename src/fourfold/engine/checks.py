@@ -185,12 +185,12 @@ def _digest(batch: Any) -> tuple[Any, ...] | None:
 
 
 def check_same_rows(inputs: Any, targets: Any, ranks: RankMesh) -> None:
-    """Refuse, on every rank alike, a replica whose tp or pp ranks were given different batches (collectives over
-    the tp and pp groups; the engine runs it on its first step). Each replica's ranks must step on the same rows:
+    """Refuse, on every rank alike, a replica whose tp, cp or pp ranks were given different batches (collectives
+    over those groups; the engine runs it on its first step). Each replica's ranks must step on the same rows:
     sharding by global rank, DDP's habit, gives them different ones, and the layout then trains on a mix that no
     one process computes. A rank passing None (a pipeline stage that reads no inputs) is not compared."""
     mine = (_digest(inputs), _digest(targets))
-    for axis, group in (("tp", ranks.tp_group), ("pp", ranks.pp_group)):
+    for axis, group in (("tp", ranks.tp_group), ("cp", ranks.cp_group), ("pp", ranks.pp_group)):
         if group is None:
             continue
         everyone = gather_objects(mine, group, op=f"compare the {axis} ranks' batches")
@@ -202,7 +202,8 @@ def check_same_rows(inputs: Any, targets: Any, ranks: RankMesh) -> None:
                 (first, a), (r, b) = held[0], other
                 shapes = f" (shapes {list(a[0])} and {list(b[0])})" if a[0] != b[0] else ""
                 raise ValueError(
-                    f"every tp and pp rank of a data-parallel replica must step on the same rows, got other {what} "
+                    f"every tp, cp and pp rank of a data-parallel replica must step on the same rows (cp ranks cut "
+                    f"the sequences themselves), got other {what} "
                     f"on rank {r} than on rank {first}{shapes} ({axis} group of ranks {members}). Shard the batch by "
                     "the replica, ranks.coord.dp of ranks.mesh.dp, not by the global rank (DistributedSampler's "
                     "habit under DDP): one process computes none of what the layout would train on.")

@@ -19,14 +19,16 @@ The axes (what each size splits):
                    others). ZeRO (``zero``) shards their optimiser state, gradients and parameters.
 ``tp``             tensor parallelism: every big matmul split over the group (Megatron's column/row layers).
 ``pp``             pipeline parallelism: the model's blocks cut into stages, micro-batches overlapping.
-``cp``             context parallelism: each sequence split over the group (not built yet: issue 48).
+``cp``             context parallelism: each sequence split over the group, attention across the pieces
+                   (``cp_algorithm``: ring, allgather or ulysses; ``cp_balance``: the head-tail cut). The weights
+                   are replicated over dp x cp; gradients reduced (and ZeRO sharded) over that group.
 ``ep``             expert parallelism: a mixture of experts' experts split over ranks borrowed from dp (not
                    built yet: issue 49).
 ``dp_shard``       data parallelism as replicate x shard (HSDP: ZeRO-3 inside groups of ``dp_shard`` ranks,
                    replicas across; not built yet: issue 45).
 =================  ==========================================================================================
 
-Ranks are laid out tp innermost, then dp, then pp (:mod:`fourfold.mesh`).
+Ranks are laid out tp innermost, then cp, then dp, then pp (:mod:`fourfold.mesh`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ __all__ = ["NOT_BUILT", "Layout", "ReduceDtype"]
 
 ReduceDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
-NOT_BUILT = {"cp": "context parallelism (issue 48)", "ep": "expert parallelism (issue 49)",
+NOT_BUILT = {"ep": "expert parallelism (issue 49)",
              "dp_shard": "data parallelism as replicate x shard, HSDP (issue 45)"}
 """The axes the Layout names before their strategies land: each refused with this until then."""
 
@@ -69,11 +71,19 @@ class Layout:
         "data-parallel size (default: the world size divided by tp*pp)"))
     tp: int = field(default=1, metadata=_help("tensor-parallel size"))
     pp: int = field(default=1, metadata=_help("pipeline-parallel size"))
-    cp: int = field(default=1, metadata=_help("context-parallel size (not built yet)"))
+    cp: int = field(default=1, metadata=_help(
+        "context-parallel size: each sequence cut over cp ranks (its tokens' MLPs, norms and loss there), attention "
+        "across the pieces by --cp-algorithm"))
     ep: int = field(default=1, metadata=_help("expert-parallel size (not built yet)"))
     dp_shard: int | None = field(default=None, metadata=_help(
         "with --zero 3: ranks sharing one copy of the model, replicated across the rest of dp (HSDP; not built "
         "yet)"))
+    cp_algorithm: Literal["ring", "allgather", "ulysses"] = field(default="ring", metadata=_help(
+        "with --cp: ring (K/V blocks pass round the ring, overlapped with attention), allgather (gather every "
+        "chunk's K/V) or ulysses (all-to-all: whole sequence, heads / cp per rank)"))
+    cp_balance: Literal["head-tail", "none"] = field(default="head-tail", metadata=_help(
+        "with --cp: head-tail gives rank i chunks i and 2cp-1-i of 2cp, equal causal work on every rank; none "
+        "cuts cp contiguous chunks (the last rank works about 2cp-1 times the first)"))
     # ------------------------------------------------------------------------------------- pipeline
     schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "zb"] = field(default="1f1b", metadata=_help(
         "with --pp: the pipeline schedule (see `fourfold schedule`)"))
@@ -148,6 +158,9 @@ class Layout:
         self._check_choices()
         self._check_pipeline()
         self._check_data()
+        if self.cp > 1 and self.sync_batchnorm:
+            raise ValueError(f"sync_batchnorm under context parallelism is not built: a BatchNorm would normalise "
+                             f"over positions cut over cp={self.cp} ranks. Drop --sync-batchnorm or --cp.")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tensor parallelism, got tp=1. Pass --tp 2 (or more), or drop "
                              "--sequence-parallel.")
@@ -197,20 +210,21 @@ class Layout:
     def mesh(self, world_size: int) -> Mesh:
         """The rank grid of ``world_size`` ranks this layout asks for (``dp`` left out: what tp*pp leave),
         refused naming both when they disagree."""
-        return Mesh.for_world(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
+        return Mesh.for_world(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Refuse a mesh that is not this layout's, naming both."""
-        ours = (self.dp if self.dp is not None else mesh.dp, self.tp, self.pp)
-        if (mesh.dp, mesh.tp, mesh.pp) != ours:
-            raise ValueError(f"the mesh must be the layout's, got a mesh of dp={mesh.dp} tp={mesh.tp} pp={mesh.pp} "
-                             f"for a layout of dp={self.dp if self.dp is not None else 'the rest'} tp={self.tp} "
-                             f"pp={self.pp}. Build it as layout.mesh(world_size).build(), or pass a layout of "
-                             f"tp={mesh.tp} pp={mesh.pp}.")
+        ours = (self.dp if self.dp is not None else mesh.dp, self.tp, self.pp, self.cp)
+        if (mesh.dp, mesh.tp, mesh.pp, mesh.cp) != ours:
+            cp, mine = (f" cp={mesh.cp}", f" cp={self.cp}") if self.cp != 1 or mesh.cp != 1 else ("", "")
+            raise ValueError(f"the mesh must be the layout's, got a mesh of dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
+                             f"{cp} for a layout of dp={self.dp if self.dp is not None else 'the rest'} tp={self.tp} "
+                             f"pp={self.pp}{mine}. Build it as layout.mesh(world_size).build(), or pass a layout of "
+                             f"tp={mesh.tp} pp={mesh.pp}{cp}.")
 
     def for_mesh(self, mesh: Mesh) -> Layout:
         """This layout with its sizes read from ``mesh`` (a library caller's mesh, a layout of the defaults)."""
-        return dataclasses.replace(self, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp)
+        return dataclasses.replace(self, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype | None:

@@ -19,15 +19,17 @@ The steps, in this order, each only along an axis of size > 1 and each a functio
    on the whole model, before anything is cut.
 1. :func:`apply_tp` (``tp``): the plan (the model family's, beside the model in :mod:`fourfold.models`; or
    ``plan={module: "column" | "row" | "vocab" | "head"}``) shards every big matmul over the tp group.
+1b. :func:`apply_cp` (``cp``): each step's sequences are cut over the cp group (head-tail balanced) and the
+   model's attention (fourfold's ``causal_attention``) reaches the other chunks by ring, all-gather or Ulysses;
+   the weights stay whole, replicated over dp x cp.
 2. :func:`apply_ac`: activation checkpointing of the (sharded) blocks.
 3. :func:`apply_pp` (``pp``): the blocks are cut into ``pp * virtual`` stages and this rank keeps its own; the
    schedule runs them over the pp group.
-4. :func:`apply_dp` (``dp``): this rank's parameters are bucketed over the dp group, by
+4. :func:`apply_dp` (``dp`` x ``cp``): this rank's parameters are bucketed over the replicas (dp x cp), by
    :class:`~fourfold.parallel.data.DataParallel` or, with ZeRO, :class:`~fourfold.parallel.zero.ShardedDataParallel`
    (behind one interface); under a pipeline a bucket starts when the last micro-batch's backward fills it.
 
-Context and expert parallelism (``cp``, ``ep`` in the :class:`~fourfold.engine.layout.Layout`) will be steps of
-their own between 1 and 2. The step, and the end of backward it owns, are :class:`~fourfold.engine.step.Engine`'s.
+Expert parallelism (``ep`` in the :class:`~fourfold.engine.layout.Layout`) will be a step of its own after 1b. The step, and the end of backward it owns, are :class:`~fourfold.engine.step.Engine`'s.
 Until the next release the keywords of the older signature (``schedule=``, ``zero=``, ``tp_plan=``, ...) still
 work, each with a DeprecationWarning naming its new home (:data:`MOVED`; docs/architecture.md has the table).
 """
@@ -62,6 +64,7 @@ from fourfold.mesh import Mesh, RankMesh
 from fourfold.models import Family, family_of, split_of, tensor_plan
 from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
+from fourfold.parallel.context import WHOLE, ContextParallel, SequenceAxis, capture_shard
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, build_pipeline
 from fourfold.parallel.pipeline.blocks import Chain, Split, build_pieces, resolve_split
@@ -78,7 +81,7 @@ from fourfold.parallel.tensor import (
 from fourfold.parallel.tensor.dropout import contain, draw_per_rank
 from fourfold.parallel.zero import ShardedDataParallel
 
-__all__ = ["MOVED", "TensorPlan", "apply_ac", "apply_dp", "apply_pp", "apply_tp", "model_blocks", "parallelize",
+__all__ = ["MOVED", "TensorPlan", "apply_ac", "apply_cp", "apply_dp", "apply_pp", "apply_tp", "model_blocks", "parallelize",
            "resolve"]
 
 MOVED = {
@@ -140,6 +143,7 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
             with tracer.paused():
                 whole = logits_on(model, probe[0])
         model = apply_tp(model, ranks, layout, plan, family, streams)
+        sequence = apply_cp(model, ranks, layout, family, loss_fn)
         apply_ac(model, layout, split, streams)
         layouts = shard_layouts(model)
         partial_names = set(getattr(model, "partial_grad_names", ()))
@@ -162,8 +166,8 @@ def parallelize(model: nn.Module, mesh: RankMesh | Mesh | None = None, layout: L
         reads = True
     engine = Engine(model, ranks, layout, pipeline=pipe, dp=dp, loss_fn=loss.loss_fn, layouts=layouts,
                     sum_copies=copies, split_heads=loss.split_heads, sum_loss_fn=loss.sum_loss_fn,
-                    reads_documents=reads, streams=streams, takes_ids=family is not None)
-    if layout.zero > 0 and m.dp > 1:  # the optimiser holds pieces: elementwise ones only (engine/optimizers.py)
+                    reads_documents=reads, streams=streams, takes_ids=family is not None, sequence=sequence)
+    if layout.zero > 0 and m.replicas > 1:  # the optimiser holds pieces: elementwise ones only (engine/optimizers.py)
         mark(engine.parameters(), f"ZeRO-{layout.zero} segments (flat pieces that cross parameters)")
     elif m.tp > 1:
         mark((p for n, p in engine.named_parameters() if layouts.get(n, REPLICATED) != REPLICATED),
@@ -250,12 +254,43 @@ def apply_tp(model: nn.Module, ranks: RankMesh, layout: Layout, plan: TensorPlan
     return model
 
 
+def apply_cp(model: nn.Module, ranks: RankMesh, layout: Layout, family: Family | None,
+             loss_fn: LossFn | None) -> SequenceAxis:
+    """What holds each step's sequences: cut over cp (:class:`~fourfold.parallel.context.ContextParallel`), or
+    whole (cp = 1). Nothing of the model changes: its attention and positions are fourfold's
+    (:mod:`fourfold.models.attention`), which read the shard the engine makes current; what cannot be exact is
+    refused here, before any step."""
+    cp = ranks.mesh.cp
+    if cp == 1:
+        return WHOLE
+    name = type(model).__name__
+    if not (family is not None and family.name == "tinygpt") and not getattr(model, "fourfold_documents", False):
+        raise ValueError(f"context parallelism (cp={cp}) needs a model whose attention and positions are "
+                         f"fourfold's (fourfold.models.attention.causal_attention and position_ids), got {name}. "
+                         "Use TinyGPT, or set fourfold_documents = True on a model of yours that calls them "
+                         "(Hugging Face families under cp are not built yet)")
+    if loss_fn is not None:
+        raise ValueError(f"context parallelism (cp={cp}) needs fourfold's own loss, summed over each rank's tokens "
+                         "and divided by the global batch's count; a loss_fn of yours is a mean over its chunk. "
+                         "Drop loss_fn, or --cp 1")
+    for what, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            raise ValueError(f"dropout under context parallelism is not built (each rank would draw masks for its "
+                             f"own chunk, not one process's), got {what or name} with p={m.p}. Build the model "
+                             "with dropout 0, or --cp 1")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(f"a BatchNorm under context parallelism would normalise over this rank's chunk only, "
+                             f"got {what or name}. Use --cp 1")
+    return ContextParallel(ranks.cp_group, layout.cp_algorithm, layout.cp_balance == "head-tail", ranks.recorder,
+                           ranks.timeout)
+
+
 def apply_ac(model: nn.Module, layout: Layout, split: Split | None, streams: Streams | None) -> None:
     """Activation checkpointing of the model's blocks: after sharding (the blocks hold their shards), before the
-    pipeline cuts them into stages."""
+    pipeline cuts them into stages. Its recompute re-enters the step's documents, context shard and streams."""
     every = parse_policy(layout.activation_checkpointing)
     if every:
-        checkpoint_blocks(model_blocks(model, split), every, capture_layout,
+        checkpoint_blocks(model_blocks(model, split), every, capture_layout, capture_shard,
                           *((streams.capture,) if streams is not None else ()))
 
 
@@ -280,10 +315,10 @@ def apply_pp(model: nn.Module, ranks: RankMesh, layout: Layout, pieces: list[Any
 def apply_dp(model: nn.Module, ranks: RankMesh, layout: Layout, pipe: Pipeline | None,
              partial: list[nn.Parameter], split: Split | None,
              compressor: Compressor | None = None) -> DataParallel | None:
-    """Bucket this rank's parameters (its stages', its shards) over dp, ZeRO's shards with ``layout.zero``; the
-    engine ends backward itself (``auto_finish`` off). None with dp = 1. ``compressor``: an object of the
-    caller's instead of ``layout.compress``'s."""
-    if ranks.mesh.dp == 1:
+    """Bucket this rank's parameters (its stages', its shards) over the replicas, dp x cp (the ranks holding the
+    same weights), ZeRO's shards with ``layout.zero``; the engine ends backward itself (``auto_finish`` off).
+    None with dp x cp = 1. ``compressor``: an object of the caller's instead of ``layout.compress``'s."""
+    if ranks.mesh.replicas == 1:
         return None
     held: nn.Module = nn.ModuleList(pipe.stages) if pipe is not None else model
     # The communication thread's collectives (ZeRO's, fourfold's point-to-point algorithms, compression's) and
@@ -297,7 +332,7 @@ def apply_dp(model: nn.Module, ranks: RankMesh, layout: Layout, pipe: Pipeline |
     if layout.zero:
         dp = _sharded(held, model, ranks, layout, pipe, partial, split, common)
     else:
-        dp = DataParallel(held, ranks.dp_group, layout.allreduce, layout.bucket_mb,
+        dp = DataParallel(held, ranks.replica_group, layout.allreduce, layout.bucket_mb,
                           compress=compressor if compressor is not None else layout.compressor(),
                           find_unused_parameters=layout.find_unused_parameters, **common)
     if pipe is not None:
@@ -333,7 +368,7 @@ def _sharded(held: nn.Module, model: nn.Module, ranks: RankMesh, layout: Layout,
             late += [named[name] for name in st.tied]
 
     gathered_one_by_one = units(model, split) if layout.zero == 3 and pipe is None else []
-    dp = ShardedDataParallel(held, ranks.dp_group, layout.allreduce, layout.bucket_mb, zero=layout.zero,
+    dp = ShardedDataParallel(held, ranks.replica_group, layout.allreduce, layout.bucket_mb, zero=layout.zero,
                              units=gathered_one_by_one, late=late, **common)
     return dp
 

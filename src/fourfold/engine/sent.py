@@ -17,7 +17,8 @@ def bytes_by_axis(spans: list[Span]) -> dict[str, int]:
     ``tp``: what a ring sends for each tensor-parallel collective (:func:`~fourfold.parallel.tensor.comm.wire_bytes`:
     the backend's own collectives are not counted, so they are counted as the ring would move them, and a
     sequence-parallel reduce-scatter + all-gather adds up to the all-reduce it replaces); ``pp``: activations,
-    gradients and tied-weight gradients sent between stages (headers included); ``dp``: what fourfold's
+    gradients and tied-weight gradients sent between stages (headers included); ``cp``: what context parallelism's
+    attention sent (K/V blocks, their gradients, Ulysses' swaps); ``dp``: what fourfold's
     all-reduce algorithms put on the wire (``native`` counts none: the backend sends on its own).
     """
     out = dict.fromkeys(COUNTED, 0)
@@ -41,6 +42,7 @@ COUNTED: dict[str, Callable[[Span], int | None]] = {
     "dp": lambda s: s.bytes if s.name.startswith(DATA_PARALLEL_SPANS) else None,  # ZeRO: the ring's halves
     "tp": _tp_sent,
     "pp": lambda s: s.bytes if s.name in ("send", "tied_grads") else None,
+    "cp": lambda s: s.bytes if s.name.startswith("cp.") else None,  # what the attention algorithm sent
 }
 """Each mesh axis's bytes in one comm span (None: not this axis's span), in the mesh's order: a strategy that
 adds an axis adds its row, and metrics.jsonl's ``bytes_by_axis`` and the run's summary show it."""

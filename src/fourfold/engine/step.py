@@ -31,6 +31,7 @@ from fourfold.engine.runner import Piped, Plain, Runner
 from fourfold.loss import IGNORE_INDEX
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.observe.memory import estimate_held, parameter_storages
+from fourfold.parallel.context import WHOLE, SequenceAxis
 from fourfold.parallel.data import DataParallel
 from fourfold.parallel.pipeline import Pipeline, StepResult
 from fourfold.parallel.rng import Streams
@@ -81,7 +82,7 @@ class Engine:
                  dp: DataParallel | None, loss_fn: LossFn, layouts: dict[str, ShardLayout],
                  sum_copies: Callable[[], None] | None, split_heads: Sequence[ColumnParallelLinear] = (),
                  sum_loss_fn: LossFn | None = None, reads_documents: bool = False, streams: Streams | None = None,
-                 takes_ids: bool = False) -> None:
+                 takes_ids: bool = False, sequence: SequenceAxis = WHOLE) -> None:
         self.model, self.ranks, self.pipeline, self.dp = model, ranks, pipeline, dp
         self.layout = layout  # what parallelize applied, its sizes the mesh's
         tracer, timeout_s = ranks.recorder, ranks.timeout
@@ -90,6 +91,7 @@ class Engine:
         self._split_heads = tuple(split_heads)  # heads whose logits stay split inside step() only
         self.loss_fn, self.layouts, self.tracer, self.timeout_s = loss_fn, layouts, tracer, timeout_s
         self._sum_copies = sum_copies
+        self.sequence = sequence  # cp > 1: each sequence cut for this rank, its attention across the others
         self.zero = dp.zero if dp is not None else 0
         # the one branch: a pipeline's schedule, or the model's forward and backward (in grad_accum parts)
         self.runner: Runner = (Piped(pipeline, self.gathered) if pipeline is not None else
@@ -143,8 +145,10 @@ class Engine:
         """
         self.check_rows(inputs, targets)
         with self._split_logits(), self._drawing():
-            loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
-            return self._step(inputs, targets, loss_fn, documents, tokens)
+            loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)  # counted on whole sequences
+            inputs, targets, documents, shard = self.sequence.cut(inputs, targets, documents)
+            with self.sequence.running(shard):
+                return self._step(inputs, targets, loss_fn, documents, tokens)
 
     def check_rows(self, inputs: Batch | None, targets: torch.Tensor | None) -> None:
         """Refuse, naming the ranks, a replica whose tp and pp ranks were given other rows than each other
@@ -173,7 +177,9 @@ class Engine:
             with self._split_logits(), self._drawing():  # no dropout, but the streams' hooks still switch
                 loss_fn, tokens = self._loss(inputs, targets, documents, num_tokens)
                 inputs, targets, documents = self._whole_parts(inputs, targets, documents, tokens)
-                loss = self.runner.evaluate(inputs, targets, loss_fn, documents, tokens, self._compute)
+                inputs, targets, documents, shard = self.sequence.cut(inputs, targets, documents)
+                with self.sequence.running(shard):
+                    loss = self.runner.evaluate(inputs, targets, loss_fn, documents, tokens, self._compute)
         finally:
             self.train(was)
         return self._reduce_loss(loss, None, 1 if tokens else self.mesh.dp)
@@ -292,8 +298,8 @@ class Engine:
         return contextlib.nullcontext()
 
     def _reduce_loss(self, loss: torch.Tensor, result: StepResult | None, divisor: int) -> Loss:
-        group = self.ranks.dp_group
-        if self.mesh.dp == 1 or group is None:
+        group = self.ranks.replica_group  # dp x cp: each rank's share of the token-normalised loss
+        if self.mesh.replicas == 1 or group is None:
             return Loss(loss, 1, pipeline=result)
         start = self.tracer.now_ns()
         out = Loss.all_reduced(loss.to(self._device), divisor, group, self.timeout_s, result)  # waited: Loss.item
@@ -348,7 +354,7 @@ class Engine:
         """
         there, here = (self.mesh.coord(to) if to is not None else None), self.ranks.coord
         with self.gathered():  # every dp rank enters it: ZeRO's gather is a collective over dp
-            if there is not None and there.dp != here.dp:
+            if there is not None and (there.dp, there.cp) != (here.dp, here.cp):
                 return {}  # another replica's copy: its ranks need not gather anything
             keep = there is None or there.tp == here.tp  # with ``to``, its pipeline group keeps; its tp peers help
             return self.runner.whole_state(self._whole, keep, to, self.timeout_s, self.device)
@@ -415,7 +421,7 @@ class Engine:
         params = {id(p): p for _, p in self.named_parameters() if p.requires_grad}
         numel = sum(p.numel() for p in params.values())
         itemsize = next(iter(params.values())).element_size() if params else 4
-        return estimate_held(numel, itemsize, dp=self.mesh.dp, zero=self.zero, optimizer_slots=optimizer_slots)
+        return estimate_held(numel, itemsize, dp=self.mesh.replicas, zero=self.zero, optimizer_slots=optimizer_slots)
 
 
 def _unshifted(inputs: torch.Tensor, targets: torch.Tensor) -> bool:

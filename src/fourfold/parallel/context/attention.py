@@ -1,0 +1,292 @@
+"""Causal attention when the sequence is split over the context-parallel ranks: three ways, each counted.
+
+Every rank holds the queries, keys and values of its own positions (:mod:`~fourfold.parallel.context.chunks`)
+for every head. Attention needs every earlier key, so keys and values (or queries) must travel:
+
+``allgather``  every rank gathers every chunk's K and V (a ring all-gather), attends its queries to them all;
+               backward reduce-scatters their gradients back. Simple; holds the whole sequence's K and V.
+``ring``       K/V blocks travel the ring, one hop a step, while each rank attends its queries to the block it
+               holds (:mod:`~fourfold.parallel.context.kernel`: partial results merged by their log-sum-exp); the
+               next block's transfer overlaps this block's compute. Backward sends the blocks round again with
+               their dK/dV accumulating, which arrive home after the last hop. Holds two blocks at a time.
+``ulysses``    an all-to-all swaps the sequence shards for head shards (DeepSpeed-Ulysses): each rank attends
+               H / cp heads over the whole sequence, and a second all-to-all swaps back. Needs the heads to divide
+               by cp; key/value heads that do not divide (grouped-query attention) are repeated to the query heads
+               first, and the extra bytes are sent and counted.
+
+What each rank sends per attention call (forward + backward, ``theory``), for K/V of ``kv`` bytes per rank and
+Q (and the output) of ``q`` bytes per rank, N = cp::
+
+    allgather  (N-1) kv forward, (N-1) kv' backward        (kv' = the gradients, float32 at least)
+    ring       (N-1) kv forward, (N-1) kv + N kv' backward
+    ulysses    (N-1)/N (q + kv + q) forward, the same backward
+
+Exact: every algorithm computes the one-process attention to rounding (float64: 1e-12 in the tests), because the
+causal mask compares global positions, whatever the chunks. Attention dropout is not drawn under cp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from fourfold.comm import ring as ring_comm
+from fourfold.comm.p2p import Communicator
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.context.chunks import check_length, positions
+from fourfold.parallel.context.kernel import block_backward, block_forward, merge, visible
+
+__all__ = ["ALGORITHMS", "Algorithm", "ContextShard", "attend", "capture_shard", "current_shard", "theory",
+           "using_shard"]
+
+Algorithm = Literal["allgather", "ring", "ulysses"]
+ALGORITHMS: tuple[Algorithm, ...] = ("allgather", "ring", "ulysses")
+
+
+@dataclass(eq=False)
+class ContextShard:
+    """One rank's share of one batch's sequences: its positions among ``T``, and how its attention reaches the
+    others' (``comm`` over the cp group, ``algorithm``). Made by :class:`~fourfold.parallel.context.ContextParallel`
+    for each batch; current while the engine runs the model on it."""
+
+    comm: Communicator
+    algorithm: Algorithm
+    T: int
+    balanced: bool
+    tracer: Tracer | None = None
+    everyone: list[torch.Tensor] = field(init=False)  # each rank's positions
+
+    def __post_init__(self) -> None:
+        check_length(self.T, self.size, self.balanced)
+        self.everyone = [positions(self.T, self.size, r, self.balanced) for r in range(self.size)]
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def mine(self) -> torch.Tensor:
+        """This rank's global positions (T / cp,)."""
+        return self.everyone[self.rank]
+
+    @contextlib.contextmanager
+    def counted(self, op: str) -> Iterator[None]:
+        """A comm span ``cp.<op>`` holding the bytes this rank sent inside it (``bytes_by_axis``'s cp row)."""
+        tracer, before = self.tracer, self.comm.stats.sent_bytes
+        start = tracer.now_ns() if tracer is not None else 0
+        try:
+            yield
+        finally:
+            if tracer is not None:
+                tracer.record("comm", f"cp.{op}", start, tracer.now_ns(), bytes=self.comm.stats.sent_bytes - before,
+                              ranks=self.size)
+
+
+_current: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar("fourfold_context", default=None)
+
+
+def current_shard() -> ContextShard | None:
+    """The context-parallel shard the model runs on now (set by the engine around each step), or None."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def using_shard(shard: ContextShard | None) -> Iterator[None]:
+    token = _current.set(shard)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def capture_shard() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What re-enters the current shard later (activation checkpointing's recompute runs in backward)."""
+    shard = _current.get()
+    return lambda: using_shard(shard)
+
+
+def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + causal mask) V for this rank's queries over the whole sequence's keys:
+    q (B, H, T/cp, D), k and v (B, H_kv, T/cp, D) -> (B, H, T/cp, D)."""
+    if q.size(2) != shard.mine.numel() or k.size(2) != q.size(2):
+        raise ValueError(f"context parallelism: this rank holds {shard.mine.numel()} positions of {shard.T}, got "
+                         f"queries of {q.size(2)} and keys of {k.size(2)} positions. The model must attend over the "
+                         "sequence it was given (its chunk), not a sequence of its own making")
+    if q.size(1) % k.size(1):
+        raise ValueError(f"query heads must be a multiple of key/value heads, got {q.size(1)} and {k.size(1)}.")
+    if shard.size == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+    if shard.algorithm == "ring":
+        with shard.counted("ring"):
+            return _Ring.apply(q, k, v, shard)  # type: ignore[no-any-return]
+    if shard.algorithm == "allgather":
+        return _allgather(shard, q, k, v)
+    return _ulysses(shard, q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------- ring
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention (pass-K/V): forward and backward written out, so the blocks' log-sum-exp merge exactly."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        comm, N, r = shard.comm, shard.size, shard.rank
+        right, left = (r + 1) % N, (r - 1) % N
+        scale = q.size(-1) ** -0.5
+        kv = torch.stack([k.detach(), v.detach()])  # (2, B, H_kv, T/cp, D): one message a hop
+        out: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
+        for s in range(N):
+            pending = None
+            if s < N - 1:  # the next block travels while this one is attended to
+                nxt = torch.empty_like(kv)
+                pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
+                                     phase="forward K/V")
+            o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.mine, shard.everyone[(r - s) % N], scale)
+            out, lse = merge(out, lse, o, lse_b)
+            if pending is not None:
+                pending.wait()
+                kv = nxt
+        assert out is not None and lse is not None
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.shard = shard
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        shard: ContextShard = ctx.shard
+        comm, N, r = shard.comm, shard.size, shard.rank
+        right, left = (r + 1) % N, (r - 1) % N
+        scale = q.size(-1) ** -0.5
+        with shard.counted("ring"):
+            delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dout * out), (B, H, T/cp)
+            kv = torch.stack([k, v])
+            dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)  # this block's dK/dV so far
+            dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+            for s in range(N):
+                pending = None
+                if s < N - 1:
+                    nxt = torch.empty_like(kv)
+                    pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
+                                         phase="backward K/V")
+                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.mine, shard.everyone[(r - s) % N], scale,
+                                                  lse, dout, delta)
+                dq += dq_b
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+                got = torch.empty_like(dkv)  # the left neighbour's accumulation: the next block's (or, last, ours)
+                comm.exchange([(right, dkv)], [(left, got)], algorithm="ring attention", step=s, phase="dK/dV")
+                dkv = got
+                if pending is not None:
+                    pending.wait()
+                    kv = nxt
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+# -------------------------------------------------------------------------------------------- all-gather
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(2, B, H_kv, T/cp, D) this rank's K and V -> (cp, 2, B, H_kv, T/cp, D) every rank's, by a ring all-gather;
+    backward: the gradients reduce-scattered back to their owners (a ring reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, kv: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        n, r = kv.numel(), shard.rank
+        flat = torch.empty(shard.size * n, dtype=kv.dtype, device=kv.device)
+        flat[r * n:(r + 1) * n] = kv.reshape(-1)
+        ring_comm.all_gather(shard.comm, flat, algorithm="all-gather K/V")
+        ctx.shard, ctx.shape = shard, kv.shape
+        return flat.view(shard.size, *kv.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        shard: ContextShard = ctx.shard
+        flat = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous().view(-1).clone()
+        with shard.counted("allgather"):
+            offset, length = ring_comm.reduce_scatter(shard.comm, flat, algorithm="reduce-scatter dK/dV")
+        return flat[offset:offset + length].view(ctx.shape).to(grad.dtype), None
+
+
+def _allgather(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with shard.counted("allgather"):
+        every = _GatherSequence.apply(torch.stack([k, v]), shard)  # (cp, 2, B, H_kv, T/cp, D)
+    B, hk, t, D = k.shape
+    whole = every.permute(1, 2, 3, 0, 4, 5).reshape(2, B, hk, shard.size * t, D)  # rank order along the sequence
+    seen = visible(shard.mine, torch.cat(shard.everyone)).to(q.device)
+    return F.scaled_dot_product_attention(q, whole[0], whole[1], attn_mask=seen, enable_gqa=q.size(1) != hk)
+
+
+# ----------------------------------------------------------------------------------------------- Ulysses
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x`` cut in cp parts along ``scatter``, part j sent to rank j; the parts received joined along ``gather``
+    in rank order. Its backward is the same swap the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shard: ContextShard, scatter: int, gather: int) -> torch.Tensor:
+        ctx.shard, ctx.dims = shard, (scatter, gather)
+        return _swap(shard, x, scatter, gather)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        scatter, gather = ctx.dims
+        return _swap(ctx.shard, grad, gather, scatter), None, None, None
+
+
+def _swap(shard: ContextShard, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
+    N, r = shard.size, shard.rank
+    parts = [p.contiguous() for p in x.chunk(N, dim=scatter)]
+    got = [p if j == r else torch.empty_like(p) for j, p in enumerate(parts)]
+    with shard.counted("ulysses"):
+        shard.comm.exchange([(j, parts[j]) for j in range(N) if j != r], [(j, got[j]) for j in range(N) if j != r],
+                            algorithm="ulysses all-to-all", step=0)
+    return torch.cat(got, dim=gather)
+
+
+def _ulysses(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    N, H, hk = shard.size, q.size(1), k.size(1)
+    if H % N:
+        raise ValueError(f"Ulysses context parallelism gives each cp rank H / cp of this rank's query heads, got "
+                         f"{H} heads and cp={N}. Use --cp-algorithm ring or allgather, or a cp that divides {H}")
+    if hk % N:  # key/value heads that do not divide: each query head's own copy travels (counted)
+        k, v = k.repeat_interleave(H // hk, dim=1), v.repeat_interleave(H // hk, dim=1)
+    qs, ks, vs = (_AllToAll.apply(t, shard, 1, 2) for t in (q, k, v))  # (B, heads / cp, T, D)
+    pos = torch.cat(shard.everyone).to(q.device)
+    y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible(pos, pos), enable_gqa=qs.size(1) != ks.size(1))
+    return _AllToAll.apply(y, shard, 2, 1)  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------------------ theory
+
+
+def theory(algorithm: Algorithm, cp: int, *, q_bytes: int, kv_bytes: int, grad_kv_bytes: int | None = None,
+           kv_heads_divide: bool = True, heads_per_kv: int = 1) -> dict[str, int]:
+    """Bytes one rank sends in one attention call, forward and backward, under ``algorithm``: ``q_bytes`` its
+    queries (= its output), ``kv_bytes`` its keys and values together, ``grad_kv_bytes`` their gradients as sent
+    (float32 at least; default ``kv_bytes``). Ulysses with key/value heads that do not divide by cp sends each
+    query head's copy (``heads_per_kv`` times ``kv_bytes``)."""
+    gkv = kv_bytes if grad_kv_bytes is None else grad_kv_bytes
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    if algorithm == "allgather":
+        return {"forward": (cp - 1) * kv_bytes, "backward": (cp - 1) * gkv}
+    if algorithm == "ring":
+        return {"forward": (cp - 1) * kv_bytes, "backward": (cp - 1) * kv_bytes + cp * gkv}
+    kv = kv_bytes if kv_heads_divide else kv_bytes * heads_per_kv
+    each = (q_bytes + kv + q_bytes) * (cp - 1) // cp
+    return {"forward": each, "backward": each}

@@ -1,0 +1,73 @@
+"""What the engine holds for the sequence axis: :class:`ContextParallel` cuts each batch's sequences into this
+rank's positions and makes its :class:`~fourfold.parallel.context.attention.ContextShard` current while the
+model runs; :data:`WHOLE` (cp = 1) leaves them whole. The engine calls both alike: no branch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from fourfold.comm.p2p import Communicator
+from fourfold.observe.trace import Tracer
+from fourfold.parallel.context.attention import Algorithm, ContextShard, using_shard
+
+__all__ = ["WHOLE", "ContextParallel", "SequenceAxis", "WholeSequence"]
+
+
+class SequenceAxis(Protocol):
+    """How a step's sequences are held: cut for this rank, and current while the model runs on them."""
+
+    size: int
+
+    def cut(self, inputs: Any, targets: torch.Tensor, documents: torch.Tensor | None
+            ) -> tuple[Any, torch.Tensor, torch.Tensor | None, ContextShard | None]: ...
+
+    def running(self, shard: ContextShard | None) -> contextlib.AbstractContextManager[None]: ...
+
+
+class WholeSequence:
+    """cp = 1: every rank holds its rows' whole sequences."""
+
+    size = 1
+
+    def cut(self, inputs: Any, targets: torch.Tensor, documents: torch.Tensor | None
+            ) -> tuple[Any, torch.Tensor, torch.Tensor | None, ContextShard | None]:
+        return inputs, targets, documents, None
+
+    def running(self, shard: ContextShard | None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+WHOLE = WholeSequence()
+
+
+class ContextParallel:
+    """cp > 1: each sequence cut over ``group`` (head-tail when ``balanced``), attention by ``algorithm``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, algorithm: Algorithm, balanced: bool,
+                 tracer: Tracer | None, timeout_s: float) -> None:
+        self.comm = Communicator(group, timeout_s)
+        self.size = self.comm.size
+        self.algorithm, self.balanced, self.tracer = algorithm, balanced, tracer
+
+    def cut(self, inputs: Any, targets: torch.Tensor, documents: torch.Tensor | None
+            ) -> tuple[Any, torch.Tensor, torch.Tensor | None, ContextShard | None]:
+        """This rank's positions of the rows' sequences (inputs, targets already shifted on the whole sequence)."""
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
+            raise ValueError(f"context parallelism cuts (B, T) token ids along T, got "
+                             f"{type(inputs).__name__ if not isinstance(inputs, torch.Tensor) else tuple(inputs.shape)}.")
+        if documents is not None:
+            raise ValueError("packed documents under context parallelism are not built yet (issue 48): train with "
+                             "--pack none, or --cp 1")
+        shard = ContextShard(self.comm, self.algorithm, inputs.size(1), self.balanced, self.tracer)
+        mine = shard.mine.to(inputs.device)
+        return inputs[:, mine], targets[:, mine.to(targets.device)], None, shard
+
+    @contextlib.contextmanager
+    def running(self, shard: ContextShard | None) -> Iterator[None]:
+        with using_shard(shard):
+            yield
