@@ -82,6 +82,15 @@ class Mesh:
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
+    def record(self) -> dict[str, int]:
+        """The sizes as run.json and checkpoint manifests record them (cp only when used: earlier records read
+        the same)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {})}
+
+    def describe(self) -> str:
+        """``dp=2 tp=1 pp=1`` (and ``cp=2`` when used): how summaries name the mesh."""
+        return " ".join(f"{k}={v}" for k, v in self.record().items())
+
     @property
     def replicas(self) -> int:
         """Ranks holding the same weights (one pipeline stage's, one tp shard's): dp x cp."""

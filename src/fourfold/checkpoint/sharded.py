@@ -99,11 +99,6 @@ def _pieces(engine: Any, states: dict[str, dict[str, Any]]) -> Iterator[tuple[st
                 yield f"optim/{name}/{key}", value, engine.layouts.get(name, REPLICATED) if same else REPLICATED
 
 
-def _mesh_record(mesh: Any) -> dict[str, int]:
-    """The mesh as a manifest records it (cp only when used, so earlier manifests read the same)."""
-    return {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, **({"cp": mesh.cp} if mesh.cp > 1 else {})}
-
-
 def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimizer | None, *,
          config: dict[str, Any], keep: int = 2) -> Path:
     """Write the checkpoint of ``step`` under ``root`` (``root/step-NNNNNN``) and keep the newest ``keep``.
@@ -145,7 +140,7 @@ def save(root: str | Path, step: int, engine: Any, optimizer: torch.optim.Optimi
         aliases = {k: v for got in everyone for k, v in got["aliases"].items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         manifest = {"format": FORMAT, "step": step, "config": config, "world_size": world,
-                    "mesh": _mesh_record(mesh),
+                    "mesh": mesh.record(),
                     "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
                     "files": {g["file"]: {"bytes": g["bytes"], "sha256": g["sha256"]} for g in everyone},
                     "aliases": aliases, "pieces": located}
@@ -248,7 +243,7 @@ def load(path: str | Path, engine: Any, optimizer: torch.optim.Optimizer | None 
         with torch.no_grad():
             _load_optimizer(engine, optimizer, manifest, pieces, mine, where)
     rank, world = _world()
-    if manifest["world_size"] == world and manifest["mesh"] == _mesh_record(mesh):
+    if manifest["world_size"] == world and manifest["mesh"] == mesh.record():
         own = files.get(f"rank-{rank:05d}.pt")  # this rank's own state: meaningful under the same layout only
         compressor = getattr(engine.dp, "compress", None)
         if compressor is not None:

@@ -29,7 +29,6 @@ class LayoutMemory(NamedTuple):
 def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     """:class:`LayoutMemory` for ``cfg`` on ``world_size`` ranks."""
     from fourfold.engine.parallelize import model_blocks
-    from fourfold.mesh import Mesh
     from fourfold.models import family_of, shard_plan, split_of
     from fourfold.models.build import build_model, check_causal, check_forward
     from fourfold.models.hf import FAMILIES
@@ -38,7 +37,7 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
 
     t = cfg.train
     p = cfg.parallel
-    mesh = Mesh.for_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp)
+    mesh = p.mesh(world_size)
 
     def probed(model: Any) -> tuple[list[Any], Any, Any]:
         split = split_of(model)

@@ -62,6 +62,8 @@ def preflight(cfg: Config, world_size: int, *, scan_data: bool = True) -> Mesh:
         _check_init_from(cfg, meta)
     if t.verify and world_size > 1:  # one process's re-run of one process draws the same masks
         _check_no_dropout(cfg, meta)
+    if mesh.cp > 1:
+        _check_context(cfg, mesh, meta)
     if cfg.data.pack != "none" and cfg.data.data is not None and is_token_file(cfg.data.data):
         raise ValueError(f"--pack needs document boundaries, got the token file {cfg.data.data!r}, which has none. Pass "
                          "JSON Lines (one document per record), a folder (one per file), or --pack none.")
@@ -166,6 +168,34 @@ def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None
                          f"dropout makes them differ however right the layout is, got {', '.join(found[:4])}"
                          f"{f' and {len(found) - 4} more' if len(found) > 4 else ''}. {fix} for --verify, or "
                          "drop --verify.")
+
+
+def _check_context(cfg: Config, mesh: Mesh, meta: Callable[[], nn.Module | None]) -> None:
+    """What context parallelism asks of the run, before any process starts: sequences the cut divides, no
+    packing or dropout (not built under cp), TinyGPT or a model of yours calling fourfold's attention, and heads
+    that Ulysses can split."""
+    from fourfold.parallel.context import check_length
+
+    p, cp, T = cfg.parallel, mesh.cp, cfg.model.seq_len
+    check_length(T, cp, p.cp_balance == "head-tail")
+    if cfg.data.pack != "none":
+        raise ValueError(f"packed documents under context parallelism are not built yet (issue 48), got --pack "
+                         f"{cfg.data.pack} with --cp {cp}. Pass --pack none, or --cp 1")
+    if cfg.train.model != "tinygpt" and ":" not in cfg.train.model:
+        raise ValueError(f"context parallelism needs attention fourfold computes (TinyGPT, or a model of yours "
+                         f"calling fourfold.models.attention), got --model {cfg.train.model}: Hugging Face "
+                         "families under cp are not built yet. Pass --model tinygpt, or --cp 1")
+    model = meta()
+    found = dropout_sites(model) if model is not None else []
+    if found:
+        raise ValueError(f"dropout under context parallelism is not built (each rank would draw masks for its own "
+                         f"chunk), got {', '.join(found[:4])}. Pass --dropout 0 (or build the model without), or "
+                         "--cp 1")
+    heads = cfg.model.n_head
+    if p.cp_algorithm == "ulysses" and cfg.train.model == "tinygpt" and heads % (mesh.tp * cp):
+        raise ValueError(f"Ulysses gives each cp rank heads / (tp x cp) heads, got n_head={heads} with tp={mesh.tp} "
+                         f"and cp={cp}. Pass --cp-algorithm ring (any head count), or --n-head a multiple of "
+                         f"{mesh.tp * cp}")
 
 
 def _check_init_from(cfg: Config, meta: Callable[[], nn.Module | None]) -> None:
@@ -298,7 +328,7 @@ def _resume_note(cfg: Config, mesh: Mesh, world_size: int) -> None:
         print(f"fourfold train: note: resuming step {resume['step']} with {', '.join(changed)}; the run goes on "
               "with these, so it is not the checkpoint's run continued exactly.", file=sys.stderr, flush=True)
     if resume is None or (resume["world_size"] == world_size
-                          and resume["mesh"] == {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}):
+                          and resume["mesh"] == mesh.record()):
         return  # below: what each rank keeps of its own, continued only under the checkpoint's layout
     if mesh.dp > 1 and p.compress in ("int8", "powersgd"):
         print(f"fourfold train: note: --compress {p.compress} keeps state on each rank (its errors fed back), "

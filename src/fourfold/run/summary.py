@@ -118,7 +118,7 @@ class TrainResult:
         evals = [r["eval_loss"] for r in self.metrics if "eval_loss" in r]
         held = f", held-out loss {evals[-1]:.4f}" if evals else ""
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
-                f"{m.world_size} rank(s) (dp={m.dp} tp={m.tp} pp={m.pp}): loss {self.losses[0]:.4f} -> "
+                f"{m.world_size} rank(s) ({m.describe()}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
                 f"{pipeline_line(self.pipeline, drawn)}{self.outputs()}")
 
