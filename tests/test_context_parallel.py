@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from fourfold import Layout, parallelize
 from fourfold.comm.p2p import Communicator
+from fourfold.data.documents import skewed_documents
+from fourfold.data.packing import DocumentLoader, document_layout
 from fourfold.engine.sent import bytes_by_axis
 from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
@@ -111,8 +113,25 @@ FOUR = {"cp4 ring": {"cp": 4}, "cp4 ulysses": {"cp": 4, "cp_algorithm": "ulysses
         "cp2 dp2 zero1 ac": {"cp": 2, "dp": 2, "zero": 1, "activation_checkpointing": "full"}}
 
 
-def _train(ctx, layouts: dict[str, dict]) -> dict[str, dict]:
+def _refusals(ctx) -> dict[str, str]:
+    """What apply_cp refuses, on a cp = 2 mesh: each message."""
+    ranks = Layout(cp=2).mesh(ctx.world_size).build(30)
+    seq = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+    cases = {"loss_fn": (TinyGPT(CFG, seed=0), {"loss_fn": lambda logits, y: logits.sum()}),
+             "dropout": (TinyGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=8, dropout=0.1)), {}),
+             "foreign": (seq, {})}
     out = {}
+    for name, (model, kw) in cases.items():
+        try:
+            parallelize(model, ranks, Layout(cp=2), **kw)
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def _train(ctx, layouts: dict[str, dict]) -> dict[str, dict]:
+    out = {"_refused": _refusals(ctx)} if ctx.world_size == 2 else {}
     for label, options in layouts.items():
         tracer = Tracer(ctx.rank)
         layout = Layout(**options)
@@ -150,3 +169,123 @@ def test_tinygpt_under_cp_equals_one_process(n, label):
         name, err = max_error(run["state"], want_state)
         assert err <= TOL64, f"{label} rank {rank}: {name} off by {err:.3g}"
         assert run["cp_bytes"] > 0, (label, rank)  # the attention's messages, counted on the cp axis
+
+
+# --------------------------------------------------------------------------------------- packed documents
+
+PACKED = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16)
+DOCS = skewed_documents(60, 40, vocab_size=64, short_ratio=0.25, seed=1)  # some longer than a row: split
+
+
+def _loader() -> DocumentLoader:
+    return DocumentLoader(DOCS, PACKED.seq_len, seed=3, docs_per_step=12, packing="bfd", row_multiple=2)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _packed(ctx) -> dict:
+    out: dict = {}
+    for algorithm in ALGORITHMS:
+        layout = Layout(cp=2, cp_algorithm=algorithm, pp=1)
+        ranks = layout.mesh(ctx.world_size).build(30)
+        engine = parallelize(TinyGPT(PACKED, seed=0, dtype=torch.float64), ranks, layout)
+        opt = optimizer(engine.parameters())
+        losses = []
+        for step in range(2):
+            b = _loader().shard(step)
+            losses.append(engine.step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # one document changed: every other document's logits, on every rank's chunk, bitwise the same
+        b = _loader().shard(0)
+        docs = b.documents
+        across = (docs[:, 3] == docs[:, 4]) & (docs[:, 4] >= 0)  # head-tail: rank 0 holds 0-3, rank 1 4-7
+        changed = int(docs[int(torch.nonzero(across)[0]), 4])  # a document on both ranks
+        other = b.inputs.clone()
+        other[docs == changed] = (other[docs == changed] + 1) % PACKED.vocab_size
+        cut = engine.sequence
+        model = TinyGPT(PACKED, seed=0, dtype=torch.float64)
+        found = []
+        for ids in (b.inputs, other):
+            x, _, codes, shard = cut.cut(ids, b.targets, docs)
+            with cut.running(shard), document_layout(codes), torch.no_grad():
+                found.append(_logits(model, x))
+        mine = shard.mine
+        keep = docs[:, mine] != changed
+        out[algorithm] = {"losses": losses, "state": engine.state_dict(),
+                          "same": bool(torch.equal(found[0][keep], found[1][keep])),
+                          "moved": bool(not torch.equal(found[0][~keep], found[1][~keep]))}
+    return out
+
+
+@functools.cache
+def _packed_runs() -> list[dict]:
+    return run_ranks(_packed, 2, timeout_s=180)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_packed_documents_under_cp_equal_one_process_and_stay_apart(algorithm):
+    engine = parallelize(TinyGPT(PACKED, seed=0, dtype=torch.float64))
+    opt = optimizer(engine.parameters())
+    want = []
+    for step in range(2):
+        b = _loader().shard(step)
+        want.append(engine.step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = engine.state_dict()
+    for rank, runs in enumerate(_packed_runs()):
+        run = runs[algorithm]
+        assert run["losses"] == pytest.approx(want, abs=TOL64), (algorithm, rank)
+        name, err = max_error(run["state"], state)
+        assert err <= TOL64, f"{algorithm} rank {rank}: {name} off by {err:.3g}"
+        assert run["same"], f"{algorithm} rank {rank}: another document's logits moved"
+        assert run["moved"], f"{algorithm} rank {rank}: the changed document's own logits did not move"
+
+
+def test_what_cp_cannot_compute_exactly_is_refused_naming_the_fix():
+    refused = _trained(2)[0]["_refused"]
+    assert "a loss_fn of yours is a mean over its chunk. Drop loss_fn" in refused["loss_fn"]
+    assert "dropout under context parallelism is not built" in refused["dropout"] and "p=0.1" in refused["dropout"]
+    assert "needs a model whose attention and positions are fourfold's" in refused["foreign"]
+    assert "got Sequential" in refused["foreign"]
+
+
+def test_cli_trains_packed_documents_under_cp_and_pp_and_verifies(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(3, 90, (40,), generator=gen)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "ab" * (n // 2) + f"{k}"}) + "\n" for k, n in enumerate(lengths)))
+    cmd = [sys.executable, "-m", "fourfold", "train", "--nproc", "4", "--cp", "2", "--pp", "2", "--microbatches", "2",
+           "--pack", "first-fit", "--tokens-per-step", "300", "--data", str(data), "--seq-len", "32", "--n-layer", "2",
+           "--d-model", "16", "--n-head", "2", "--steps", "2", "--verify", "2", "--dtype", "float64", "--no-progress",
+           "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "verify: OK, every difference within tolerance" in text, text
+    assert "(dp=1 tp=1 pp=2 cp=2)" in text and "cp " in text.split("sent per step:")[1].splitlines()[0], text
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bytes_by_axis"]["cp"] > 0 for r in rows if "bytes_by_axis" in r), rows
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--cp", "2", "--dropout", "0.1"], r"dropout under context parallelism is not built"),
+    (["--cp", "4", "--seq-len", "12"], r"multiple of 8 tokens \(e\.g\. --seq-len 8\)"),
+    (["--cp", "2", "--cp-algorithm", "ulysses", "--n-head", "3", "--d-model", "24"], r"Ulysses gives each cp rank"),
+])
+def test_cli_refuses_before_any_process_starts(flags, message, tmp_path):
+    from fourfold.config import Config
+    from fourfold.run.args import parse_args
+    from fourfold.run.preflight import preflight
+
+    cfg: Config = parse_args(["--nproc", flags[1], "--out", str(tmp_path / "x"), *flags])
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg, int(flags[1]), scan_data=False)

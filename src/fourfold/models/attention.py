@@ -46,7 +46,7 @@ def position_ids(idx: torch.Tensor, first: int = 0, n: int | None = None) -> tor
     n = T - first if n is None else n
     shard = current_shard()
     if shard is not None:  # this rank's chunks of the sequence: their global positions
-        return shard.mine[first:first + n].to(idx.device)
+        return shard.document_positions(first, n).to(idx.device)
     layout = current_layout()
     if layout is None:
         return torch.arange(first, first + n, device=idx.device)

@@ -172,15 +172,12 @@ def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None
 
 def _check_context(cfg: Config, mesh: Mesh, meta: Callable[[], nn.Module | None]) -> None:
     """What context parallelism asks of the run, before any process starts: sequences the cut divides, no
-    packing or dropout (not built under cp), TinyGPT or a model of yours calling fourfold's attention, and heads
-    that Ulysses can split."""
+    dropout (not built under cp), TinyGPT or a model of yours calling fourfold's attention, and heads that
+    Ulysses can split."""
     from fourfold.parallel.context import check_length
 
     p, cp, T = cfg.parallel, mesh.cp, cfg.model.seq_len
     check_length(T, cp, p.cp_balance == "head-tail")
-    if cfg.data.pack != "none":
-        raise ValueError(f"packed documents under context parallelism are not built yet (issue 48), got --pack "
-                         f"{cfg.data.pack} with --cp {cp}. Pass --pack none, or --cp 1")
     if cfg.train.model != "tinygpt" and ":" not in cfg.train.model:
         raise ValueError(f"context parallelism needs attention fourfold computes (TinyGPT, or a model of yours "
                          f"calling fourfold.models.attention), got --model {cfg.train.model}: Hugging Face "

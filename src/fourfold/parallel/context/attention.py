@@ -23,6 +23,11 @@ Q (and the output) of ``q`` bytes per rank, N = cp::
 
 Exact: every algorithm computes the one-process attention to rounding (float64: 1e-12 in the tests), because the
 causal mask compares global positions, whatever the chunks. Attention dropout is not drawn under cp.
+
+Packed documents (``codes``): each position carries the code of its run (its row and the run's first position,
+:func:`run_codes`), so a rank knows, for any other rank's positions of the same rows, which of them share a
+query's document; the mask is then (rows, Tq, Tk), a masked key adds an exact zero, and a document's outputs do
+not depend on its neighbours, across chunk boundaries too. Positions restart at each document's start.
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ import torch.nn.functional as F
 
 from fourfold.comm import ring as ring_comm
 from fourfold.comm.p2p import Communicator
+from fourfold.data.packing import DocumentLayout, current_layout
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.context.chunks import check_length, positions
 from fourfold.parallel.context.kernel import block_backward, block_forward, merge, visible
 
-__all__ = ["ALGORITHMS", "Algorithm", "ContextShard", "attend", "capture_shard", "current_shard", "theory",
-           "using_shard"]
+__all__ = ["ALGORITHMS", "Algorithm", "ContextShard", "attend", "capture_shard", "current_shard", "run_codes",
+           "theory", "using_shard"]
 
 Algorithm = Literal["allgather", "ring", "ulysses"]
 ALGORITHMS: tuple[Algorithm, ...] = ("allgather", "ring", "ulysses")
@@ -60,11 +66,42 @@ class ContextShard:
     T: int
     balanced: bool
     tracer: Tracer | None = None
+    codes: torch.Tensor | None = None  # packed documents: (B, T) run codes of the whole rows (run_codes)
     everyone: list[torch.Tensor] = field(init=False)  # each rank's positions
 
     def __post_init__(self) -> None:
         check_length(self.T, self.size, self.balanced)
         self.everyone = [positions(self.T, self.size, r, self.balanced) for r in range(self.size)]
+
+    def local_codes(self) -> torch.Tensor | None:
+        """Packed documents: the running micro-batch's codes of this rank's positions (rows, T/cp), as the runner
+        made them current; None without documents."""
+        if self.codes is None:
+            return None
+        layout = current_layout()
+        if layout is None:
+            raise RuntimeError("context parallelism with packed documents runs the model inside the engine's step, "
+                               "which makes each micro-batch's documents current; got none current")
+        return layout.documents
+
+    def seen(self, j: int, local: torch.Tensor | None, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Which keys at rank ``j``'s positions (or at ``keys``, global positions) this rank's queries see:
+        (Tq, Tk) causal, or (rows, Tq, Tk) with packed documents (``local``: :meth:`local_codes`)."""
+        kpos = self.everyone[j] if keys is None else keys
+        causal = visible(self.mine, kpos)
+        if local is None or self.codes is None:
+            return causal
+        other = self.codes[_rows(local, self.T)][:, kpos.to(self.codes.device)]
+        return causal.to(local.device)[None] & (local[:, :, None] == other[:, None, :])
+
+    def document_positions(self, first: int, n: int) -> torch.Tensor:
+        """Positions [first, first + n) of this rank's chunk: global ones (n,), or with packed documents each
+        token's offset in its document (rows, n)."""
+        mine = self.mine[first:first + n]
+        local = self.local_codes()
+        if local is None:
+            return mine
+        return mine.to(local.device)[None] - _starts(local[:, first:first + n], self.T)
 
     @property
     def size(self) -> int:
@@ -146,6 +183,7 @@ class _Ring(torch.autograd.Function):
         right, left = (r + 1) % N, (r - 1) % N
         scale = q.size(-1) ** -0.5
         kv = torch.stack([k.detach(), v.detach()])  # (2, B, H_kv, T/cp, D): one message a hop
+        local = shard.local_codes()  # packed documents: which keys share a query's document
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         for s in range(N):
@@ -154,14 +192,14 @@ class _Ring(torch.autograd.Function):
                 nxt = torch.empty_like(kv)
                 pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
                                      phase="forward K/V")
-            o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.mine, shard.everyone[(r - s) % N], scale)
+            o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.seen((r - s) % N, local), scale)
             out, lse = merge(out, lse, o, lse_b)
             if pending is not None:
                 pending.wait()
                 kv = nxt
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shard = shard
+        ctx.shard, ctx.local = shard, local
         return out.to(q.dtype)
 
     @staticmethod
@@ -182,8 +220,8 @@ class _Ring(torch.autograd.Function):
                     nxt = torch.empty_like(kv)
                     pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
                                          phase="backward K/V")
-                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.mine, shard.everyone[(r - s) % N], scale,
-                                                  lse, dout, delta)
+                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.seen((r - s) % N, ctx.local), scale, lse,
+                                                  dout, delta)
                 dq += dq_b
                 dkv[0] += dk_b
                 dkv[1] += dv_b
@@ -226,8 +264,9 @@ def _allgather(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.T
         every = _GatherSequence.apply(torch.stack([k, v]), shard)  # (cp, 2, B, H_kv, T/cp, D)
     B, hk, t, D = k.shape
     whole = every.permute(1, 2, 3, 0, 4, 5).reshape(2, B, hk, shard.size * t, D)  # rank order along the sequence
-    seen = visible(shard.mine, torch.cat(shard.everyone)).to(q.device)
-    return F.scaled_dot_product_attention(q, whole[0], whole[1], attn_mask=seen, enable_gqa=q.size(1) != hk)
+    seen = shard.seen(0, shard.local_codes(), keys=torch.cat(shard.everyone)).to(q.device)
+    mask = seen if seen.dim() == 2 else seen[:, None]  # (Tq, T), or per row (rows, 1, Tq, T)
+    return F.scaled_dot_product_attention(q, whole[0], whole[1], attn_mask=mask, enable_gqa=q.size(1) != hk)
 
 
 # ----------------------------------------------------------------------------------------------- Ulysses
@@ -266,9 +305,41 @@ def _ulysses(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if hk % N:  # key/value heads that do not divide: each query head's own copy travels (counted)
         k, v = k.repeat_interleave(H // hk, dim=1), v.repeat_interleave(H // hk, dim=1)
     qs, ks, vs = (_AllToAll.apply(t, shard, 1, 2) for t in (q, k, v))  # (B, heads / cp, T, D)
-    pos = torch.cat(shard.everyone).to(q.device)
-    y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible(pos, pos), enable_gqa=qs.size(1) != ks.size(1))
+    pos = torch.cat(shard.everyone)
+    seen = visible(pos, pos).to(q.device)
+    if shard.codes is not None:  # packed documents: the whole rows' codes, in the swapped sequence's order
+        codes = shard.codes[_rows(shard.local_codes(), shard.T)][:, pos.to(shard.codes.device)].to(q.device)
+        seen = (seen[None] & (codes[:, :, None] == codes[:, None, :]))[:, None]
+    y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=qs.size(1) != ks.size(1))
     return _AllToAll.apply(y, shard, 2, 1)  # type: ignore[no-any-return]
+
+
+# -------------------------------------------------------------------------------------- packed documents
+
+
+def run_codes(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids (-1: padding) -> (B, T) int64 codes, one per run of a row: ``row * T + start`` for a
+    document's run starting at ``start``, ``-(row * T + start) - 1`` for padding. Equal codes share a run, so the
+    mask needs no more than the codes of the keys' positions, and a code says its row and where its run starts."""
+    B, T = documents.shape
+    start = torch.arange(T, device=documents.device)[None] - DocumentLayout(documents).positions
+    code = torch.arange(B, device=documents.device)[:, None] * T + start
+    return torch.where(documents >= 0, code, -code - 1)
+
+
+def _decode(codes: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.where(codes >= 0, codes, -codes - 1)
+
+
+def _rows(local: torch.Tensor | None, T: int) -> torch.Tensor:
+    """The rows of the whole batch a micro-batch's codes (rows, T/cp) come from."""
+    assert local is not None
+    return _decode(local[:, 0], T) // T
+
+
+def _starts(local: torch.Tensor, T: int) -> torch.Tensor:
+    """Each position's run start (its document's first position in the row)."""
+    return _decode(local, T) % T
 
 
 # ------------------------------------------------------------------------------------------------ theory

@@ -15,7 +15,8 @@ log-sum-exp alone (FlashAttention's): with ``delta = rowsum(dout * out)`` and ``
 
 Grouped-query attention: q has H heads, k and v have H_kv (H a multiple of it); query heads
 ``[g i, g (i + 1))`` read key head i, g = H / H_kv, and a key head's gradient sums its g query heads'.
-Shapes: q (B, H, Tq, D); k, v (B, H_kv, Tk, D); positions (Tq,) and (Tk,) int64, global.
+Shapes: q (B, H, Tq, D); k, v (B, H_kv, Tk, D); ``seen`` (Tq, Tk) or, per row (packed documents), (B, Tq, Tk)
+bool: which keys each query sees (:func:`visible` for the causal mask of global positions).
 """
 
 from __future__ import annotations
@@ -39,24 +40,23 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q.reshape(B, hk, H // hk, T, D)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, scale: float,
-            acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked scores (B, H_kv, g, Tq, Tk) in ``acc``, -inf where hidden, and the (Tq, Tk) mask."""
-    seen = visible(qpos, kpos)
+def _scores(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Masked scores (B, H_kv, g, Tq, Tk) in ``acc``, -inf where hidden."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(q, k).to(acc), k.to(acc)) * scale
-    return s.masked_fill(~seen, float("-inf")), seen
+    mask = seen if seen.dim() == 2 else seen[:, None, None]  # (Tq, Tk), or per row (B, 1, 1, Tq, Tk)
+    return s.masked_fill(~mask, float("-inf"))
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """This block's (out (B, H, Tq, D), lse (B, H, Tq)), both in float32 at least. A query that sees no key of
     the block gets out 0 and lse -inf (it merges as nothing)."""
     acc = _acc(q)
-    s, _ = _scores(q, k, qpos, kpos, scale, acc)
+    s = _scores(q, k, seen, scale, acc)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, Tq); -inf for a row with nothing visible
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])  # exp(-inf) = 0 where hidden
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))
@@ -75,13 +75,13 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
     return out * w[..., None] + out_b * w_b[..., None], new
 
 
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                   scale: float, lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scale: float,
+                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), in float32 at least, from the merged ``lse`` (B, H, Tq), ``dout``
     (B, H, Tq, D) and ``delta = rowsum(dout * out)`` (B, H, Tq) of the whole attention."""
     acc = _acc(q)
-    s, _ = _scores(q, k, qpos, kpos, scale, acc)
+    s = _scores(q, k, seen, scale, acc)
     g = _grouped(q, k)
     lse_g = lse.reshape(*g.shape[:-1])
     p = torch.exp(s - lse_g.masked_fill(torch.isinf(lse_g), 0.0)[..., None])  # 0 where hidden

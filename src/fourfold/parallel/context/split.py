@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fourfold.comm.p2p import Communicator
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.context.attention import Algorithm, ContextShard, using_shard
+from fourfold.parallel.context.attention import Algorithm, ContextShard, run_codes, using_shard
 
 __all__ = ["WHOLE", "ContextParallel", "SequenceAxis", "WholeSequence"]
 
@@ -56,16 +56,17 @@ class ContextParallel:
 
     def cut(self, inputs: Any, targets: torch.Tensor, documents: torch.Tensor | None
             ) -> tuple[Any, torch.Tensor, torch.Tensor | None, ContextShard | None]:
-        """This rank's positions of the rows' sequences (inputs, targets already shifted on the whole sequence)."""
+        """This rank's positions of the rows' sequences (inputs, targets already shifted on the whole sequence);
+        packed documents become their runs' codes (:func:`~fourfold.parallel.context.attention.run_codes`), which
+        the runner makes current for each micro-batch as it does documents."""
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
             raise ValueError(f"context parallelism cuts (B, T) token ids along T, got "
                              f"{type(inputs).__name__ if not isinstance(inputs, torch.Tensor) else tuple(inputs.shape)}.")
-        if documents is not None:
-            raise ValueError("packed documents under context parallelism are not built yet (issue 48): train with "
-                             "--pack none, or --cp 1")
-        shard = ContextShard(self.comm, self.algorithm, inputs.size(1), self.balanced, self.tracer)
+        codes = run_codes(documents) if documents is not None else None
+        shard = ContextShard(self.comm, self.algorithm, inputs.size(1), self.balanced, self.tracer, codes)
         mine = shard.mine.to(inputs.device)
-        return inputs[:, mine], targets[:, mine.to(targets.device)], None, shard
+        return (inputs[:, mine], targets[:, mine.to(targets.device)],
+                codes[:, mine.to(codes.device)] if codes is not None else None, shard)
 
     @contextlib.contextmanager
     def running(self, shard: ContextShard | None) -> Iterator[None]:
