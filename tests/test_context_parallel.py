@@ -289,3 +289,64 @@ def test_cli_refuses_before_any_process_starts(flags, message, tmp_path):
     cfg: Config = parse_args(["--nproc", flags[1], "--out", str(tmp_path / "x"), *flags])
     with pytest.raises(ValueError, match=message):
         preflight(cfg, int(flags[1]), scan_data=False)
+
+
+# ------------------------------------------------------------------------------ Hugging Face families
+
+HF = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=16)  # grouped-query attention: 2 query heads per key head
+
+
+def _hf_model(name: str) -> torch.nn.Module:
+    from fourfold.models.hf import build_hf
+
+    return build_hf(name, overrides=HF, dtype=torch.float64)
+
+
+def _hf_train(ctx, names: tuple[str, ...], options: dict) -> dict[str, dict]:
+    out = {}
+    for name in names:
+        layout = Layout(**options)
+        ranks = layout.mesh(ctx.world_size).build(30) if ctx.world_size > 1 else None
+        engine = parallelize(_hf_model(name), ranks, layout)
+        opt = optimizer(engine.parameters())
+        losses = []
+        for x, y in batches(CFG, steps=2):
+            dp, i = (ranks.mesh.dp, ranks.coord.dp) if ranks is not None else (1, 0)
+            losses.append(engine.step(shard(x, i, dp), shard(y, i, dp)).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name] = {"losses": losses, "state": engine.state_dict()}
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_hugging_face_families_under_ring_cp_equal_one_process(name):
+    pytest.importorskip("transformers")
+
+    class One:
+        world_size, rank = 1, 0
+
+    want = _hf_train(One(), (name,), {})[name]
+    for rank, runs in enumerate(_hf_runs()):
+        run = runs[name]
+        assert run["losses"] == pytest.approx(want["losses"], abs=TOL64), (name, rank)
+        worst, err = max_error(run["state"], want["state"])
+        assert err <= TOL64, f"{name} rank {rank}: {worst} off by {err:.3g}"
+
+
+@functools.cache
+def _hf_runs() -> list[dict]:
+    return run_ranks(_hf_train, 2, ("llama", "qwen3"), {"cp": 2}, timeout_s=180)
+
+
+def test_a_windowed_hugging_face_config_is_refused_under_cp():
+    pytest.importorskip("transformers")
+    from fourfold.models.hf import hf_config
+    from fourfold.models.hf_context import check_context
+
+    config = hf_config("mistral", overrides={**HF, "sliding_window": 5})
+    with pytest.raises(ValueError, match=r"sliding window shorter than the sequence is not built, got mistral with "
+                       r"sliding_window=5 and sequences of 16"):
+        check_context(config, 2, 16)
+    check_context(config, 2, 5)  # a window as long as the sequence changes nothing

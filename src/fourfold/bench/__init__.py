@@ -7,6 +7,7 @@
     fourfold bench packing                 the same documents padded vs packed first-fit vs bfd
     fourfold bench zero --nproc 2          ZeRO-1/2/3 vs FSDP2 (fully_shard) vs DDP: step time, memory per rank
     fourfold bench predict                 the simulator's predicted step time beside the measured, per layout
+    fourfold bench cp --nproc 4            one process's causal attention vs cp = 2, 4 with each algorithm
 
 Each benchmark is one module here on the shared :mod:`fourfold.bench.harness` (the training-step ones also on
 :mod:`fourfold.bench.workloads`; ``tp`` and ``pp`` keep their report beside them, ``tp_report``, ``pp_report``);
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "packing": "the same documents padded vs packed (first-fit, bfd): real tokens/s against the bound",
     "zero": "a training step: fourfold ZeRO-1/2/3 vs FSDP2 vs DDP, and the memory each rank holds",
     "predict": "the simulator's predicted step time beside fourfold train's, layout by layout",
+    "cp": "one process's attention vs context parallelism's (ring, all-gather, Ulysses): time, memory, bytes",
 }
 
 

@@ -257,18 +257,21 @@ def apply_tp(model: nn.Module, ranks: RankMesh, layout: Layout, plan: TensorPlan
 def apply_cp(model: nn.Module, ranks: RankMesh, layout: Layout, family: Family | None,
              loss_fn: LossFn | None) -> SequenceAxis:
     """What holds each step's sequences: cut over cp (:class:`~fourfold.parallel.context.ContextParallel`), or
-    whole (cp = 1). Nothing of the model changes: its attention and positions are fourfold's
-    (:mod:`fourfold.models.attention`), which read the shard the engine makes current; what cannot be exact is
-    refused here, before any step."""
+    whole (cp = 1). The model's attention and positions read the shard the engine makes current: TinyGPT's
+    (:mod:`fourfold.models.attention`) as they are, a Hugging Face family's once its family hook registers
+    fourfold's attention (:mod:`fourfold.models.hf_context`); what cannot be exact is refused here, before any
+    step."""
     cp = ranks.mesh.cp
     if cp == 1:
         return WHOLE
     name = type(model).__name__
-    if not (family is not None and family.name == "tinygpt") and not getattr(model, "fourfold_documents", False):
+    if family is not None and family.context is not None:
+        family.context(model, cp)  # its attention reads the shard: TinyGPT's itself, Hugging Face's registered
+    elif not getattr(model, "fourfold_documents", False):
         raise ValueError(f"context parallelism (cp={cp}) needs a model whose attention and positions are "
                          f"fourfold's (fourfold.models.attention.causal_attention and position_ids), got {name}. "
-                         "Use TinyGPT, or set fourfold_documents = True on a model of yours that calls them "
-                         "(Hugging Face families under cp are not built yet)")
+                         "Use TinyGPT or a Hugging Face family, or set fourfold_documents = True on a model of "
+                         "yours that calls them")
     if loss_fn is not None:
         raise ValueError(f"context parallelism (cp={cp}) needs fourfold's own loss, summed over each rank's tokens "
                          "and divided by the global batch's count; a loss_fn of yours is a mean over its chunk. "

@@ -43,6 +43,7 @@ class Family:
     fixups: Callable[[nn.Module, int], None] | None = None
     examples: Callable[[nn.Module], list[torch.Tensor]] | None = None
     documents: Callable[[nn.Module], None] | None = None
+    context: Callable[[nn.Module, int], None] | None = None  # cp > 1: make its attention read the shard
     regions: Callable[[nn.Module], tuple[str, str, str | None]] | None = None
 
     @property
@@ -51,8 +52,8 @@ class Family:
         return self.name == "tinygpt" or self.regions is not None
 
 
-def _reads_documents(model: nn.Module) -> None:
-    """TinyGPT's attention and positions read the layout themselves."""
+def _reads_documents(model: nn.Module, *_: int) -> None:
+    """TinyGPT's attention and positions read the layout (and the context-parallel shard) themselves."""
 
 
 def sequential_plan(model: nn.Module) -> dict[str, str]:
@@ -95,8 +96,13 @@ def _hf(name: str) -> Family:
         if pp > 1:  # the pipeline's pieces pass the layers fourfold's masks
             hf.check_attention(model, f"a pipeline (pp={pp})")
 
+    def context(model: nn.Module, cp: int) -> None:
+        from fourfold.models.hf_context import read_context
+
+        read_context(model, cp)
+
     return Family(name, plan=hf.plan, split=hf.family_split, check=check, fixups=hf.shard_fixups, examples=hf.examples,
-                  documents=hf.read_documents, regions=hf.block_sites)
+                  documents=hf.read_documents, context=context, regions=hf.block_sites)
 
 
 def family_of(model: nn.Module) -> Family | None:
@@ -113,7 +119,7 @@ def family_of(model: nn.Module) -> Family | None:
         return Family("own", plan=None if plan is None else lambda m: dict(plan),
                       split=None if split is None else lambda m: split)
     if isinstance(model, TinyGPT):
-        return Family("tinygpt", plan=_tinygpt_plan, documents=_reads_documents)
+        return Family("tinygpt", plan=_tinygpt_plan, documents=_reads_documents, context=_reads_documents)
     if isinstance(model, nn.Sequential):
         return Family("sequential", plan=sequential_plan)
     kind = hf_family(model)

@@ -20,6 +20,7 @@ from torch import nn
 
 from fourfold.data.packing import current_layout
 from fourfold.models.attention import position_ids
+from fourfold.parallel.context import current_shard
 from fourfold.parallel.pipeline.blocks import Split
 from fourfold.parallel.tensor.regions import full_length
 
@@ -34,7 +35,8 @@ def read_documents(model: nn.Module) -> None:
     """Make the whole model keep packed documents apart: while a layout is current (the engine sets it), its
     forward gets the layout's ``position_ids`` (B, T) and block-diagonal causal mask as a 4-D
     ``attention_mask`` (B, 1, T, T), which transformers passes to SDPA as it is. The pipeline's pieces below
-    read the layout themselves."""
+    read the layout themselves. Under context parallelism it gets the shard's positions instead
+    (:mod:`fourfold.models.hf_context`)."""
     if model not in _READING:
         model.register_forward_pre_hook(_documents_kwargs, with_kwargs=True)
         _READING.add(model)
@@ -79,6 +81,8 @@ def layer_mask(config: Any, window: int | None, tokens: int, dtype: torch.dtype,
     within ``window``, in the form its attention reads (:func:`as_read`). Made once per packed batch (kept by its
     layout), or once per size without one, not once per layer and micro-batch."""
     layout, implementation = current_layout(), getattr(config, "_attn_implementation", None)
+    if current_shard() is not None:  # context parallelism: fourfold's attention masks by positions itself
+        return None
     if layout is None:
         return _unpacked(implementation, window, tokens, dtype, torch.device(device))
     return layout.derived(("mask", window, implementation, dtype), lambda: _in_form(
@@ -97,6 +101,10 @@ def _unpacked(implementation: str | None, window: int | None, tokens: int, dtype
 
 def _documents_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    shard = current_shard()
+    if shard is not None:  # context parallelism: this rank's positions; its attention needs no mask
+        pos = shard.document_positions(0, shard.mine.numel())
+        return args, {**kwargs, "position_ids": pos if pos.dim() == 2 else pos[None], "attention_mask": None}
     layout = current_layout()
     if layout is None:
         return None

@@ -172,17 +172,17 @@ def _check_no_dropout(cfg: Config, meta: Callable[[], nn.Module | None]) -> None
 
 def _check_context(cfg: Config, mesh: Mesh, meta: Callable[[], nn.Module | None]) -> None:
     """What context parallelism asks of the run, before any process starts: sequences the cut divides, no
-    dropout (not built under cp), TinyGPT or a model of yours calling fourfold's attention, and heads that
+    dropout (not built under cp), a Hugging Face config without a window or soft-capped scores, and heads that
     Ulysses can split."""
     from fourfold.parallel.context import check_length
 
     p, cp, T = cfg.parallel, mesh.cp, cfg.model.seq_len
     check_length(T, cp, p.cp_balance == "head-tail")
-    if cfg.train.model != "tinygpt" and ":" not in cfg.train.model:
-        raise ValueError(f"context parallelism needs attention fourfold computes (TinyGPT, or a model of yours "
-                         f"calling fourfold.models.attention), got --model {cfg.train.model}: Hugging Face "
-                         "families under cp are not built yet. Pass --model tinygpt, or --cp 1")
     model = meta()
+    if model is not None and cfg.train.model in FAMILIES:  # a window, soft-capped scores: refused, named
+        from fourfold.models.hf_context import check_context
+
+        check_context(model.config, cp, T)
     found = dropout_sites(model) if model is not None else []
     if found:
         raise ValueError(f"dropout under context parallelism is not built (each rank would draw masks for its own "

@@ -101,7 +101,7 @@ class TrainResult:
             speed = (f"median {row['real_tokens_per_s']:,.0f} real tokens/s of {row['tokens_per_s']:,.0f} "
                      f"({row['padding_fraction']:.1%} padding)")
         ms = 1e3 * row["step_time_s"]
-        by_axis = {a: statistics.median(r["bytes_by_axis"][a] for r in steady(self.metrics)) for a in COUNTED}
+        by_axis = {a: statistics.median(r["bytes_by_axis"].get(a, 0) for r in steady(self.metrics)) for a in COUNTED}
         # a dp group that sent nothing counted used the backend's own all-reduce, whose bytes it does not report
         axes = [f"{axis} {by_axis[axis] / 1024:,.1f} KB" if by_axis[axis] or axis != "dp" else
                 "dp not counted (--allreduce native)"
@@ -109,9 +109,9 @@ class TrainResult:
         if not self.traced:
             axes = ["not counted (--no-trace)"] if axes else []
         sent = f"rank 0 sent per step: {', '.join(axes)}\n" if axes else ""
-        uneven = [f"{axis}: {ranks_sent([b[axis] for _, b in sorted(self.sent_by_rank.items())])}"
+        uneven = [f"{axis}: {ranks_sent([b.get(axis, 0) for _, b in sorted(self.sent_by_rank.items())])}"
                   for axis in COUNTED if getattr(m, axis) > 1 and self.traced
-                  and unequal([b[axis] for b in self.sent_by_rank.values()])]
+                  and unequal([b.get(axis, 0) for b in self.sent_by_rank.values()])]
         if uneven:  # a master's root, a pipeline's last stage: rank 0 alone would not show it
             sent += f"each rank sent in step {drawn['step']}: {'; '.join(uneven)}\n"
         steps = f"{len(self.losses)} step{'s' if len(self.losses) != 1 else ''}"

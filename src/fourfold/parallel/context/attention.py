@@ -152,23 +152,26 @@ def capture_shard() -> Callable[[], contextlib.AbstractContextManager[None]]:
     return lambda: using_shard(shard)
 
 
-def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + causal mask) V for this rank's queries over the whole sequence's keys:
-    q (B, H, T/cp, D), k and v (B, H_kv, T/cp, D) -> (B, H, T/cp, D)."""
+def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+           ) -> torch.Tensor:
+    """softmax(Q K^T scale + causal mask) V for this rank's queries over the whole sequence's keys:
+    q (B, H, T/cp, D), k and v (B, H_kv, T/cp, D) -> (B, H, T/cp, D). ``scale``: 1 / sqrt(D) unless given (a
+    model's own, as Hugging Face attention passes it)."""
     if q.size(2) != shard.mine.numel() or k.size(2) != q.size(2):
         raise ValueError(f"context parallelism: this rank holds {shard.mine.numel()} positions of {shard.T}, got "
                          f"queries of {q.size(2)} and keys of {k.size(2)} positions. The model must attend over the "
                          "sequence it was given (its chunk), not a sequence of its own making")
     if q.size(1) % k.size(1):
         raise ValueError(f"query heads must be a multiple of key/value heads, got {q.size(1)} and {k.size(1)}.")
+    scale = q.size(-1) ** -0.5 if scale is None else scale
     if shard.size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1), scale=scale)
     if shard.algorithm == "ring":
         with shard.counted("ring"):
-            return _Ring.apply(q, k, v, shard)  # type: ignore[no-any-return]
+            return _Ring.apply(q, k, v, shard, scale)  # type: ignore[no-any-return]
     if shard.algorithm == "allgather":
-        return _allgather(shard, q, k, v)
-    return _ulysses(shard, q, k, v)
+        return _allgather(shard, q, k, v, scale)
+    return _ulysses(shard, q, k, v, scale)
 
 
 # ------------------------------------------------------------------------------------------------- ring
@@ -178,10 +181,10 @@ class _Ring(torch.autograd.Function):
     """Ring attention (pass-K/V): forward and backward written out, so the blocks' log-sum-exp merge exactly."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard,
+                scale: float) -> torch.Tensor:
         comm, N, r = shard.comm, shard.size, shard.rank
         right, left = (r + 1) % N, (r - 1) % N
-        scale = q.size(-1) ** -0.5
         kv = torch.stack([k.detach(), v.detach()])  # (2, B, H_kv, T/cp, D): one message a hop
         local = shard.local_codes()  # packed documents: which keys share a query's document
         out: torch.Tensor | None = None
@@ -199,16 +202,16 @@ class _Ring(torch.autograd.Function):
                 kv = nxt
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shard, ctx.local = shard, local
+        ctx.shard, ctx.local, ctx.scale = shard, local, scale
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         shard: ContextShard = ctx.shard
         comm, N, r = shard.comm, shard.size, shard.rank
         right, left = (r + 1) % N, (r - 1) % N
-        scale = q.size(-1) ** -0.5
+        scale = ctx.scale
         with shard.counted("ring"):
             delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dout * out), (B, H, T/cp)
             kv = torch.stack([k, v])
@@ -231,7 +234,7 @@ class _Ring(torch.autograd.Function):
                 if pending is not None:
                     pending.wait()
                     kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 # -------------------------------------------------------------------------------------------- all-gather
@@ -259,14 +262,15 @@ class _GatherSequence(torch.autograd.Function):
         return flat[offset:offset + length].view(ctx.shape).to(grad.dtype), None
 
 
-def _allgather(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _allgather(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     with shard.counted("allgather"):
         every = _GatherSequence.apply(torch.stack([k, v]), shard)  # (cp, 2, B, H_kv, T/cp, D)
     B, hk, t, D = k.shape
     whole = every.permute(1, 2, 3, 0, 4, 5).reshape(2, B, hk, shard.size * t, D)  # rank order along the sequence
     seen = shard.seen(0, shard.local_codes(), keys=torch.cat(shard.everyone)).to(q.device)
     mask = seen if seen.dim() == 2 else seen[:, None]  # (Tq, T), or per row (rows, 1, Tq, T)
-    return F.scaled_dot_product_attention(q, whole[0], whole[1], attn_mask=mask, enable_gqa=q.size(1) != hk)
+    return F.scaled_dot_product_attention(q, whole[0], whole[1], attn_mask=mask, enable_gqa=q.size(1) != hk,
+                                          scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------- Ulysses
@@ -297,7 +301,7 @@ def _swap(shard: ContextShard, x: torch.Tensor, scatter: int, gather: int) -> to
     return torch.cat(got, dim=gather)
 
 
-def _ulysses(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _ulysses(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     N, H, hk = shard.size, q.size(1), k.size(1)
     if H % N:
         raise ValueError(f"Ulysses context parallelism gives each cp rank H / cp of this rank's query heads, got "
@@ -305,12 +309,16 @@ def _ulysses(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if hk % N:  # key/value heads that do not divide: each query head's own copy travels (counted)
         k, v = k.repeat_interleave(H // hk, dim=1), v.repeat_interleave(H // hk, dim=1)
     qs, ks, vs = (_AllToAll.apply(t, shard, 1, 2) for t in (q, k, v))  # (B, heads / cp, T, D)
-    pos = torch.cat(shard.everyone)
-    seen = visible(pos, pos).to(q.device)
-    if shard.codes is not None:  # packed documents: the whole rows' codes, in the swapped sequence's order
+    pos = torch.cat(shard.everyone).to(q.device)  # the swapped sequence's positions, rank by rank
+    gqa = qs.size(1) != ks.size(1)
+    if shard.codes is None:  # put the sequence in order: SDPA's own causal flag, no (T, T) mask made or saved
+        order = torch.argsort(pos)
+        qs, ks, vs = (t.index_select(2, order) for t in (qs, ks, vs))
+        y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa, scale=scale).index_select(2, pos)
+    else:  # packed documents: the whole rows' codes, in the swapped sequence's order
         codes = shard.codes[_rows(shard.local_codes(), shard.T)][:, pos.to(shard.codes.device)].to(q.device)
-        seen = (seen[None] & (codes[:, :, None] == codes[:, None, :]))[:, None]
-    y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=qs.size(1) != ks.size(1))
+        seen = visible(pos, pos)[None] & (codes[:, :, None] == codes[:, None, :])
+        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen[:, None], enable_gqa=gqa, scale=scale)
     return _AllToAll.apply(y, shard, 2, 1)  # type: ignore[no-any-return]
 
 
