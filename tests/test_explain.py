@@ -102,3 +102,22 @@ def test_the_ranks_exchanges_merge_into_one_order():
     fold, d0, d1, unfold = ("fold", 0), ("doubling", 0), ("doubling", 1), ("unfold", 0)
     # rank 0 takes part in all; rank 1 in the doubling only; rank 4 in the fold and the unfold
     assert _global_order([[d0, d1], [fold, unfold], [fold, d0, d1, unfold]]) == [fold, d0, d1, unfold]
+
+
+def test_explain_ring_attention_draws_whose_blocks_each_rank_holds_from_a_real_run(tmp_path, capsys):
+    out = subprocess.run([sys.executable, "-m", "fourfold", "explain", "ring-attention", "--cp", "3", "--out",
+                          str(tmp_path / "ra.png")], capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "rank 0 holds positions 0-1, 10-11" in text  # head-tail: chunks 0 and 5 of 6
+    step1 = next(line for line in text.splitlines() if line.strip().startswith("1 "))
+    assert step1.split()[1:3] == ["K/V", "2"]  # rank 0 attends to its left neighbour's block one step on
+    assert "head-tail cut: (query, key) pairs per rank [26, 26, 26] (max / mean 1.00)" in text, text
+    sent = text.split("each rank sent [")[1]
+    assert len({*sent.split("]")[0].split(", "), sent.split("theory ")[1].split()[0]}) == 1, text  # = theory
+    assert "largest difference from one process's attention" in text and (tmp_path / "ra.png").is_file()
+    from fourfold.cli.explain import main
+
+    with pytest.raises(SystemExit):
+        main(["ring-attention", "--cp", "3", "--seq-len", "10"])
+    assert "multiple of 2 x cp = 6" in capsys.readouterr().err

@@ -5,6 +5,7 @@
     fourfold explain naive --world 3
     fourfold explain rabenseifner --world 8  # recursive halving, then recursive doubling: the ring's bytes, 6 steps
     fourfold explain hierarchical --world 4 --ranks-per-node 2   # ring in each node, across nodes, in each again
+    fourfold explain ring-attention --cp 4   # context parallelism's ring: whose K/V each rank holds, step by step
 
 G ranks are started through torchrun's launcher and run the algorithm for real on a tiny integer tensor in
 which rank r holds the value 2**r everywhere. Since every contribution is a distinct bit, any element's value
@@ -247,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.torchrun import LaunchConfig
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ring-attention"]:  # context parallelism's ring: its own command
+        from fourfold.cli import explain_cp
+
+        return explain_cp.main(argv[1:])
     parser = make_parser("fourfold explain", __doc__)
     parser.add_argument("algorithm", help="naive, master, ring, tree, hierarchical, ...")
     parser.add_argument("--world", type=int, default=4, help="ranks (2..16, default 4)")

@@ -194,7 +194,7 @@ class _Ring(torch.autograd.Function):
             if s < N - 1:  # the next block travels while this one is attended to
                 nxt = torch.empty_like(kv)
                 pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
-                                     phase="forward K/V")
+                                     phase="forward K/V", labels=[f"K/V of rank {(r - s) % N}"])
             o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.seen((r - s) % N, local), scale)
             out, lse = merge(out, lse, o, lse_b)
             if pending is not None:
@@ -222,14 +222,15 @@ class _Ring(torch.autograd.Function):
                 if s < N - 1:
                     nxt = torch.empty_like(kv)
                     pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
-                                         phase="backward K/V")
+                                         phase="backward K/V", labels=[f"K/V of rank {(r - s) % N}"])
                 dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.seen((r - s) % N, ctx.local), scale, lse,
                                                   dout, delta)
                 dq += dq_b
                 dkv[0] += dk_b
                 dkv[1] += dv_b
                 got = torch.empty_like(dkv)  # the left neighbour's accumulation: the next block's (or, last, ours)
-                comm.exchange([(right, dkv)], [(left, got)], algorithm="ring attention", step=s, phase="dK/dV")
+                comm.exchange([(right, dkv)], [(left, got)], algorithm="ring attention", step=s, phase="dK/dV",
+                              labels=[f"dK/dV of rank {(r - s) % N}"])
                 dkv = got
                 if pending is not None:
                     pending.wait()
