@@ -85,7 +85,8 @@ def _main(argv: list[str] | None = None) -> int:
     t = cfg.train
     p = cfg.parallel
     available, where = per_rank_budget(cfg, world)
-    layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}" + (
+    cp = f" cp={options['cp']} ({p.cp_algorithm})" if options.get("cp", 1) > 1 else ""
+    layout = f"dp={options['dp']} tp={options['tp']} pp={options['pp']}{cp}" + (
         " model parallelism" if options["pp"] > 1 and p.strategy == "model" else
         f" {p.schedule} x{options['microbatches']}" if options["pp"] > 1 else
         f" grad-accum {options['microbatches']}" if options["microbatches"] > 1 else "") + (

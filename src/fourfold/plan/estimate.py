@@ -315,8 +315,10 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
                     strategy: str = "pipeline", zero: int = 0, checkpoint_every: int = 0,
                     sequence_parallel: bool = False, shards: Mapping[str, str] | None = None,
                     probe: Probe | None = None,
-                    optimizer_slots: int = 2) -> list[RankMemory]:
-    """One :class:`RankMemory` per pipeline rank for this layout (see the module docstring)."""
+                    optimizer_slots: int = 2, cp: int = 1) -> list[RankMemory]:
+    """One :class:`RankMemory` per pipeline rank for this layout (see the module docstring). ``cp``: each
+    sequence cut over cp ranks, so a sample's activations are 1/cp of the probe's per rank, and the weights are
+    replicated (ZeRO: sharded) over dp x cp."""
     from fourfold.parallel.schedule import pipeline_schedule
 
     units = _units(model, blocks)
@@ -332,12 +334,12 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     per_sample = [0] * n
     kept_for_w = [0] * n
     if probe is not None:  # under tp: column layers' inputs, and without sequence parallelism norms, whole
-        per_sample = [probe.inputs[u] // (tp if sequence_parallel else 1) if u in checkpointed else
-                      probe.per_sample(u, tp, sequence_parallel) for u in range(n)]
-        kept_for_w = [probe.kept_for_w(u, tp, sequence_parallel) for u in range(n)]
+        per_sample = [(probe.inputs[u] // (tp if sequence_parallel else 1) if u in checkpointed else
+                       probe.per_sample(u, tp, sequence_parallel)) // cp for u in range(n)]
+        kept_for_w = [probe.kept_for_w(u, tp, sequence_parallel) // cp for u in range(n)]
     rows = []
     if pp == 1:
-        held = estimate_held(numel([p for u in units for p in u]), itemsize, dp=dp, zero=zero,
+        held = estimate_held(numel([p for u in units for p in u]), itemsize, dp=dp * cp, zero=zero,
                              optimizer_slots=optimizer_slots)
         rows.append(RankMemory(0, held["parameters"], held["gradients"], held["optimizer"],  # one micro-batch of
                                sum(per_sample) * (batch_size // dp // microbatches)))  # gradient accumulation
@@ -350,7 +352,7 @@ def estimate_memory(model: nn.Module, blocks: list[nn.Module], *, dp: int = 1, t
     for r in range(pp):
         mine = sched.held(r)
         elements = sum(numel([p for u in stage_units[s] for p in units[u]]) for s in mine)
-        held = estimate_held(elements, itemsize, dp=dp, zero=zero, optimizer_slots=optimizer_slots)
+        held = estimate_held(elements, itemsize, dp=dp * cp, zero=zero, optimizer_slots=optimizer_slots)
         activations = _peak(sched.ranks[r], act, extra, sched.split_backward)
         rows.append(RankMemory(r, held["parameters"], held["gradients"], held["optimizer"], activations))
     return rows

@@ -69,9 +69,9 @@ def layout_memory(cfg: Any, world_size: int) -> LayoutMemory:
     # "microbatches": the pipeline's (model parallelism runs the whole shard as one), or without one gradient
     # accumulation's (a rank holds one at a time)
     micro = (1 if p.strategy == "model" else p.microbatches) if mesh.pp > 1 else p.grad_accum
-    options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "batch_size": t.batch_size, "microbatches": micro,
-               "schedule": p.schedule, "virtual": p.virtual,
-               "strategy": p.strategy, "zero": p.zero if mesh.dp > 1 else 0,
+    options = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "batch_size": t.batch_size,
+               "microbatches": micro, "schedule": p.schedule, "virtual": p.virtual,
+               "strategy": p.strategy, "zero": p.zero if mesh.replicas > 1 else 0,
                "checkpoint_every": parse_policy(p.activation_checkpointing), "shards": shards,
                "sequence_parallel": p.sequence_parallel, "probe": probe}
 
