@@ -32,12 +32,14 @@ def test_bench_packing_runs_end_to_end(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fourfold.cli", "bench", "packing", "--nproc", "2", "--docs-per-step", "16",
            "--seq-len", "32", "--layers", "1", "--d-model", "16", "--rounds", "2", "--warmup", "1",
+           "--variants", "pad,first-fit,bfd,bfd-dense",
            "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"pad", "first-fit", "bfd"}
+    assert set(rows) == {"pad", "first-fit", "bfd", "bfd-dense"}
+    assert rows["bfd"]["score_elements"] < rows["bfd-dense"]["score_elements"] and "speedup_over_dense" in rows["bfd"]
     assert rows["bfd"]["rows"] < rows["pad"]["rows"] and rows["bfd"]["padding_fraction"] < rows["pad"]["padding_fraction"]
     assert result["bound"] == pytest.approx(1 / (1 - rows["pad"]["padding_fraction"]))
     assert result["max_loss_difference"] < 1e-4  # the same documents each step: the same losses (float32)

@@ -199,6 +199,43 @@ def test_no_document_sees_its_neighbours(name):
     assert torch.equal(before[0, others], after[0, others])
 
 
+def test_packed_attention_runs_document_by_document_with_no_row_by_row_tensor():
+    """TinyGPT's packed attention costs what the documents cost: no tensor with two dimensions of row length is
+    made in forward (the dense mask was (B, 1, T, T)), and it equals the dense mask's attention."""
+    from torch.overrides import TorchFunctionMode
+
+    from fourfold.models.attention import dense_masks
+
+    width = 40  # no other dimension of this model is 40
+    model = TinyGPT(GPTConfig(vocab_size=64, seq_len=width, n_layer=2, n_head=2, d_model=16), seed=0,
+                    dtype=torch.float64)
+    docs = skewed_documents(30, 30, vocab_size=64, short_ratio=0.25, seed=2)
+    b = DocumentLoader(docs, width, seed=0, docs_per_step=12, packing="bfd").global_batch(0)
+    assert b.inputs.size(1) == width and b.inputs.size(0) != width
+
+    class Shapes(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.square: list[tuple[str, tuple[int, ...]]] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor) and sum(d == width for d in t.shape) >= 2:
+                    self.square.append((getattr(func, "__name__", str(func)), tuple(t.shape)))
+            return out
+
+    with document_layout(b.documents) as layout:
+        with Shapes() as seen:
+            logits = output_tensor(model(b.inputs))
+        logits.sum().backward()
+        assert seen.square == [] and "mask" not in vars(layout), seen.square
+        with dense_masks(), torch.no_grad():
+            dense = output_tensor(model(b.inputs))
+    assert (logits - dense).abs().max() < 1e-12
+    assert layout.score_elements == sum(n * (n + 1) // 2 * s.numel() for n, s in layout.runs) < b.inputs.numel() * width
+
+
 def test_models_that_do_not_read_documents_are_refused():
     engine = parallelize(nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64)).double())
     b = loader().global_batch(0)

@@ -13,6 +13,7 @@ padding cost nothing and real tokens everything. The losses of the three must ag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -36,15 +37,19 @@ from fourfold.run.args import make_parser
 
 __all__ = ["main"]
 
-VARIANTS = ("pad", "first-fit", "bfd")
+VARIANTS = ("pad", "first-fit", "bfd", "pad-dense", "first-fit-dense", "bfd-dense")
+DEFAULT = ("pad", "first-fit", "bfd")
 TARGET = 0.85  # bfd's speed-up over pad, as a fraction of the bound
+DENSE_TARGET = 2.0  # at rows of 4096: document-by-document attention against the dense mask, same rows
 
 
 def _parser() -> argparse.ArgumentParser:
     p = make_parser("fourfold bench packing", "Train the same documents padded and packed (first-fit, bfd) side "
                     "by side; report real tokens/s, padding and the bound on packing's speed-up.")
     p.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel) to start (default: 1)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--variants", default=",".join(DEFAULT), help=f"of {', '.join(VARIANTS)}: -dense attends through "
+                   "one (B, 1, T, T) block-diagonal mask instead of document by document (default: "
+                   f"{','.join(DEFAULT)})")
     p.add_argument("--docs-per-step", type=int, default=64, help="documents per step (default: 64)")
     p.add_argument("--seq-len", type=int, default=256, help="row length, and the longest document (default: 256)")
     p.add_argument("--short-fraction", type=float, default=0.8, help="share of short documents (default: 0.8)")
@@ -82,6 +87,7 @@ def _run(ns: argparse.Namespace) -> None:
     from fourfold.engine.parallelize import parallelize
     from fourfold.mesh import Mesh
     from fourfold.models import GPTConfig, TinyGPT
+    from fourfold.models.attention import dense_masks
 
     ctx, say, started, load_before = start_rank("[bench packing]", ns.timeout)
     g = ctx.world_size
@@ -97,7 +103,7 @@ def _run(ns: argparse.Namespace) -> None:
     losses: dict[str, list[float]] = {}
     for v in ns.variants:  # every batch packed before the clock starts: the step is what is timed
         loader = DocumentLoader(docs, ns.seq_len, seed=0, dp_rank=ranks.coord.dp, dp_size=g,
-                                docs_per_step=ns.docs_per_step, packing=v)
+                                docs_per_step=ns.docs_per_step, packing=v.removesuffix("-dense"))
         batches[v] = [loader.shard(k) for k in range(steps)]
         engines[v] = parallelize(TinyGPT(cfg, seed=0), ranks.using(timeout_s=ns.timeout), Layout())
         opts[v] = torch.optim.AdamW(engines[v].parameters(), lr=1e-3)
@@ -105,7 +111,8 @@ def _run(ns: argparse.Namespace) -> None:
 
     def step(v: str, x: Any, y: Any, k: int) -> None:
         b = batches[v][k]
-        loss = engines[v].step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens)
+        with dense_masks() if v.endswith("-dense") else contextlib.nullcontext():
+            loss = engines[v].step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens)
         opts[v].step()
         opts[v].zero_grad(set_to_none=True)
         losses[v].append(loss.item())
@@ -120,7 +127,9 @@ def _run(ns: argparse.Namespace) -> None:
 
 def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[Any]], timed: list[dict[str, Any]],
             losses: dict[str, list[float]], elapsed: float, load_before: tuple[float, float, float]) -> None:
-    rows = []
+    from fourfold.data.packing import DocumentLayout
+
+    rows: list[dict[str, Any]] = []
     for v, t in zip(ns.variants, timed, strict=True):
         stats = [b.stats for b in batches[v][ns.warmup:]]
         real = [st["real_tokens"] / sec for st, sec in zip(stats, t["times_s"], strict=True)]
@@ -129,7 +138,10 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
                      "padding_fraction": statistics.mean(s["padding_fraction"] for s in stats),
                      "rows": statistics.mean(s["rows"] for s in stats),
                      "width": statistics.mean(s["width"] for s in stats),
-                     "real_tokens": statistics.mean(s["real_tokens"] for s in stats)})
+                     "real_tokens": statistics.mean(s["real_tokens"] for s in stats),
+                     "score_elements": statistics.mean(  # (query, key) pairs per step: dense B T^2, else runs'
+                         b.documents.numel() * b.documents.size(1) if v.endswith("-dense") else
+                         DocumentLayout(b.documents).score_elements for b in batches[v][ns.warmup:])})
     pad = next((r for r in rows if r["variant"] == "pad"), None)
     for r in rows:
         r["speedup"] = pad["median_s"] / r["median_s"] if pad else None
@@ -137,19 +149,30 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
     bound = 1.0 / (1.0 - pad["padding_fraction"]) if pad else None
     worst = max(abs(a - b) for v in ns.variants for a, b in zip(losses[v], losses[ns.variants[0]], strict=True))
     lines = [f"\n{docs.name}, {ns.docs_per_step} documents per step, rows of {ns.seq_len}, G={g}",
-             f"{'variant':<10} {'rows':>6} {'width':>6} {'padding':>8} {'median':>9} {'real tok/s':>11} "
-             f"{'x pad':>6} {'paired':>6}"]
+             f"{'variant':<16} {'rows':>6} {'width':>6} {'padding':>8} {'scores':>8} {'median':>9} "
+             f"{'real tok/s':>11} {'x pad':>6} {'paired':>6}"]
     for r in rows:
         x = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
         xp = "-" if r["speedup_paired"] is None else f"{r['speedup_paired']:.2f}"
-        lines.append(f"{r['variant']:<10} {r['rows']:>6.1f} {r['width']:>6.0f} {r['padding_fraction']:>8.1%} "
-                     f"{fmt_time(r['median_s']):>9} {r['real_tokens_per_s']:>11,.0f} {x:>6} {xp:>6}")
+        lines.append(f"{r['variant']:<16} {r['rows']:>6.1f} {r['width']:>6.0f} {r['padding_fraction']:>8.1%} "
+                     f"{r['score_elements'] / 1e6:>7.1f}M {fmt_time(r['median_s']):>9} "
+                     f"{r['real_tokens_per_s']:>11,.0f} {x:>6} {xp:>6}")
     if pad is not None and bound is not None:
         lines.append(f"bound on packing's speed-up over pad: 1 / (1 - {pad['padding_fraction']:.3f}) = {bound:.2f}x")
     lines.append(f"same documents, same losses: max |loss difference| over {len(losses[ns.variants[0]])} steps "
                  f"{worst:.2g}")
     print("\n".join(lines), flush=True)
     verdicts = []
+    by_name = {r["variant"]: r for r in rows}
+    for r in rows:  # document-by-document attention against the dense mask, on the same rows
+        dense = by_name.get(f"{r['variant']}-dense")
+        if dense is not None:
+            ratio = paired_ratio(dense["times_s"], r["times_s"])
+            r["speedup_over_dense"] = ratio
+            verdicts.append({"target": f"{r['variant']} at least {DENSE_TARGET}x faster than {dense['variant']}",
+                             "value": ratio, "met": ratio >= DENSE_TARGET})
+            print(f"{r['variant']}: attention document by document, {ratio:.2f}x the dense mask's speed (paired); "
+                  f"{r['score_elements'] / dense['score_elements']:.3f} of its (query, key) pairs", flush=True)
     bfd = next((r for r in rows if r["variant"] == "bfd"), None)
     if bfd is not None and pad is not None and bound is not None:
         share = bfd["speedup"] / bound
@@ -161,8 +184,9 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
               "settings": {"docs_per_step": ns.docs_per_step, "seq_len": ns.seq_len,
                            "short_fraction": ns.short_fraction, "short_ratio": ns.short_ratio, "layers": ns.layers,
                            "d_model": ns.d_model, "rounds": ns.rounds, "warmup": ns.warmup, "dtype": "float32",
-                           "attention": "SDPA with a block-diagonal causal mask (pad: the same mask, one document "
-                           "per row)", "timing": "slowest rank per step, median over rounds"},
+                           "attention": "document by document: one causal SDPA call per run length; -dense: SDPA "
+                           "with one (B, 1, T, T) block-diagonal mask", "timing": "slowest rank per step, median "
+                           "over rounds"},
               "rows": rows, "bound": bound, "max_loss_difference": worst, "targets": verdicts}
     write_report(Path(ns.out), result, elapsed, lambda path: _chart(rows, bound, path))
 

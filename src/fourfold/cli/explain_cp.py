@@ -44,8 +44,9 @@ def _worker(T: int, balanced: bool) -> int:
         ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v))
         y = attend(shard, ql, kl, vl)
         y.backward(torch.ones_like(y))
+        grads = [(a.grad, b.grad) for a, b in ((ql, q), (kl, k), (vl, v))]
         error = max(float((y - want[:, :, mine]).detach().abs().max()),
-                    *(float((a.grad - b.grad[:, :, mine]).abs().max()) for a, b in ((ql, q), (kl, k), (vl, v))))
+                    *(float((a - b[:, :, mine]).abs().max()) for a, b in grads if a is not None and b is not None))
         work: dict[bool, list[int]] = {}
         for cut in (True, False):  # (query, key) pairs rank r computes with each rank's block, under each cut
             other = ContextShard(comm, "ring", T, cut)
@@ -104,11 +105,12 @@ def _report(n: int, T: int, balanced: bool, everyone: list[dict[str, Any]]) -> N
 
 
 def _runs(positions: list[int]) -> str:
+    """[0, 1, 14, 15] -> "0-1, 14-15"."""
     out, start = [], positions[0]
-    for a, b in zip(positions, [*positions[1:], None], strict=True):
-        if b != a + 1:
+    for i, a in enumerate(positions):
+        if i + 1 == len(positions) or positions[i + 1] != a + 1:
             out.append(f"{start}-{a}")
-            start = b
+            start = positions[i + 1] if i + 1 < len(positions) else a
     return ", ".join(out)
 
 

@@ -17,7 +17,9 @@ next document's first token. One longer than a row is split at row boundaries in
 
 All three arrange the same pieces, so their losses are equal. While a batch runs, :func:`document_layout` makes
 its documents current: models read :func:`current_layout` for position ids that restart at every document and
-a block-diagonal causal mask (a token attends to earlier tokens of its own document only).
+causal attention inside each document (a token attends to earlier tokens of its own document only): run by run
+(:attr:`DocumentLayout.runs`), or through one block-diagonal mask (:attr:`DocumentLayout.mask`, what Hugging
+Face attention is given).
 """
 
 from __future__ import annotations
@@ -246,6 +248,27 @@ class DocumentLayout:
         T = d.size(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
         return ((d.unsqueeze(2) == d.unsqueeze(1)) & causal).unsqueeze(1)
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, torch.Tensor]]:
+        """The batch's runs (a document's positions in a row, or a row's padding), grouped by length: ``[(length,
+        starts)]``, ``starts`` the (n,) flat indices ``row * T + first`` of the n runs of that length. Attention
+        run by run costs what the documents cost, the sum of their lengths squared, with no (T, T) mask."""
+        d = self.documents
+        B, T = d.shape
+        change = torch.ones_like(d, dtype=torch.bool)
+        change[:, 1:] = d[:, 1:] != d[:, :-1]
+        starts = torch.nonzero(change.reshape(-1)).reshape(-1)  # flat: every row's first position starts a run
+        ends = torch.cat([starts[1:], starts.new_tensor([B * T])])
+        ends = torch.minimum(ends, (starts // T + 1) * T)  # a run ends at its row's end
+        lengths = ends - starts
+        return [(int(n), starts[lengths == n]) for n in torch.unique(lengths).tolist()]
+
+    @functools.cached_property
+    def score_elements(self) -> int:
+        """The (query, key) pairs causal attention computes run by run: sum of l (l + 1) / 2 (the dense mask's
+        computes B T^2 whatever the documents)."""
+        return sum(n * (n + 1) // 2 * starts.numel() for n, starts in self.runs)
 
     def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """What ``make`` makes of this layout (its mask within a window, in the form an attention reads), made once

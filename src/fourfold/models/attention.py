@@ -2,10 +2,11 @@
 every document, and causal attention that stays inside a document.
 
 Without packed documents both are the plain ones: ``arange(T)`` and ``is_causal=True``. With them, attention
-is PyTorch's ``scaled_dot_product_attention`` given the layout's block-diagonal causal mask (B, 1, T, T), one
-mask per micro-batch shared by every layer. The same call on CPU and CUDA: SDPA picks its kernel for the mask
-(on CUDA the memory-efficient one; flash attention takes no mask). A masked key contributes an exact zero, so a
-document's outputs do not depend on its neighbours' tokens, bit for bit.
+runs document by document (:func:`document_attention`): the runs of each length gathered into a batch, one
+``scaled_dot_product_attention`` with its causal flag per length, so a packed row costs the sum of its documents'
+lengths squared, not its own length squared, and no (T, T) mask is made (the dense block-diagonal mask, which
+costs B T^2 whatever the documents, is :func:`dense_masks`' and Hugging Face attention's). A document's outputs
+depend on its own tokens only, bit for bit.
 
 Under context parallelism (:mod:`fourfold.parallel.context`) the engine makes this rank's shard of the sequence
 current: positions are its tokens' global ones, and attention reaches the other ranks' keys by the layout's
@@ -14,13 +15,17 @@ algorithm (ring, all-gather or Ulysses), so a model calling these two functions 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from fourfold.data.packing import current_layout
 from fourfold.parallel.context import attend, current_shard
 
-__all__ = ["causal_attention", "position_ids"]
+__all__ = ["causal_attention", "dense_masks", "document_attention", "position_ids"]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
@@ -36,7 +41,43 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     if layout is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     layout.check((q.size(0), q.size(2)), "the attention's (batch, sequence)")
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p)
+    if _dense.get():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p,
+                                              enable_gqa=q.size(1) != k.size(1))
+    return document_attention(q, k, v, layout.runs, dropout_p)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, torch.Tensor]],
+                       dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention inside each run (:attr:`~fourfold.data.packing.DocumentLayout.runs`): the runs of one
+    length gathered into a batch of their own, one SDPA call with its causal flag per length, the outputs put
+    back in place. (B, H, T, D) q, k, v -> (B, H, T, D); no tensor of two row lengths is made."""
+    B, H, T, D = q.shape
+    flat = [t.transpose(1, 2).reshape(B * T, t.size(1), D) for t in (q, k, v)]  # (B T, heads, D)
+    outs, order = [], []
+    for n, starts in runs:
+        idx = (starts.to(q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)  # (runs n,)
+        qs, ks, vs = (t.index_select(0, idx).view(-1, n, t.size(1), D).transpose(1, 2) for t in flat)
+        y = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout_p, is_causal=True,
+                                           enable_gqa=qs.size(1) != ks.size(1))  # (runs, H, n, D)
+        outs.append(y.transpose(1, 2).reshape(-1, H, D))
+        order.append(idx)
+    back = torch.argsort(torch.cat(order))  # where each position's output sits in the runs' order
+    return torch.cat(outs).index_select(0, back).view(B, T, H, D).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def dense_masks() -> Iterator[None]:
+    """Inside, packed documents attend through the one (B, 1, T, T) block-diagonal mask, as before run-by-run
+    attention: what ``bench packing``'s ``-dense`` variants measure the new attention against."""
+    token = _dense.set(True)
+    try:
+        yield
+    finally:
+        _dense.reset(token)
+
+
+_dense: contextvars.ContextVar[bool] = contextvars.ContextVar("fourfold_dense_masks", default=False)
 
 
 def position_ids(idx: torch.Tensor, first: int = 0, n: int | None = None) -> torch.Tensor:
