@@ -204,7 +204,7 @@ def test_packed_attention_runs_document_by_document_with_no_row_by_row_tensor():
     made in forward (the dense mask was (B, 1, T, T)), and it equals the dense mask's attention."""
     from torch.overrides import TorchFunctionMode
 
-    from fourfold.models.attention import dense_masks
+    from fourfold.models.attention import packed_attention
 
     width = 40  # no other dimension of this model is 40
     model = TinyGPT(GPTConfig(vocab_size=64, seq_len=width, n_layer=2, n_head=2, d_model=16), seed=0,
@@ -225,12 +225,12 @@ def test_packed_attention_runs_document_by_document_with_no_row_by_row_tensor():
                     self.square.append((getattr(func, "__name__", str(func)), tuple(t.shape)))
             return out
 
-    with document_layout(b.documents) as layout:
+    with document_layout(b.documents) as layout, packed_attention("runs"):  # rows this short: the mask, by default
         with Shapes() as seen:
             logits = output_tensor(model(b.inputs))
         logits.sum().backward()
         assert seen.square == [] and "mask" not in vars(layout), seen.square
-        with dense_masks(), torch.no_grad():
+        with packed_attention("dense"), torch.no_grad():
             dense = output_tensor(model(b.inputs))
     assert (logits - dense).abs().max() < 1e-12
     assert layout.score_elements == sum(n * (n + 1) // 2 * s.numel() for n, s in layout.runs) < b.inputs.numel() * width

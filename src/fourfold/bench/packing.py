@@ -13,7 +13,6 @@ padding cost nothing and real tokens everything. The losses of the three must ag
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -87,7 +86,7 @@ def _run(ns: argparse.Namespace) -> None:
     from fourfold.engine.parallelize import parallelize
     from fourfold.mesh import Mesh
     from fourfold.models import GPTConfig, TinyGPT
-    from fourfold.models.attention import dense_masks
+    from fourfold.models.attention import packed_attention
 
     ctx, say, started, load_before = start_rank("[bench packing]", ns.timeout)
     g = ctx.world_size
@@ -111,7 +110,7 @@ def _run(ns: argparse.Namespace) -> None:
 
     def step(v: str, x: Any, y: Any, k: int) -> None:
         b = batches[v][k]
-        with dense_masks() if v.endswith("-dense") else contextlib.nullcontext():
+        with packed_attention("dense" if v.endswith("-dense") else "auto"):
             loss = engines[v].step(b.inputs, b.targets, documents=b.documents, num_tokens=b.num_tokens)
         opts[v].step()
         opts[v].zero_grad(set_to_none=True)
@@ -128,6 +127,7 @@ def _run(ns: argparse.Namespace) -> None:
 def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[Any]], timed: list[dict[str, Any]],
             losses: dict[str, list[float]], elapsed: float, load_before: tuple[float, float, float]) -> None:
     from fourfold.data.packing import DocumentLayout
+    from fourfold.models.attention import RUNS_FROM
 
     rows: list[dict[str, Any]] = []
     for v, t in zip(ns.variants, timed, strict=True):
@@ -140,8 +140,9 @@ def _report(ns: argparse.Namespace, g: int, docs: Any, batches: dict[str, list[A
                      "width": statistics.mean(s["width"] for s in stats),
                      "real_tokens": statistics.mean(s["real_tokens"] for s in stats),
                      "score_elements": statistics.mean(  # (query, key) pairs per step: dense B T^2, else runs'
-                         b.documents.numel() * b.documents.size(1) if v.endswith("-dense") else
-                         DocumentLayout(b.documents).score_elements for b in batches[v][ns.warmup:])})
+                         b.documents.numel() * b.documents.size(1) if v.endswith("-dense") or
+                         b.documents.size(1) < RUNS_FROM else DocumentLayout(b.documents).score_elements
+                         for b in batches[v][ns.warmup:])})
     pad = next((r for r in rows if r["variant"] == "pad"), None)
     for r in rows:
         r["speedup"] = pad["median_s"] / r["median_s"] if pad else None

@@ -1,12 +1,13 @@
 """What a model reads of the batch's documents (:mod:`fourfold.data.packing`): position ids that restart at
 every document, and causal attention that stays inside a document.
 
-Without packed documents both are the plain ones: ``arange(T)`` and ``is_causal=True``. With them, attention
-runs document by document (:func:`document_attention`): the runs of each length gathered into a batch, one
-``scaled_dot_product_attention`` with its causal flag per length, so a packed row costs the sum of its documents'
-lengths squared, not its own length squared, and no (T, T) mask is made (the dense block-diagonal mask, which
-costs B T^2 whatever the documents, is :func:`dense_masks`' and Hugging Face attention's). A document's outputs
-depend on its own tokens only, bit for bit.
+Without packed documents both are the plain ones: ``arange(T)`` and ``is_causal=True``. With them, rows of
+:data:`RUNS_FROM` positions or more attend document by document (:func:`document_attention`): the runs of each
+length gathered into a batch, one ``scaled_dot_product_attention`` with its causal flag per length, so a packed
+row costs the sum of its documents' lengths squared, not its own length squared, and no (T, T) mask is made.
+Shorter rows attend through the block-diagonal mask (B, 1, T, T), which costs B T^2 whatever the documents but
+one call (what Hugging Face attention is given at every length; :func:`packed_attention` chooses). Either way a
+document's outputs depend on its own tokens only, bit for bit.
 
 Under context parallelism (:mod:`fourfold.parallel.context`) the engine makes this rank's shard of the sequence
 current: positions are its tokens' global ones, and attention reaches the other ranks' keys by the layout's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from fourfold.data.packing import current_layout
 from fourfold.parallel.context import attend, current_shard
 
-__all__ = ["causal_attention", "dense_masks", "document_attention", "position_ids"]
+__all__ = ["RUNS_FROM", "causal_attention", "document_attention", "packed_attention", "position_ids"]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
@@ -41,7 +43,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     if layout is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     layout.check((q.size(0), q.size(2)), "the attention's (batch, sequence)")
-    if _dense.get():
+    mode = _mode.get()
+    if mode == "dense" or (mode == "auto" and q.size(2) < RUNS_FROM):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p,
                                               enable_gqa=q.size(1) != k.size(1))
     return document_attention(q, k, v, layout.runs, dropout_p)
@@ -66,18 +69,29 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: 
     return torch.cat(outs).index_select(0, back).view(B, T, H, D).transpose(1, 2)
 
 
+RUNS_FROM = 1024
+"""Rows of at least this many positions attend run by run; shorter ones through the dense mask, whose T^2 is
+then small beside the per-length calls (``bench packing``, TinyGPT d_model 128: run by run 0.70x the mask's
+speed at rows of 256, 1.27x at 1024, 2.46x at 4096)."""
+
+Mode = Literal["auto", "dense", "runs"]
+
+
 @contextlib.contextmanager
-def dense_masks() -> Iterator[None]:
-    """Inside, packed documents attend through the one (B, 1, T, T) block-diagonal mask, as before run-by-run
-    attention: what ``bench packing``'s ``-dense`` variants measure the new attention against."""
-    token = _dense.set(True)
+def packed_attention(mode: Mode) -> Iterator[None]:
+    """Inside, packed documents attend ``dense`` (the one (B, 1, T, T) block-diagonal mask), ``runs`` (run by run,
+    :func:`document_attention`) or ``auto`` (runs from rows of :data:`RUNS_FROM`, the default): what ``bench
+    packing``'s ``-dense`` variants and the tests choose."""
+    if mode not in ("auto", "dense", "runs"):
+        raise ValueError(f"mode must be auto, dense or runs, got {mode!r}.")
+    token = _mode.set(mode)
     try:
         yield
     finally:
-        _dense.reset(token)
+        _mode.reset(token)
 
 
-_dense: contextvars.ContextVar[bool] = contextvars.ContextVar("fourfold_dense_masks", default=False)
+_mode: contextvars.ContextVar[Mode] = contextvars.ContextVar("fourfold_packed_attention", default="auto")
 
 
 def position_ids(idx: torch.Tensor, first: int = 0, n: int | None = None) -> torch.Tensor:
