@@ -598,3 +598,17 @@ def test_ranks_come_from_the_fork_server_unless_the_launchers_main_is_a_script_o
     monkeypatch.setenv(RANK_START_ENV, "fork")
     with pytest.raises(ValueError, match="FOURFOLD_RANK_START must be forkserver or exec"):
         rank_start()
+
+
+def test_the_pace_is_the_steady_steps_tokens_over_their_time_not_one_steps():
+    from fourfold.files import steady_rate
+    from fourfold.mesh import Mesh
+
+    # packed steps of unequal real tokens: 100 tokens in 1 s, then 300 in 1 s (the first step warms up)
+    rows = [{"step": s, "step_time_s": t, "tokens_per_s": n / t, "real_tokens_per_s": n / t / 2,
+             "bytes_by_axis": {}, "documents": 4, "padding_fraction": 0.5}
+            for s, (n, t) in enumerate([(10, 9.0), (100, 1.0), (300, 1.0)], start=1)]
+    assert steady_rate(rows) == pytest.approx(200.0) and steady_rate(rows, "real_tokens_per_s") == pytest.approx(100.0)
+    assert steady_rate([]) == 0.0
+    text = train_mod.TrainResult(0, Mesh(), losses=[2.0, 1.5, 1.0], metrics=rows).summary()
+    assert "100 real tokens/s of 200 (50.0% padding)" in text, text

@@ -166,6 +166,15 @@ def steady(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows[1:] or rows
 
 
+def steady_rate(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> float:
+    """A run's pace over its steady steps: the total of what ``key`` counts per second (tokens, real tokens)
+    over their total time, each step's count ``key * step_time_s``. Steps of unequal work (packed batches hold
+    different real tokens) count by what they did, not one step for the run; 0.0 without rows."""
+    timed = steady(rows)
+    total = sum(r["step_time_s"] for r in timed)
+    return sum(r[key] * r["step_time_s"] for r in timed) / total if total > 0 else 0.0
+
+
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The run's typical step: the steady step of median ``step_time_s`` (of two middles the faster: a step that
     ran, so its ms/step and tokens/s agree with each other); None without rows."""

@@ -32,7 +32,7 @@ import torch
 
 from fourfold.config import Config, OutputConfig, TrainConfig
 from fourfold.data import ByteTokenizer
-from fourfold.files import drawn_row, median_row, steady
+from fourfold.files import drawn_row, median_row, steady, steady_rate
 from fourfold.models.build import DTYPES
 from fourfold.models.gpt import TinyGPT
 from fourfold.observe.trace import load_jsonl
@@ -235,11 +235,12 @@ def _packing(root: Path, flags: list[str], steps: int) -> int:
     print(f"\n  {'run':<34} {'ms/step':>8} {'real tokens/s':>14} {'padding, mean of steps':>23}   "
           "max |loss - padded|")
     for pack, text in (("pad", "padded to the step's longest"), ("bfd", "packed, best-fit decreasing")):
-        ms, real = 1e3 * typical[pack]["step_time_s"], typical[pack]["real_tokens_per_s"]
+        ms, real = 1e3 * typical[pack]["step_time_s"], steady_rate(rows[pack], "real_tokens_per_s")
         pad = statistics.mean(r["padding_fraction"] for r in steady(rows[pack]))
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows[pack], rows["pad"], strict=True))
         print(f"  {text:<34} {ms:8.1f} {real:14,.0f} {pad:23.1%}   {diff:.1e}")
-    speedup = typical["bfd"]["real_tokens_per_s"] / typical["pad"]["real_tokens_per_s"]
+    # the runs' real tokens over their steady steps' time, not one step's figure
+    speedup = steady_rate(rows["bfd"], "real_tokens_per_s") / steady_rate(rows["pad"], "real_tokens_per_s")
     bound = 1 / (1 - statistics.mean(r["padding_fraction"] for r in steady(rows["pad"])))
     above = (" (above it here: the padded step's bigger attention matrices also cost memory traffic)"
              if speedup > bound else "")

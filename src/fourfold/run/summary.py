@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fourfold.engine.sent import COUNTED
-from fourfold.files import drawn_row, median_row, steady
+from fourfold.files import drawn_row, median_row, steady, steady_rate
 from fourfold.mesh import Mesh
 from fourfold.parallel.timeline import theory_bubble
 
@@ -96,10 +96,12 @@ class TrainResult:
         row = median_row(self.metrics)  # the typical step (after the first, which warms up): one step's figures
         drawn = drawn_row(self.metrics)  # the step timeline.png draws (not the last, whose trace holds the end)
         assert row is not None and drawn is not None
-        speed = f"median {row['tokens_per_s']:,.0f} tokens/s"
+        # the pace: every steady step's tokens over their total time (packed steps hold unequal real tokens)
+        speed = f"{steady_rate(self.metrics):,.0f} tokens/s"
         if "documents" in row:  # packed: what was learned from, and what padding cost
-            speed = (f"median {row['real_tokens_per_s']:,.0f} real tokens/s of {row['tokens_per_s']:,.0f} "
-                     f"({row['padding_fraction']:.1%} padding)")
+            padding = statistics.mean(r["padding_fraction"] for r in steady(self.metrics))
+            speed = (f"{steady_rate(self.metrics, 'real_tokens_per_s'):,.0f} real tokens/s of "
+                     f"{steady_rate(self.metrics):,.0f} ({padding:.1%} padding)")
         ms = 1e3 * row["step_time_s"]
         by_axis = {a: statistics.median(r["bytes_by_axis"].get(a, 0) for r in steady(self.metrics)) for a in COUNTED}
         # a dp group that sent nothing counted used the backend's own all-reduce, whose bytes it does not report
