@@ -146,7 +146,8 @@ def _train(ctx, layouts: dict[str, dict]) -> dict[str, dict]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sent = bytes_by_axis(tracer.spans[first:])["cp"]
-        out[label] = {"losses": losses, "state": engine.state_dict(), "cp_bytes": sent}
+        waits = sum(s.name == "cp.wait" and s.kind == "wait" for s in tracer.spans)
+        out[label] = {"losses": losses, "state": engine.state_dict(), "cp_bytes": sent, "waits": waits}
     return out
 
 
@@ -169,6 +170,13 @@ def test_tinygpt_under_cp_equals_one_process(n, label):
         name, err = max_error(run["state"], want_state)
         assert err <= TOL64, f"{label} rank {rank}: {name} off by {err:.3g}"
         assert run["cp_bytes"] > 0, (label, rank)  # the attention's messages, counted on the cp axis
+        ring = (Layout(**(TWO | FOUR)[label]).cp_algorithm == "ring")
+        assert (run["waits"] > 0) == ring, (label, rank)  # the ring's waits for each hop, in the timeline
+    if label in ("ring", "allgather", "ulysses"):  # the spans' bytes (bytes_by_axis) are the theory's, every layer
+        rows, t, d = 8, CFG.seq_len // 2, CFG.d_model // CFG.n_head
+        q = rows * CFG.n_head * t * d * 8  # float64
+        th = theory(label, 2, q_bytes=q, kv_bytes=2 * q)  # type: ignore[arg-type]
+        assert all(r[label]["cp_bytes"] == CFG.n_layer * (th["forward"] + th["backward"]) for r in _trained(n))
 
 
 # --------------------------------------------------------------------------------------- packed documents

@@ -129,6 +129,31 @@ class ContextShard:
                               ranks=self.size)
 
 
+class _Hop:
+    """One ring hop in flight: started before a block's attention, waited for after it. The timeline gets a
+    ``comm`` span ``cp.ring`` from start to arrival, holding its bytes (overlapping the compute it hides behind),
+    and a ``wait`` span ``cp.wait`` for the time the rank then still waited: with the contiguous cut, the ranks
+    with less causal work wait there for the busiest."""
+
+    def __init__(self, shard: ContextShard, send: torch.Tensor, into: torch.Tensor, step: int, phase: str,
+                 label: str) -> None:
+        self.shard, r, n = shard, shard.rank, shard.size
+        self.start = shard.tracer.now_ns() if shard.tracer is not None else 0
+        self.pending = shard.comm.start([((r + 1) % n, send)], [((r - 1) % n, into)], algorithm="ring attention",
+                                        step=step, phase=phase, labels=[label])
+
+    def wait(self) -> None:
+        shard, tracer = self.shard, self.shard.tracer
+        waiting = tracer.now_ns() if tracer is not None else 0
+        before = shard.comm.stats.sent_bytes
+        self.pending.wait()
+        if tracer is not None:
+            end = tracer.now_ns()
+            tracer.record("comm", "cp.ring", self.start, end, bytes=shard.comm.stats.sent_bytes - before,
+                          ranks=shard.size)
+            tracer.record("wait", "cp.wait", waiting, end, ranks=shard.size)
+
+
 _current: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar("fourfold_context", default=None)
 
 
@@ -167,8 +192,7 @@ def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if shard.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1), scale=scale)
     if shard.algorithm == "ring":
-        with shard.counted("ring"):
-            return _Ring.apply(q, k, v, shard, scale)  # type: ignore[no-any-return]
+        return _Ring.apply(q, k, v, shard, scale)  # type: ignore[no-any-return]
     if shard.algorithm == "allgather":
         return _allgather(shard, q, k, v, scale)
     return _ulysses(shard, q, k, v, scale)
@@ -183,22 +207,20 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard,
                 scale: float) -> torch.Tensor:
-        comm, N, r = shard.comm, shard.size, shard.rank
-        right, left = (r + 1) % N, (r - 1) % N
+        N, r = shard.size, shard.rank
         kv = torch.stack([k.detach(), v.detach()])  # (2, B, H_kv, T/cp, D): one message a hop
         local = shard.local_codes()  # packed documents: which keys share a query's document
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         for s in range(N):
-            pending = None
+            hop = None
             if s < N - 1:  # the next block travels while this one is attended to
                 nxt = torch.empty_like(kv)
-                pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
-                                     phase="forward K/V", labels=[f"K/V of rank {(r - s) % N}"])
+                hop = _Hop(shard, kv, nxt, s, "forward K/V", f"K/V of rank {(r - s) % N}")
             o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.seen((r - s) % N, local), scale)
             out, lse = merge(out, lse, o, lse_b)
-            if pending is not None:
-                pending.wait()
+            if hop is not None:
+                hop.wait()
                 kv = nxt
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
@@ -212,29 +234,28 @@ class _Ring(torch.autograd.Function):
         comm, N, r = shard.comm, shard.size, shard.rank
         right, left = (r + 1) % N, (r - 1) % N
         scale = ctx.scale
-        with shard.counted("ring"):
-            delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dout * out), (B, H, T/cp)
-            kv = torch.stack([k, v])
-            dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)  # this block's dK/dV so far
-            dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-            for s in range(N):
-                pending = None
-                if s < N - 1:
-                    nxt = torch.empty_like(kv)
-                    pending = comm.start([(right, kv)], [(left, nxt)], algorithm="ring attention", step=s,
-                                         phase="backward K/V", labels=[f"K/V of rank {(r - s) % N}"])
-                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.seen((r - s) % N, ctx.local), scale, lse,
-                                                  dout, delta)
-                dq += dq_b
-                dkv[0] += dk_b
-                dkv[1] += dv_b
-                got = torch.empty_like(dkv)  # the left neighbour's accumulation: the next block's (or, last, ours)
+        delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dout * out), (B, H, T/cp)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)  # this block's dK/dV so far
+        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        for s in range(N):
+            hop = None
+            if s < N - 1:
+                nxt = torch.empty_like(kv)
+                hop = _Hop(shard, kv, nxt, s, "backward K/V", f"K/V of rank {(r - s) % N}")
+            dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.seen((r - s) % N, ctx.local), scale, lse,
+                                              dout, delta)
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+            got = torch.empty_like(dkv)  # the left neighbour's accumulation: the next block's (or, last, ours)
+            with shard.counted("ring"):
                 comm.exchange([(right, dkv)], [(left, got)], algorithm="ring attention", step=s, phase="dK/dV",
                               labels=[f"dK/dV of rank {(r - s) % N}"])
-                dkv = got
-                if pending is not None:
-                    pending.wait()
-                    kv = nxt
+            dkv = got
+            if hop is not None:
+                hop.wait()
+                kv = nxt
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
