@@ -146,6 +146,7 @@ def _train(cfg: Config, ctx: launch.DistContext) -> TrainResult:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
+    result.chose = [f"cp auto chose {name}: {why}" for name, why in getattr(engine.sequence, "picks", {}).values()]
     write_outputs(cfg, ctx, engine, tracer, run.out, result)
     if ctx.is_main and cfg.output.overwrite:  # this run is complete: the earlier ones it replaces can go (only then: a
         drop_replaced(run.out)  # run without --overwrite keeps what a failed --overwrite set aside)

@@ -78,9 +78,10 @@ class Layout:
     dp_shard: int | None = field(default=None, metadata=_help(
         "with --zero 3: ranks sharing one copy of the model, replicated across the rest of dp (HSDP; not built "
         "yet)"))
-    cp_algorithm: Literal["ring", "allgather", "ulysses"] = field(default="ring", metadata=_help(
+    cp_algorithm: Literal["ring", "allgather", "ulysses", "auto"] = field(default="ring", metadata=_help(
         "with --cp: ring (K/V blocks pass round the ring, overlapped with attention), allgather (gather every "
-        "chunk's K/V) or ulysses (all-to-all: whole sequence, heads / cp per rank)"))
+        "chunk's K/V), ulysses (all-to-all: whole sequence, heads / cp per rank) or auto (per layer, the least "
+        "predicted wire time by the cost model of --allreduce auto)"))
     cp_balance: Literal["head-tail", "none"] = field(default="head-tail", metadata=_help(
         "with --cp: head-tail gives rank i chunks i and 2cp-1-i of 2cp, equal causal work on every rank; none "
         "cuts cp contiguous chunks (the last rank works about 2cp-1 times the first)"))

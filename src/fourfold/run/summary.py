@@ -90,6 +90,7 @@ class TrainResult:
     pipeline: dict[str, Any] | None = None  # the schedule run and the stages' cut (run.json's "pipeline")
     sent_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # rank 0: each rank's bytes per axis
     # in the drawn step (files.drawn_row: the one timeline.png shows)
+    chose: list[str] = field(default_factory=list)  # what an auto setting chose, and why (--cp-algorithm auto)
 
     def summary(self) -> str:
         m = self.mesh
@@ -122,7 +123,8 @@ class TrainResult:
         return (f"trained {self.label} ({self.num_parameters / 1e6:.2f} M parameters) for {steps} on "
                 f"{m.world_size} rank(s) ({m.describe()}): loss {self.losses[0]:.4f} -> "
                 f"{self.losses[-1]:.4f}{held}, {speed}, {ms:.1f} ms/step\n{sent}"
-                f"{pipeline_line(self.pipeline, drawn)}{self.outputs()}")
+                f"{''.join(line + chr(10) for line in self.chose)}{pipeline_line(self.pipeline, drawn)}"
+                f"{self.outputs()}")
 
     def outputs(self) -> str:
         """The line naming what the run wrote (only what is there: --no-save writes no model.pt)."""

@@ -62,11 +62,12 @@ class ContextShard:
     for each batch; current while the engine runs the model on it."""
 
     comm: Communicator
-    algorithm: Algorithm
+    algorithm: Algorithm | Literal["auto"]
     T: int
     balanced: bool
     tracer: Tracer | None = None
     codes: torch.Tensor | None = None  # packed documents: (B, T) run codes of the whole rows (run_codes)
+    pick: Callable[[torch.Tensor, torch.Tensor], Algorithm] | None = None  # "auto": the call's algorithm
     everyone: list[torch.Tensor] = field(init=False)  # each rank's positions
 
     def __post_init__(self) -> None:
@@ -191,9 +192,15 @@ def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     scale = q.size(-1) ** -0.5 if scale is None else scale
     if shard.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1), scale=scale)
-    if shard.algorithm == "ring":
+    algorithm = shard.algorithm
+    if algorithm == "auto":
+        if shard.pick is None:
+            raise ValueError("cp_algorithm 'auto' needs the engine's ContextParallel, which holds the cost model; "
+                             "a ContextShard made by hand names its algorithm: ring, allgather or ulysses")
+        algorithm = shard.pick(q, k)
+    if algorithm == "ring":
         return _Ring.apply(q, k, v, shard, scale)  # type: ignore[no-any-return]
-    if shard.algorithm == "allgather":
+    if algorithm == "allgather":
         return _allgather(shard, q, k, v, scale)
     return _ulysses(shard, q, k, v, scale)
 
