@@ -15,7 +15,7 @@ from fourfold.bench.cp import main
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--cp", "3"], "each cp must be in [2, --nproc=4]"),
+    (["--cp", "3"], "each cp must be in [2, the world size 4]"),
     (["--nproc", "2", "--cp", "2", "--seq-lens", "6"], "must divide into 2 x cp = 4 chunks"),
     (["--nproc", "2", "--cp", "2", "--heads", "3", "--kv-heads", "3"], "Ulysses splits the 3 heads"),
     (["--algorithms", "flash"], "algorithms must be distinct names among"),
@@ -23,7 +23,7 @@ from fourfold.bench.cp import main
 def test_bad_flags_are_refused_before_starting_ranks(argv, words, capsys):
     if argv[:2] == ["--cp", "3"]:
         argv = ["--nproc", "2", *argv]
-        words = "each cp must be in [2, --nproc=2]"
+        words = "each cp must be in [2, the world size 2]"
     with pytest.raises(SystemExit) as refused:
         main(argv)
     assert refused.value.code == 2 and words in capsys.readouterr().err

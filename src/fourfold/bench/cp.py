@@ -24,6 +24,7 @@ from typing import Any
 from fourfold.bench.harness import (
     add_output_flags,
     fmt_time,
+    lab_nodes,
     name_list,
     run_or_launch,
     run_record,
@@ -63,8 +64,10 @@ def _check(ns: argparse.Namespace) -> argparse.Namespace:
         ns.seq_lens = [int(t) for t in ns.seq_lens.split(",") if t]
     except ValueError as e:
         raise ValueError(f"cp and seq-lens must be comma-separated integers, got {ns.cp!r} and {ns.seq_lens!r}.") from e
-    if not ns.cp or min(ns.cp) < 2 or max(ns.cp) > ns.nproc:
-        raise ValueError(f"each cp must be in [2, --nproc={ns.nproc}], got {ns.cp}. Pass --nproc {max(ns.cp or [2])}")
+    world = ns.nproc * lab_nodes()  # in a lab (fourfold lab run), --nproc ranks on each node
+    if not ns.cp or min(ns.cp) < 2 or max(ns.cp) > world:
+        raise ValueError(f"each cp must be in [2, the world size {world}], got {ns.cp}. Pass --nproc "
+                         f"{max(ns.cp or [2])}")
     for c in ns.cp:
         bad = [t for t in ns.seq_lens if t % (2 * c)]
         if bad:

@@ -36,7 +36,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ from fourfold.comm import ring as ring_comm
 from fourfold.comm.p2p import Communicator
 from fourfold.data.packing import DocumentLayout, current_layout
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.context.chunks import check_length, positions
+from fourfold.parallel.context.chunks import check_length, pieces, positions
 from fourfold.parallel.context.kernel import block_backward, block_forward, merge, visible
 
 __all__ = ["ALGORITHMS", "Algorithm", "ContextShard", "attend", "capture_shard", "current_shard", "run_codes",
@@ -53,6 +53,25 @@ __all__ = ["ALGORITHMS", "Algorithm", "ContextShard", "attend", "capture_shard",
 
 Algorithm = Literal["allgather", "ring", "ulysses"]
 ALGORITHMS: tuple[Algorithm, ...] = ("allgather", "ring", "ulysses")
+
+
+class Tile(NamedTuple):
+    """Queries [qa, qb) of this rank's chunk against keys [ka, kb) of a block; ``seen`` the mask (None: all)."""
+
+    qa: int
+    qb: int
+    ka: int
+    kb: int
+    seen: torch.Tensor | None
+
+
+def _runs(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """[(start, stop)] global runs -> [(local start, local stop, global start)] within the chunk."""
+    out, at = [], 0
+    for a, b in runs:
+        out.append((at, at + b - a, a))
+        at += b - a
+    return out
 
 
 @dataclass(eq=False)
@@ -94,6 +113,26 @@ class ContextShard:
             return causal
         other = self.codes[_rows(local, self.T)][:, kpos.to(self.codes.device)]
         return causal.to(local.device)[None] & (local[:, :, None] == other[:, None, :])
+
+    def tiles(self, j: int, local: torch.Tensor | None) -> list[Tile]:
+        """This rank's queries against rank ``j``'s block as the tiles worth computing: each pair of contiguous
+        runs (the head-tail cut gives a rank two), skipped where the causal mask hides every key, unmasked where
+        it hides none, masked on the diagonal. With packed documents, one tile with the block's mask."""
+        if local is not None and self.codes is not None:
+            n_q, n_k = self.mine.numel(), self.everyone[j].numel()
+            return [Tile(0, n_q, 0, n_k, self.seen(j, local))]
+        out = []
+        for qa, qb, q0 in _runs(self.pieces_of(self.rank)):
+            for ka, kb, k0 in _runs(self.pieces_of(j)):
+                first_q, last_q, first_k, last_k = q0, q0 + qb - qa - 1, k0, k0 + kb - ka - 1
+                if first_k > last_q:
+                    continue  # every key after every query: nothing to compute
+                mask = None if last_k <= first_q else visible(self.mine[qa:qb], self.everyone[j][ka:kb])
+                out.append(Tile(qa, qb, ka, kb, mask))
+        return out
+
+    def pieces_of(self, rank: int) -> list[tuple[int, int]]:
+        return pieces(self.T, self.size, rank, self.balanced)
 
     def document_positions(self, first: int, n: int) -> torch.Tensor:
         """Positions [first, first + n) of this rank's chunk: global ones (n,), or with packed documents each
@@ -208,6 +247,16 @@ def attend(shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # ------------------------------------------------------------------------------------------------- ring
 
 
+def _tiles_forward(q: torch.Tensor, kv: torch.Tensor, tiles: list[Tile], scale: float, out: torch.Tensor,
+                   lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``lse`` (this rank's queries so far) with one more block's tiles merged in."""
+    for t in tiles:
+        o, lse_b = block_forward(q[:, :, t.qa:t.qb], kv[0][:, :, t.ka:t.kb], kv[1][:, :, t.ka:t.kb], t.seen, scale)
+        merged, new = merge(out[:, :, t.qa:t.qb], lse[:, :, t.qa:t.qb], o, lse_b)
+        out[:, :, t.qa:t.qb], lse[:, :, t.qa:t.qb] = merged, new
+    return out, lse
+
+
 class _Ring(torch.autograd.Function):
     """Ring attention (pass-K/V): forward and backward written out, so the blocks' log-sum-exp merge exactly."""
 
@@ -217,19 +266,18 @@ class _Ring(torch.autograd.Function):
         N, r = shard.size, shard.rank
         kv = torch.stack([k.detach(), v.detach()])  # (2, B, H_kv, T/cp, D): one message a hop
         local = shard.local_codes()  # packed documents: which keys share a query's document
-        out: torch.Tensor | None = None
-        lse: torch.Tensor | None = None
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # nothing seen yet
         for s in range(N):
             hop = None
             if s < N - 1:  # the next block travels while this one is attended to
                 nxt = torch.empty_like(kv)
                 hop = _Hop(shard, kv, nxt, s, "forward K/V", f"K/V of rank {(r - s) % N}")
-            o, lse_b = block_forward(q.detach(), kv[0], kv[1], shard.seen((r - s) % N, local), scale)
-            out, lse = merge(out, lse, o, lse_b)
+            out, lse = _tiles_forward(q.detach(), kv, shard.tiles((r - s) % N, local), scale, out, lse)
             if hop is not None:
                 hop.wait()
                 kv = nxt
-        assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shard, ctx.local, ctx.scale = shard, local, scale
         return out.to(q.dtype)
@@ -250,11 +298,13 @@ class _Ring(torch.autograd.Function):
             if s < N - 1:
                 nxt = torch.empty_like(kv)
                 hop = _Hop(shard, kv, nxt, s, "backward K/V", f"K/V of rank {(r - s) % N}")
-            dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], shard.seen((r - s) % N, ctx.local), scale, lse,
-                                              dout, delta)
-            dq += dq_b
-            dkv[0] += dk_b
-            dkv[1] += dv_b
+            for t in shard.tiles((r - s) % N, ctx.local):
+                dq_b, dk_b, dv_b = block_backward(q[:, :, t.qa:t.qb], kv[0][:, :, t.ka:t.kb], kv[1][:, :, t.ka:t.kb],
+                                                  t.seen, scale, lse[:, :, t.qa:t.qb], dout[:, :, t.qa:t.qb],
+                                                  delta[:, :, t.qa:t.qb])
+                dq[:, :, t.qa:t.qb] += dq_b
+                dkv[0][:, :, t.ka:t.kb] += dk_b
+                dkv[1][:, :, t.ka:t.kb] += dv_b
             got = torch.empty_like(dkv)  # the left neighbour's accumulation: the next block's (or, last, ours)
             with shard.counted("ring"):
                 comm.exchange([(right, dkv)], [(left, got)], algorithm="ring attention", step=s, phase="dK/dV",

@@ -16,7 +16,8 @@ log-sum-exp alone (FlashAttention's): with ``delta = rowsum(dout * out)`` and ``
 Grouped-query attention: q has H heads, k and v have H_kv (H a multiple of it); query heads
 ``[g i, g (i + 1))`` read key head i, g = H / H_kv, and a key head's gradient sums its g query heads'.
 Shapes: q (B, H, Tq, D); k, v (B, H_kv, Tk, D); ``seen`` (Tq, Tk) or, per row (packed documents), (B, Tq, Tk)
-bool: which keys each query sees (:func:`visible` for the causal mask of global positions).
+bool: which keys each query sees (:func:`visible` for the causal mask of global positions); None where every
+key is seen (a tile wholly before its queries: no mask made or applied).
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q.reshape(B, hk, H // hk, T, D)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """Masked scores (B, H_kv, g, Tq, Tk) in ``acc``, -inf where hidden."""
+def _scores(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor | None, scale: float,
+            acc: torch.dtype) -> torch.Tensor:
+    """Masked scores (B, H_kv, g, Tq, Tk) in ``acc``, -inf where hidden (``seen`` None: nothing hidden)."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(q, k).to(acc), k.to(acc)) * scale
+    if seen is None:
+        return s
     mask = seen if seen.dim() == 2 else seen[:, None, None]  # (Tq, Tk), or per row (B, 1, 1, Tq, Tk)
     return s.masked_fill(~mask, float("-inf"))
 
@@ -51,7 +55,7 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scale: float
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """This block's (out (B, H, Tq, D), lse (B, H, Tq)), both in float32 at least. A query that sees no key of
     the block gets out 0 and lse -inf (it merges as nothing)."""
@@ -75,7 +79,7 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
     return out * w[..., None] + out_b * w_b[..., None], new
 
 
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scale: float,
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, scale: float,
                    lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), in float32 at least, from the merged ``lse`` (B, H, Tq), ``dout``
