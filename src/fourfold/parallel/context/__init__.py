@@ -5,19 +5,19 @@ with its log-sum-exp, :mod:`.attention` the three algorithms (all-gather K/V, ri
 theory, :mod:`.split` what the engine holds for the sequence axis. ``docs/context-parallel.md`` explains them.
 """
 
-from fourfold.parallel.context.attention import (
+from fourfold.parallel.context.attention import attend, theory
+from fourfold.parallel.context.chunks import causal_work, check_length, pieces, positions
+from fourfold.parallel.context.shard import (
     ALGORITHMS,
     Algorithm,
     ContextShard,
-    attend,
     capture_shard,
     current_shard,
-    theory,
+    run_codes,
     using_shard,
 )
-from fourfold.parallel.context.chunks import causal_work, check_length, pieces, positions
 from fourfold.parallel.context.split import WHOLE, ContextParallel, SequenceAxis, WholeSequence
 
 __all__ = ["ALGORITHMS", "WHOLE", "Algorithm", "ContextParallel", "ContextShard", "SequenceAxis", "WholeSequence",
-           "attend", "capture_shard", "causal_work", "check_length", "current_shard", "pieces", "positions", "theory",
-           "using_shard"]
+           "attend", "capture_shard", "causal_work", "check_length", "current_shard", "pieces", "positions", "run_codes",
+           "theory", "using_shard"]

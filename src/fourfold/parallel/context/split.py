@@ -15,8 +15,8 @@ import torch.distributed as dist
 from fourfold.comm import auto as allreduce_auto
 from fourfold.comm.p2p import Communicator
 from fourfold.observe.trace import Tracer
-from fourfold.parallel.context.attention import Algorithm, ContextShard, run_codes, using_shard
 from fourfold.parallel.context.auto import choose
+from fourfold.parallel.context.shard import Algorithm, ContextShard, run_codes, using_shard
 
 __all__ = ["WHOLE", "ContextParallel", "SequenceAxis", "WholeSequence"]
 
