@@ -29,7 +29,8 @@ The steps, in this order, each only along an axis of size > 1 and each a functio
    :class:`~fourfold.parallel.data.DataParallel` or, with ZeRO, :class:`~fourfold.parallel.zero.ShardedDataParallel`
    (behind one interface); under a pipeline a bucket starts when the last micro-batch's backward fills it.
 
-Expert parallelism (``ep`` in the :class:`~fourfold.engine.layout.Layout`) will be a step of its own after 1b. The step, and the end of backward it owns, are :class:`~fourfold.engine.step.Engine`'s.
+Expert parallelism (``ep`` in the :class:`~fourfold.engine.layout.Layout`) will be a step of its own after 1b.
+The step, and the end of backward it owns, are :class:`~fourfold.engine.step.Engine`'s.
 Until the next release the keywords of the older signature (``schedule=``, ``zero=``, ``tp_plan=``, ...) still
 work, each with a DeprecationWarning naming its new home (:data:`MOVED`; docs/architecture.md has the table).
 """
@@ -62,7 +63,7 @@ from fourfold.engine.pieces import TensorPlan, examples_for, model_blocks, units
 from fourfold.engine.step import Engine
 from fourfold.mesh import Mesh, RankMesh
 from fourfold.models import Family, family_of, split_of, tensor_plan
-from fourfold.parallel.batchnorm import batchnorm_for_data_parallel, batchnorm_for_microbatches
+from fourfold.parallel.batchnorm import BATCHNORMS, batchnorm_for_data_parallel, batchnorm_for_microbatches
 from fourfold.parallel.checkpointing import checkpoint_blocks, parse_policy
 from fourfold.parallel.context import WHOLE, ContextParallel, SequenceAxis, capture_shard
 from fourfold.parallel.data import DataParallel
@@ -81,8 +82,8 @@ from fourfold.parallel.tensor import (
 from fourfold.parallel.tensor.dropout import contain, draw_per_rank
 from fourfold.parallel.zero import ShardedDataParallel
 
-__all__ = ["MOVED", "TensorPlan", "apply_ac", "apply_cp", "apply_dp", "apply_pp", "apply_tp", "model_blocks", "parallelize",
-           "resolve"]
+__all__ = ["MOVED", "TensorPlan", "apply_ac", "apply_cp", "apply_dp", "apply_pp", "apply_tp", "model_blocks",
+           "parallelize", "resolve"]
 
 MOVED = {
     **{name: f"Layout({name}=...)" for name in (
@@ -281,7 +282,7 @@ def apply_cp(model: nn.Module, ranks: RankMesh, layout: Layout, family: Family |
             raise ValueError(f"dropout under context parallelism is not built (each rank would draw masks for its "
                              f"own chunk, not one process's), got {what or name} with p={m.p}. Build the model "
                              "with dropout 0, or --cp 1")
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BATCHNORMS):
             raise ValueError(f"a BatchNorm under context parallelism would normalise over this rank's chunk only, "
                              f"got {what or name}. Use --cp 1")
     return ContextParallel(ranks.cp_group, layout.cp_algorithm, layout.cp_balance == "head-tail", ranks.recorder,

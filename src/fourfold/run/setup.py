@@ -109,7 +109,8 @@ def setup(cfg: Config, ctx: DistContext) -> Run:
     if ctx.is_main:
         _resumed_notes(resume, cfg.data.data, source, first, out, continuing)
         write_run_json(out, {
-            "config": cfg.record(), "world_size": ctx.world_size, "mesh": mesh.record(), "corpus": source, "num_parameters": result.num_parameters, "torch": torch.__version__,
+            "config": cfg.record(), "world_size": ctx.world_size, "mesh": mesh.record(), "corpus": source,
+            "num_parameters": result.num_parameters, "torch": torch.__version__,
             "backend": ctx.backend, "parameter_bytes_rank0": engine.counters()["parameter_bytes"],
             "pipeline": result.pipeline,
             "resumed_from": {"dir": resume["dir"], "step": first - 1} if resume is not None else None,
