@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fourfold train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if worker:  # a rank about to exit: a second SIGINT (the launcher's to its workers) must not break the
+            # exit itself (it raised inside the progress bar's __del__ once, a traceback in the message's place)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if main_rank and not worker:
             print(f"fourfold train: interrupted (Ctrl-C); {_interrupted_note(cfg)}", file=sys.stderr, flush=True)
         return 130
