@@ -924,3 +924,38 @@ def test_plan_shows_a_tiny_models_step_in_microseconds_not_zero_ms():
     from fourfold.cli.ranking import _time
 
     assert [_time(s) for s in (47.7e-6, 0.0, 0.0123, 12.0)] == ["47.7 us", "0.0 ms", "12.3 ms", "12.0 s"]
+
+
+def test_context_parallelism_splits_the_compute_and_the_activations_and_waits_for_attention():
+    from fourfold.parallel.context.auto import predict as cp_wire
+    from fourfold.plan.layouts import layouts
+
+    prof = profile()
+    free = Links(TINY, TINY, ranks_per_node=8)
+    one = predict(prof, Candidate(dp=1), free, batch_size=4)
+    cp2 = predict(prof, Candidate(cp=2), free, batch_size=4)
+    assert cp2.compute_s == pytest.approx(one.compute_s / 2, rel=1e-6)  # half of each sample's tokens per rank
+    assert cp2.memory[0].activations == pytest.approx(one.memory[0].activations / 2, rel=0.02)
+    slow = Links(LINK, LINK, ranks_per_node=8)
+    waited = predict(prof, Candidate(cp=2), slow, batch_size=4).compute_s - predict(prof, Candidate(cp=2), free,
+                                                                                   batch_size=4).compute_s
+    q = prof.hidden_bytes * 4 // 2  # 4 samples, half their tokens
+    per_call = cp_wire("ring", 2, LINK, q_bytes=q, kv_bytes=2 * q, grad_kv_bytes=2 * q, heads=2, kv_heads=2)
+    assert per_call is not None and waited >= CONFIG.n_layer * per_call * 0.99  # every block's attention, both ways
+    c = Candidate(dp=2, cp=2, cp_algorithm="ulysses", zero=1)
+    assert c.world_size == 4 and str(c) == "dp2 tp1 pp1 cp2 ulysses zero1"
+    assert c.flags()[-4:] == ["--cp", "2", "--cp-algorithm", "ulysses"]
+    found = layouts(4, CONFIG.n_layer, 8, heads=CONFIG.n_head, tensor_plan=True, per_node=4, cp_sizes=(1, 2))
+    assert {(L.cp, L.cp_algorithm) for L in found} == {(1, "ring"), (2, "ring"), (2, "ulysses")}
+    assert all(L.world_size == 4 for L in found)
+
+
+def test_plan_ranks_cp_layouts_when_asked_and_suggests_a_command_that_runs_them(capsys):
+    from fourfold.cli.plan import main as plan_main
+
+    assert plan_main(["--nproc", "2", "--cp", "2", "--seq-len", "32", "--n-layer", "2", "--d-model", "16",
+                      "--n-head", "2", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert " cp2 ring " in out and " cp2 ulysses " in out, out
+    command = next(line for line in out.splitlines() if "run the first here" in line)
+    assert command.count("--cp ") <= 1, command  # the layout's own, never the plan's --cp beside it

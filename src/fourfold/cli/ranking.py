@@ -247,7 +247,8 @@ def _report(ranked: list[Any], candidates: list[Any], refused: dict[Any, str], p
 
 
 LAYOUT_FLAGS = frozenset({"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--dp", "--tp", "--pp",
-                          "--schedule", "--microbatches", "--virtual", "--zero", "--grad-accum"})
+                          "--schedule", "--microbatches", "--virtual", "--zero", "--grad-accum", "--cp",
+                          "--cp-algorithm"})
 """Train's flags the suggested command sets itself (the layout's, a machine's launch), each taking a value."""
 SWITCHES = frozenset({"--sequence-parallel", "--no-sequence-parallel"})
 """Train's switches the suggested command sets itself (the layout's)."""
@@ -264,6 +265,8 @@ def _user_flags(rest: list[str], layout: Any) -> list[str]:
         kept += ["--zero", "0"]  # a --config file's zero would stand otherwise (flags win over the file)
     if not layout.sequence_parallel and config:
         kept += ["--no-sequence-parallel"]  # the file's, likewise
+    if layout.cp == 1 and config:
+        kept += ["--cp", "1"]  # the file's, likewise
     return kept
 
 

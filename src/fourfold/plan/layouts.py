@@ -26,27 +26,43 @@ def model_heads(model: Any) -> int | None:
 
 
 def layouts(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
-            per_node: int) -> list[Any]:
+            per_node: int, cp_sizes: tuple[int, ...] = (1,)) -> list[Any]:
     """Every layout of ``world`` ranks worth predicting: tp within a machine dividing the heads, pp up to the
     blocks, dp dividing the batch; with pp each schedule at pp, 2pp and 4pp micro-batches (interleaved: 2
-    stages per rank); ZeRO 0-3 where dp > 1."""
-    return layouts_and_why(world, blocks, batch_size, heads=heads, tensor_plan=tensor_plan, per_node=per_node)[0]
+    stages per rank); ZeRO 0-3 where dp x cp > 1; each cp of ``cp_sizes`` (ring, and Ulysses where the heads
+    divide by tp x cp)."""
+    return layouts_and_why(world, blocks, batch_size, heads=heads, tensor_plan=tensor_plan, per_node=per_node,
+                           cp_sizes=cp_sizes)[0]
 
 
 def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | None, tensor_plan: bool,
-                     per_node: int) -> tuple[list[Any], dict[str, str]]:
-    """(:func:`layouts`, {``"dpX tpY ppZ"``: why none of its layouts can run} for the dp x tp x pp splits of
-    ``world`` that make none)."""
+                     per_node: int, cp_sizes: tuple[int, ...] = (1,)) -> tuple[list[Any], dict[str, str]]:
+    """(:func:`layouts`, {``"dpX tpY ppZ"``: why none of its layouts can run} for the dp x tp x pp (x cp) splits
+    of ``world`` that make none)."""
+    out: list[Any] = []
+    why: dict[str, str] = {}
+    for cp in cp_sizes:
+        if world % cp == 0:
+            made, reasons = _splits(world // cp, cp, blocks, batch_size, heads, tensor_plan, per_node)
+            out += made
+            why.update(reasons)
+    return out, why
+
+
+def _splits(world: int, cp: int, blocks: int, batch_size: int, heads: int | None, tensor_plan: bool,
+            per_node: int) -> tuple[list[Any], dict[str, str]]:
+    """The layouts of dp x tp x pp = ``world`` with each sequence over ``cp`` more ranks."""
     from fourfold.parallel.schedule import pipeline_schedule
     from fourfold.plan.predict import Candidate
 
+    algorithms = ["ring"] if cp == 1 else ["ring", "ulysses"]
     out: list[Any] = []
     why: dict[str, str] = {}
     for tp in divisors(world):
         for pp in divisors(world // tp):
             dp = world // tp // pp
-            split = f"dp{dp} tp{tp} pp{pp}"
-            reason = cannot_run(Candidate(dp, tp, pp), batch_size, blocks, tensor_plan, heads, per_node)
+            split = f"dp{dp} tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else "")
+            reason = cannot_run(Candidate(dp, tp, pp, cp=cp), batch_size, blocks, tensor_plan, heads, per_node)
             if reason:
                 why[split] = reason
                 continue
@@ -62,7 +78,9 @@ def layouts_and_why(world: int, blocks: int, batch_size: int, *, heads: int | No
                         pipeline_schedule("pipeline", schedule, pp, m, v)
                     except ValueError:
                         continue
-                made += [Candidate(dp, tp, pp, schedule, m, v, z) for z in ((0, 1, 2, 3) if dp > 1 else (0,))]
+                made += [Candidate(dp, tp, pp, schedule, m, v, z, cp=cp, cp_algorithm=a)
+                         for z in ((0, 1, 2, 3) if dp * cp > 1 else (0,)) for a in algorithms
+                         if a == "ring" or heads is not None and heads % (tp * cp) == 0]
             if not made:
                 why[split] = (f"a dp shard's {batch_size // dp} sequences do not divide into {pp}, {2 * pp} or "
                               f"{4 * pp} micro-batches")

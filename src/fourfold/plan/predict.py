@@ -138,13 +138,16 @@ class Candidate:
     """Without a pipeline: micro-batches run one after another per step (``--grad-accum``)."""
     sequence_parallel: bool = False
     """Under tp: the norms and residuals on T/tp tokens (``--sequence-parallel``)."""
+    cp: int = 1
+    """Context parallelism: each sequence over cp ranks (``--cp``), attention by ``cp_algorithm``."""
+    cp_algorithm: str = "ring"
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def __str__(self) -> str:
-        out = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        out = f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" cp{self.cp} {self.cp_algorithm}" if self.cp > 1 else "")
         if self.pp > 1:
             out += f" {self.schedule} m{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         out += f" zero{self.zero}" if self.zero else ""
@@ -160,6 +163,7 @@ class Candidate:
                 out += ["--virtual", str(self.virtual)]
         out += ["--zero", str(self.zero)] if self.zero else []
         out += ["--sequence-parallel"] if self.sequence_parallel else []
+        out += ["--cp", str(self.cp), "--cp-algorithm", self.cp_algorithm] if self.cp > 1 else []
         return out + (["--grad-accum", str(self.grad_accum)] if self.grad_accum > 1 else [])
 
 
@@ -275,16 +279,33 @@ def _exposed(sync: float, last: float, backward: float, idle_core: bool) -> floa
     return sync if not idle_core else max(last, sync - backward) if sync else 0.0
 
 
+def _cp_attention(profile: ModelProfile, L: Candidate, links: Links, micro: int, itemsize: int) -> float:
+    """Seconds one block's attention waits on the cp group's link per direction (forward or backward): half of
+    :func:`fourfold.parallel.context.auto.predict`'s exposed wire time for a call, its q this rank's share of an
+    activation over tp and cp (key/value heads taken as many as the query heads). 0 without cp."""
+    if L.cp == 1:
+        return 0.0
+    from fourfold.parallel.context.auto import predict as cp_wire
+
+    link = links.node if L.cp * L.tp <= links.ranks_per_node else links.network
+    q = profile.hidden_bytes * micro // L.tp // L.cp
+    heads = max(1, L.cp)  # Ulysses' heads divide (the layouts checked it)
+    wire = cp_wire(L.cp_algorithm, L.cp, link, q_bytes=q, kv_bytes=2 * q, grad_kv_bytes=2 * q * max(1, 4 // itemsize),
+                   heads=heads, kv_heads=heads)
+    return (wire or 0.0) / 2
+
+
 def _dp_links(links: Links, layout: Candidate) -> tuple[CostModel, int | None]:
     """The link model a data-parallel ring runs on, and the group's ranks per node. Within a node: the node's
     link. Across nodes (ranks are tp innermost, then dp): k = per_node / tp consecutive dp ranks share a node, and
     the node's tp groups all sync at once, so each group's ring gets 1/tp of the node's link (the two-level
     model of :mod:`fourfold.comm.network`: the ring's node-crossing hops decide its steps)."""
     per_node = links.ranks_per_node
-    if layout.dp * layout.tp <= per_node:
+    replicas, inner = layout.dp * layout.cp, layout.tp  # dp x cp reduce the gradients; tp innermost
+    if replicas * inner <= per_node:
         return links.node, None
-    k = max(1, per_node // layout.tp)
-    k = k if layout.dp % k == 0 else 1
+    k = max(1, per_node // inner)
+    k = k if replicas % k == 0 else 1
     net = links.network
     node = links.node if k > 1 else net
     return CostModel(node.alpha_s, node.beta_s_per_byte, node.gamma_s_per_byte,
@@ -339,20 +360,26 @@ def predict(profile: ModelProfile, layout: Candidate, links: Links, batch_size: 
     norms = profile.norm_collectives
     costs = profile.costs
 
+    attention = _cp_attention(profile, L, links, micro, itemsize)  # per block and direction, exposed
+
     def unit_time(op: str, u: int) -> tuple[float, float]:
         """(computing, waiting) seconds: the unit's own work and its tensor-parallel collectives' bytes moved and
         added, then the collectives' latency (waits on the link and the group's slowest rank: no core used, so
-        cores shared do not slow it). Norms over split features all-reduce a statistic forward and backward."""
+        cores shared do not slow it). Norms over split features all-reduce a statistic forward and backward.
+        Under cp a rank computes 1/cp of each sample's tokens (the head-tail cut balances attention too), and a
+        block waits for its attention's exposed wire time."""
         collectives, stats = calls[op][u], norms[u]
-        return (costs.time(op, u, micro, L.tp) + collectives * (one - latency)
-                + stats * (statistic - statistic_latency), collectives * latency + stats * statistic_latency)
+        block = 0 < u < n - 1
+        return (costs.time(op, u, micro, L.tp) / L.cp + collectives * (one - latency)
+                + stats * (statistic - statistic_latency),
+                collectives * latency + stats * statistic_latency + (attention if block else 0.0))
 
     def total(op: str, us: Iterable[int]) -> tuple[float, float]:
         parts = [unit_time(op, u) for u in us]
         return sum(c for c, _ in parts), sum(w for _, w in parts)
 
     tp_comm = micro_count * (one * (sum(calls["F"]) + sum(calls["B"])) + statistic * 2 * sum(norms))
-    timeline, copies = None, L.dp * L.tp  # processes doing what each pipeline rank does, at the same time
+    timeline, copies = None, L.dp * L.tp * L.cp  # processes doing what each pipeline rank does, at the same time
     if L.pp == 1:
         share = links.speed(copies)
         (fc, fw), (bc, bw) = total("F", range(n)), total("B", range(n))
@@ -376,9 +403,9 @@ def predict(profile: ModelProfile, layout: Candidate, links: Links, batch_size: 
                 computing, waiting = (computing * b_share, waiting) if a.op == "B" else (computing * w_share, 0.0)
             return computing + links.action_s + (links.send_s if sched.sends(a) else 0.0), waiting
 
-        link = links.node if L.dp * L.tp * L.pp <= per_node else links.network
+        link = links.node if L.world_size <= per_node else links.network
         alpha = links.p2p_alpha_s if link is links.node and links.p2p_alpha_s is not None else link.alpha_s
-        message_bytes = profile.hidden_bytes * micro // (L.tp if sequence_parallel else 1)
+        message_bytes = profile.hidden_bytes * micro // (L.tp if sequence_parallel else 1) // L.cp
         message = alpha + link.beta_s_per_byte * message_bytes + links.wake(L.world_size)
         timeline = simulate(sched, comm=message, cost=action_time, speed=lambda k: links.speed(k * copies))
         span, busy, bubble = timeline.makespan, list(timeline.busy), timeline.bubble
@@ -394,9 +421,11 @@ def predict(profile: ModelProfile, layout: Candidate, links: Links, batch_size: 
     # with a core per rank, is in the link's fitted beta). Between machines the wire decides.
     share = links.crowding(L.world_size) if dp_node is None else 1.0
 
+    replicas = L.dp * L.cp  # the weights' copies, whose gradients the sync reduces
+
     def ring(size: int) -> float:
-        whole = _ring(dp_link, size, itemsize, L.dp, dp_node)
-        wait = min(whole, cost("ring", max(1, size // itemsize), itemsize, L.dp).steps * dp_link.alpha_s)
+        whole = _ring(dp_link, size, itemsize, replicas, dp_node)
+        wait = min(whole, cost("ring", max(1, size // itemsize), itemsize, replicas).steps * dp_link.alpha_s)
         return wait + (whole - wait) / share
 
     # In halves of an all-reduce's bytes: ZeRO's reduce-scatter and all-gather are one each, ZeRO-3 gathers twice
@@ -417,14 +446,14 @@ def predict(profile: ModelProfile, layout: Candidate, links: Links, batch_size: 
         last_each = last / 2 if L.zero == 2 else last
         exposed = ((syncs - 1) * _exposed(each, last_each, last_backward[r], idle_core)
                    + _exposed(each + own, last, last_backward[r], idle_core))
-        optimizer = elems / (L.dp if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
+        optimizer = elems / (replicas if L.zero else 1) * costs.optimizer_s_per_element / links.speed(L.world_size)
         dp_times.append((sync, exposed))
         tails.append((ends[r], exposed, optimizer))
     worst = max(range(len(held)), key=lambda r: sum(tails[r]))  # a stage's dp group syncs when its backward ends
     memory = estimate_memory(model, profile.blocks, dp=L.dp, tp=L.tp, pp=L.pp, batch_size=batch_size,
                              microbatches=micro_count, schedule=L.schedule, virtual=L.virtual, zero=L.zero,
                              checkpoint_every=checkpoint_every, sequence_parallel=sequence_parallel,
-                             shards=profile.shards, probe=profile.probe)
+                             shards=profile.shards, probe=profile.probe, cp=L.cp)
     return Prediction(L, sum(tails[worst]), max(busy), bubble, tp_comm, dp_times[worst][0], dp_times[worst][1],
                       tails[worst][2], memory, timeline, tuple(tails), forward)
 

@@ -47,7 +47,8 @@ def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
         for layout in candidates:
             try:  # the config's own checks, ZeRO's among them
                 parallel = replace(cfg.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, schedule=layout.schedule,
-                                   microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero)
+                                   microbatches=layout.microbatches, virtual=layout.virtual, zero=layout.zero,
+                                   cp=layout.cp, cp_algorithm=layout.cp_algorithm)
             except ValueError as e:
                 refused[layout] = str(e)
                 continue
@@ -68,12 +69,15 @@ def train_refusals(cfg: Any, candidates: list[Any]) -> dict[Any, str]:
 def runnable(cfg: Any, world: int, blocks: int, *, heads: int | None, tensor_plan: bool,
               per_node: int) -> tuple[list[Any], dict[str, str], dict[Any, str]]:
     """(the layouts of ``world`` ranks this model and batch can run, fourfold train's checks passed; {"dpX tpY
-    ppZ": why it makes none}; {layout: train's refusal} for the layouts left out by those checks)."""
+    ppZ": why it makes none}; {layout: train's refusal} for the layouts left out by those checks). Context
+    parallelism is considered at the sizes dividing ``--cp`` (``fourfold plan --cp 4``: 1, 2 and 4)."""
+    cp = cfg.parallel.cp
     candidates, why = layouts_and_why(world, blocks, cfg.train.batch_size, heads=heads, tensor_plan=tensor_plan,
-                                       per_node=per_node)
+                                       per_node=per_node, cp_sizes=tuple(d for d in range(1, cp + 1) if cp % d == 0))
     refused = train_refusals(cfg, candidates)
     for layout, message in refused.items():
-        split = f"dp{layout.dp} tp{layout.tp} pp{layout.pp}"
-        if all(c in refused for c in candidates if (c.dp, c.tp, c.pp) == (layout.dp, layout.tp, layout.pp)):
+        split = f"dp{layout.dp} tp{layout.tp} pp{layout.pp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+        if all(c in refused for c in candidates
+               if (c.dp, c.tp, c.pp, c.cp) == (layout.dp, layout.tp, layout.pp, layout.cp)):
             why.setdefault(split, f"refused by fourfold train ({message.rstrip('.')})")
     return [c for c in candidates if c not in refused], why, refused
