@@ -28,7 +28,7 @@ from fourfold.models import GPTConfig, TinyGPT
 from fourfold.observe.trace import Tracer
 from fourfold.parallel.context import ALGORITHMS, ContextShard, attend, causal_work, pieces, positions, theory
 from fourfold.testing import run_ranks
-from helpers import TOL64, batches, max_error, optimizer, reference_run, shard
+from helpers import TOL64, batches, max_error, optimizer, reference_eval, reference_run, shard
 
 TOL = 1e-12
 HEADS = {2: [(4, 2), (4, 4)], 3: [(6, 3), (6, 2)], 4: [(8, 4)]}  # (query heads, key/value heads) per cp
@@ -147,7 +147,10 @@ def _train(ctx, layouts: dict[str, dict]) -> dict[str, dict]:
             opt.zero_grad(set_to_none=True)
             sent = bytes_by_axis(tracer.spans[first:])["cp"]
         waits = sum(s.name == "cp.wait" and s.kind == "wait" for s in tracer.spans)
-        out[label] = {"losses": losses, "state": engine.state_dict(), "cp_bytes": sent, "waits": waits}
+        x, y = batches(CFG, steps=1, seed=99)[0]  # a held-out batch: forward only, cut as a step cuts it
+        held = engine.evaluate(shard(x, ranks.coord.dp, ranks.mesh.dp), shard(y, ranks.coord.dp, ranks.mesh.dp))
+        out[label] = {"losses": losses, "state": engine.state_dict(), "cp_bytes": sent, "waits": waits,
+                      "evaluated": held.item()}
     return out
 
 
@@ -169,6 +172,8 @@ def test_tinygpt_under_cp_equals_one_process(n, label):
         assert run["losses"] == pytest.approx(want_losses, abs=TOL64), (label, rank)
         name, err = max_error(run["state"], want_state)
         assert err <= TOL64, f"{label} rank {rank}: {name} off by {err:.3g}"
+        assert run["evaluated"] == pytest.approx(reference_eval(CFG, want_state, batches(CFG, steps=1, seed=99)[0]),
+                                                 abs=TOL64), (label, rank)
         assert run["cp_bytes"] > 0, (label, rank)  # the attention's messages, counted on the cp axis
         ring = (Layout(**(TWO | FOUR)[label]).cp_algorithm == "ring")
         if label != "auto":
