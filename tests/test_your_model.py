@@ -368,6 +368,27 @@ def test_a_misspelt_config_key_is_refused_naming_the_key_it_meant(tmp_path):
     assert hf_config("llama", path).num_attention_heads == 4
 
 
+def test_a_config_without_model_type_holding_a_look_alikes_keys_is_refused(tmp_path):
+    """Experts in a dense Qwen3, Phi-1 keys as Phi-3: the family's class would ignore them and build another model
+    (a dense one) without a word. Named by the keys when the file names no model_type."""
+    import json
+
+    from fourfold.models.hf import hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "num_experts": 4, "num_experts_per_tok": 2}))
+    with pytest.raises(ValueError, match=r"holds 'num_experts', 'num_experts_per_tok' in .*, keys of qwen3_moe .* "
+                                         r"built without them \(a dense qwen3\)"):
+        hf_config("qwen3", path)
+    path.write_text(json.dumps({**LLAMA, "qk_layernorm": True}))
+    with pytest.raises(ValueError, match=r"'qk_layernorm' .*keys of phi "):
+        hf_config("phi3", path)
+    path.write_text(json.dumps({**LLAMA, "num_local_experts": 8}))
+    with pytest.raises(ValueError, match=r"keys of mixtral"):
+        hf_config("mistral", path)
+    assert hf_config("qwen3", overrides={**LLAMA}).num_attention_heads == 4  # its own keys: built
+
+
 def test_a_config_of_another_architecture_is_refused_naming_the_family_to_pass(tmp_path):
     """A config.json says which architecture it is (model_type); transformers would take a Mixtral's keys as a
     Mistral's and build a dense model silently."""

@@ -73,7 +73,7 @@ from fourfold.models.hf_split import (
 if TYPE_CHECKING:
     from fourfold.models.seeded import SeededInit
 
-__all__ = ["read_model_config", "ALSO_CALLED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
+__all__ = ["read_model_config", "ALSO_CALLED", "RELATED", "EAGER_ONLY", "EVERY_LAYER_WINDOWS", "FAMILIES", "FLOAT32_NORMS", "GPT2_PLAN",
            "PER_LAYER_WINDOWS", "READS_MASKS", "Sizes", "as_read", "attention_implementation", "block_sites", "build_hf",
            "causal_lm_class", "check_attention", "check_supported", "check_tp", "examples", "family_split",
            "fused_plan", "gpt2_split", "hf_config", "hf_family", "llama_split", "meta_kwargs", "named_like", "plan",
@@ -275,6 +275,32 @@ def config_keys(cls: type) -> frozenset[str]:
     return frozenset(params | set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))) - {"self"}
 
 
+RELATED = {"qwen3": ("qwen3_moe", "Qwen3MoeConfig"), "qwen2": ("qwen2_moe", "Qwen2MoeConfig"),
+           "mistral": ("mixtral", "MixtralConfig"), "phi3": ("phi", "PhiConfig"), "olmo2": ("olmoe", "OlmoeConfig")}
+"""Each family's look-alike, whose keys in a config without ``model_type`` mean the file is the other model's:
+a dense Qwen3 built from Qwen3-MoE's keys would drop its experts silently (its class ignores them)."""
+
+
+def _check_family(family: str, cls: type, values: dict[str, Any], path: str | os.PathLike[str] | None) -> None:
+    """Refuse a config without ``model_type`` that holds keys only the family's look-alike reads (:data:`RELATED`),
+    naming the keys and the model they belong to."""
+    import transformers
+
+    if family not in RELATED:
+        return
+    other_type, other_name = RELATED[family]
+    other = getattr(transformers, other_name, None)
+    if other is None:
+        return
+    theirs = sorted(k for k in values if k in config_keys(other) - config_keys(cls))
+    if theirs:
+        where = f" in {str(path)!r}" if path is not None else ""
+        raise ValueError(f"model_config holds {', '.join(map(repr, theirs))}{where}, keys of {other_type} (a "
+                         f"{other_name[:-6]}), which a {family} model ignores: it would be built without them "
+                         f"(a dense {family}), not the model the file describes. fourfold has no plan for "
+                         f"{other_type} yet (issue 49); pass a {family} config, or drop those keys knowingly.")
+
+
 def _check_keys(cls: type, values: dict[str, Any], path: str | os.PathLike[str] | None) -> None:
     """A key the config class does not read is kept as an attribute and ignored: refused where it is a misspelling
     of one it reads (``n_layr``: a 12-layer default GPT-2, silently). Other unknown keys pass: Hugging Face's own
@@ -316,6 +342,7 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
     if family not in FAMILIES:
         raise ValueError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}.")
     values = {**read_model_config(config_path), **(overrides or {})}
+    unnamed = "model_type" not in values
     named = values.pop("model_type", family)  # a config.json says which architecture it is: it must be this one
     if named != family:
         near = named_like(str(named), FAMILIES) if named not in FAMILIES else named
@@ -323,6 +350,8 @@ def hf_config(family: str, config_path: str | os.PathLike[str] | None = None,
         raise ValueError(f"model_config must be a {family} config (its model_type), got model_type={named!r} in "
                          f"{str(config_path)!r}. {fix}, or a config of the model you name.")
     cls = getattr(transformers, _CLASSES[family][1])
+    if unnamed:  # no model_type: the keys say whose config it is
+        _check_family(family, cls, values, config_path)
     _check_keys(cls, values, config_path)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # GPT-2's default ids past a small vocabulary: fixed below
