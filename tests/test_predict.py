@@ -916,7 +916,8 @@ def test_the_suggested_command_sets_sequence_parallelism_by_its_layout_not_by_th
 
     assert _user_flags(["--sequence-parallel", "--model", "gpt2"], Candidate(dp=2)) == ["--model", "gpt2"]
     assert _user_flags(["--config", "run.toml"], Candidate(dp=2, zero=1)) == ["--config", "run.toml",
-                                                                           "--no-sequence-parallel"]
+                                                                           "--no-sequence-parallel", "--cp", "1"]
+    assert _user_flags(["--cp", "2", "--model", "gpt2"], Candidate(dp=2)) == ["--model", "gpt2"]  # the plan's --cp
     assert Candidate(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"
 
 
