@@ -59,6 +59,7 @@ class ContextShard:
     codes: torch.Tensor | None = None  # packed documents: (B, T) run codes of the whole rows (run_codes)
     pick: Callable[[torch.Tensor, torch.Tensor], Algorithm] | None = None  # "auto": the call's algorithm
     everyone: list[torch.Tensor] = field(init=False)  # each rank's positions
+    _tiles: dict[int, list[Tile]] = field(init=False, default_factory=dict)  # per block, without documents
 
     def __post_init__(self) -> None:
         check_length(self.T, self.size, self.balanced)
@@ -92,6 +93,11 @@ class ContextShard:
         if local is not None and self.codes is not None:
             n_q, n_k = self.mine.numel(), self.everyone[j].numel()
             return [Tile(0, n_q, 0, n_k, self.seen(j, local))]
+        if j not in self._tiles:  # the same for every layer, forward and backward: made once per step
+            self._tiles[j] = self._causal_tiles(j)
+        return self._tiles[j]
+
+    def _causal_tiles(self, j: int) -> list[Tile]:
         out = []
         for qa, qb, q0 in _runs(self.pieces_of(self.rank)):
             for ka, kb, k0 in _runs(self.pieces_of(j)):
@@ -176,16 +182,17 @@ def run_codes(documents: torch.Tensor) -> torch.Tensor:
     return torch.where(documents >= 0, code, -code - 1)
 
 
-def _decode(codes: torch.Tensor, T: int) -> torch.Tensor:
+def _decode(codes: torch.Tensor) -> torch.Tensor:
+    """A run code's ``row * T + start``, whether the run is a document's or padding."""
     return torch.where(codes >= 0, codes, -codes - 1)
 
 
 def rows_of(local: torch.Tensor | None, T: int) -> torch.Tensor:
     """The rows of the whole batch a micro-batch's codes (rows, T/cp) come from."""
     assert local is not None
-    return _decode(local[:, 0], T) // T
+    return _decode(local[:, 0]) // T
 
 
 def _starts(local: torch.Tensor, T: int) -> torch.Tensor:
     """Each position's run start (its document's first position in the row)."""
-    return _decode(local, T) % T
+    return _decode(local) % T

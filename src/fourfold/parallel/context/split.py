@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any, Literal, Protocol
 
 import torch
@@ -67,10 +66,10 @@ class ContextParallel:
 
     def pick(self, q: torch.Tensor, k: torch.Tensor) -> Algorithm:
         """``auto``'s algorithm for an attention call of these shapes (chosen once per shape; logged)."""
-        key = (*q.shape, *k.shape, q.element_size())
+        item = q.element_size()
+        key = (*q.shape, *k.shape, item)
         if key not in self.picks:
             assert self._model is not None
-            item = q.element_size()
             name, reason = choose(self.size, self._model, q_bytes=q.numel() * item, kv_bytes=2 * k.numel() * item,
                                   grad_kv_bytes=2 * k.numel() * max(item, 4), heads=q.size(1), kv_heads=k.size(1))
             self.picks[key] = (name, reason)  # type: ignore[assignment]
@@ -80,7 +79,7 @@ class ContextParallel:
     def cut(self, inputs: Any, targets: torch.Tensor, documents: torch.Tensor | None
             ) -> tuple[Any, torch.Tensor, torch.Tensor | None, ContextShard | None]:
         """This rank's positions of the rows' sequences (inputs, targets already shifted on the whole sequence);
-        packed documents become their runs' codes (:func:`~fourfold.parallel.context.attention.run_codes`), which
+        packed documents become their runs' codes (:func:`~fourfold.parallel.context.shard.run_codes`), which
         the runner makes current for each micro-batch as it does documents."""
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
             raise ValueError(f"context parallelism cuts (B, T) token ids along T, got "
@@ -92,7 +91,5 @@ class ContextParallel:
         return (inputs[:, mine], targets[:, mine.to(targets.device)],
                 codes[:, mine.to(codes.device)] if codes is not None else None, shard)
 
-    @contextlib.contextmanager
-    def running(self, shard: ContextShard | None) -> Iterator[None]:
-        with using_shard(shard):
-            yield
+    def running(self, shard: ContextShard | None) -> contextlib.AbstractContextManager[None]:
+        return using_shard(shard)
