@@ -265,6 +265,15 @@ class DocumentLayout:
         return [(int(n), starts[lengths == n]) for n in torch.unique(lengths).tolist()]
 
     @functools.cached_property
+    def run_gathers(self) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
+        """What attention run by run indexes, made once per batch (every layer, forward and recompute, reads it):
+        per run length n the flat positions of its runs in order, (runs * n,), and the permutation that puts
+        outputs gathered in that order back in place."""
+        d = self.documents
+        gathers = [(n, (starts[:, None] + torch.arange(n, device=d.device)).reshape(-1)) for n, starts in self.runs]
+        return gathers, torch.argsort(torch.cat([idx for _, idx in gathers]))
+
+    @functools.cached_property
     def score_elements(self) -> int:
         """The (query, key) pairs causal attention computes run by run: sum of l (l + 1) / 2 (the dense mask's
         computes B T^2 whatever the documents)."""

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fourfold.data.packing import current_layout
+from fourfold.data.packing import DocumentLayout, current_layout
 from fourfold.parallel.context import attend, current_shard
 
 __all__ = ["RUNS_FROM", "causal_attention", "document_attention", "packed_attention", "position_ids"]
@@ -47,25 +47,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     if mode == "dense" or (mode == "auto" and q.size(2) < RUNS_FROM):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p,
                                               enable_gqa=q.size(1) != k.size(1))
-    return document_attention(q, k, v, layout.runs, dropout_p)
+    return document_attention(q, k, v, layout, dropout_p)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, torch.Tensor]],
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout,
                        dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention inside each run (:attr:`~fourfold.data.packing.DocumentLayout.runs`): the runs of one
     length gathered into a batch of their own, one SDPA call with its causal flag per length, the outputs put
-    back in place. (B, H, T, D) q, k, v -> (B, H, T, D); no tensor of two row lengths is made."""
+    back in place (:attr:`~fourfold.data.packing.DocumentLayout.run_gathers`). (B, H, T, D) q, k, v -> (B, H, T,
+    D); no tensor of two row lengths is made."""
     B, H, T, D = q.shape
+    gathers, back = layout.run_gathers
     flat = [t.transpose(1, 2).reshape(B * T, t.size(1), D) for t in (q, k, v)]  # (B T, heads, D)
-    outs, order = [], []
-    for n, starts in runs:
-        idx = (starts.to(q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)  # (runs n,)
+    outs = []
+    for n, idx in gathers:
         qs, ks, vs = (t.index_select(0, idx).view(-1, n, t.size(1), D).transpose(1, 2) for t in flat)
         y = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout_p, is_causal=True,
                                            enable_gqa=qs.size(1) != ks.size(1))  # (runs, H, n, D)
         outs.append(y.transpose(1, 2).reshape(-1, H, D))
-        order.append(idx)
-    back = torch.argsort(torch.cat(order))  # where each position's output sits in the runs' order
     return torch.cat(outs).index_select(0, back).view(B, T, H, D).transpose(1, 2)
 
 
