@@ -53,7 +53,7 @@ def _worker(T: int, balanced: bool) -> int:
             other_mine = other.everyone[r]
             work[cut] = [int((other.everyone[j][None, :] <= other_mine[:, None]).sum()) for j in range(n)]
         th = theory("ring", n, q_bytes=ql.numel() * 8, kv_bytes=2 * kl.numel() * 8)
-        mine_out = {"rank": r, "positions": mine.tolist(), "error": error, "sent": comm.stats.sent_bytes,
+        mine_out = {"rank": r, "error": error, "sent": comm.stats.sent_bytes,
                     "theory": th["forward"] + th["backward"], "work": work,
                     "messages": [(m.phase, m.step, m.src, m.dst, m.label) for m in comm.messages]}
         gathered: list[Any] = [None] * n if r == 0 else []
@@ -74,11 +74,14 @@ def _held(n: int, everyone: list[dict[str, Any]]) -> list[list[int]]:
 
 
 def _report(n: int, T: int, balanced: bool, everyone: list[dict[str, Any]]) -> None:
+    from fourfold.parallel.context import pieces
+
     held = _held(n, everyone)
     cut = "head-tail" if balanced else "contiguous"
     lines = [f"ring attention, cp={n}, T={T}, {cut} cut (one sequence, one head, float64)", ""]
     for got in everyone:
-        lines.append(f"  rank {got['rank']} holds positions {_runs(got['positions'])}")
+        runs = pieces(T, n, got["rank"], balanced)
+        lines.append(f"  rank {got['rank']} holds positions {', '.join(f'{a}-{b - 1}' for a, b in runs)}")
     lines += ["", "  step " + "".join(f"{'rank ' + str(r):>18}" for r in range(n))]
     for s in range(n):
         cells = []
@@ -102,16 +105,6 @@ def _report(n: int, T: int, balanced: bool, everyone: list[dict[str, Any]]) -> N
         print(f"  picture: {path}", flush=True)
     except ImportError:
         print("  picture skipped: matplotlib is not installed (pip install 'fourfold[viz]')", flush=True)
-
-
-def _runs(positions: list[int]) -> str:
-    """[0, 1, 14, 15] -> "0-1, 14-15"."""
-    out, start = [], positions[0]
-    for i, a in enumerate(positions):
-        if i + 1 == len(positions) or positions[i + 1] != a + 1:
-            out.append(f"{start}-{a}")
-            start = positions[i + 1] if i + 1 < len(positions) else a
-    return ", ".join(out)
 
 
 def _draw(n: int, T: int, balanced: bool, everyone: list[dict[str, Any]], held: list[list[int]], path: Path) -> None:

@@ -289,9 +289,8 @@ def _cp_attention(profile: ModelProfile, L: Candidate, links: Links, micro: int,
 
     link = links.node if L.cp * L.tp <= links.ranks_per_node else links.network
     q = profile.hidden_bytes * micro // L.tp // L.cp
-    heads = max(1, L.cp)  # Ulysses' heads divide (the layouts checked it)
     wire = cp_wire(L.cp_algorithm, L.cp, link, q_bytes=q, kv_bytes=2 * q, grad_kv_bytes=2 * q * max(1, 4 // itemsize),
-                   heads=heads, kv_heads=heads)
+                   heads=L.cp, kv_heads=L.cp)  # heads stand in: the layouts let Ulysses only where they divide
     return (wire or 0.0) / 2
 
 
